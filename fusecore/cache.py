@@ -1,0 +1,259 @@
+"""A byte-budgeted, scan-resistant block cache shared by every file of a mount.
+
+Policy (a small W-TinyLFU): new blocks enter a small LRU *window*; blocks leaving the window
+compete for a place in the *main* LRU segment, and win only if they were used more often than
+the block they would evict (ties keep the incumbent). Reading a dataset slightly larger than the
+cache in the same order every epoch therefore keeps a stable subset cached (hit ratio close to
+cache/dataset) instead of collapsing to zero as plain LRU does.
+
+Prefetched blocks that nobody has read yet are *staged*: outside the policy (a prefetch must not
+be evicted by the policy before its reader arrives), counted in the budget, and dropped oldest
+first if staging grows past its cap. Bytes of GETs still in flight are *reserved* in the budget,
+so the cache plus in-flight data never exceed the configured size.
+
+Pure logic, single-threaded: the caller (the trio thread) serialises access.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Hashable
+
+from .blocks import BlockKey
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass
+class _Entry:
+    data: Buffer
+    size: int
+    visit: Hashable | None = None
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    budget: int
+    bytes: int
+    entries: int
+    reserved: int
+    staged: int
+    hits: int
+    misses: int
+    evictions: int
+    rejections: int
+    prefetch_dropped: int
+
+    @property
+    def hit_ratio(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class FrequencySketch:
+    """Small-count frequency estimate per key, halved periodically so old popularity fades."""
+
+    MAX_COUNT = 15
+
+    def __init__(self, min_sample: int = 10_000):
+        self._counts: dict[Hashable, int] = {}
+        self._additions = 0
+        self._min_sample = min_sample
+
+    def increment(self, key: Hashable, resident_entries: int) -> None:
+        count = self._counts.get(key, 0)
+        if count < self.MAX_COUNT:
+            self._counts[key] = count + 1
+        self._additions += 1
+        if self._additions >= max(self._min_sample, 10 * resident_entries):
+            self._age()
+
+    def frequency(self, key: Hashable) -> int:
+        return self._counts.get(key, 0)
+
+    def _age(self) -> None:
+        self._counts = {k: c // 2 for k, c in self._counts.items() if c > 1}
+        self._additions //= 2
+
+    def forget(self, keys: set[Hashable]) -> None:
+        for key in keys:
+            self._counts.pop(key, None)
+
+
+class BlockCache:
+    """See the module docstring. `budget` bounds window + main + staged + reserved bytes."""
+
+    def __init__(self, budget: int, *, window_fraction: float = 0.1, staged_fraction: float = 0.5,
+                 min_sample: int = 10_000):
+        if budget <= 0:
+            raise ValueError("budget must be positive")
+        self.budget = budget
+        self._window_cap = max(1, int(budget * window_fraction))
+        self._staged_cap = max(1, int(budget * staged_fraction))
+        self._window: OrderedDict[BlockKey, _Entry] = OrderedDict()
+        self._main: OrderedDict[BlockKey, _Entry] = OrderedDict()
+        self._staged: OrderedDict[BlockKey, _Entry] = OrderedDict()
+        self._window_bytes = self._main_bytes = self._staged_bytes = 0
+        self._reserved = 0
+        self._by_object: dict[str, set[BlockKey]] = {}
+        self._freq = FrequencySketch(min_sample)
+        self.hits = self.misses = self.evictions = self.rejections = self.prefetch_dropped = 0
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def used(self) -> int:
+        return self._window_bytes + self._main_bytes + self._staged_bytes + self._reserved
+
+    @property
+    def resident_bytes(self) -> int:
+        return self._window_bytes + self._main_bytes + self._staged_bytes
+
+    def __len__(self) -> int:
+        return len(self._window) + len(self._main) + len(self._staged)
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self._window or key in self._main or key in self._staged
+
+    def stats(self) -> CacheStats:
+        return CacheStats(self.budget, self.resident_bytes, len(self), self._reserved, self._staged_bytes,
+                          self.hits, self.misses, self.evictions, self.rejections, self.prefetch_dropped)
+
+    # ---- reads ---------------------------------------------------------------------------
+    def get(self, key: BlockKey, visit: Hashable | None = None) -> Buffer | None:
+        """Return the cached block or None; `visit` (e.g. a file handle) counts once per pass."""
+        entry = self._window.get(key)
+        if entry is not None:
+            self._window.move_to_end(key)
+        else:
+            entry = self._main.get(key)
+            if entry is not None:
+                self._main.move_to_end(key)
+            else:
+                entry = self._staged.pop(key, None)
+                if entry is None:
+                    self.misses += 1
+                    return None
+                self._staged_bytes -= entry.size
+                self._window[key] = entry
+                self._window_bytes += entry.size
+                self.hits += 1
+                self._count_visit(key, entry, visit)
+                self._enforce()
+                return entry.data
+        self.hits += 1
+        self._count_visit(key, entry, visit)
+        return entry.data
+
+    def _count_visit(self, key: BlockKey, entry: _Entry, visit: Hashable | None) -> None:
+        if visit is None or entry.visit != visit:
+            entry.visit = visit
+            self._freq.increment(key, len(self))
+
+    # ---- writes --------------------------------------------------------------------------
+    def put(self, key: BlockKey, data: Buffer, *, prefetched: bool = False,
+            visit: Hashable | None = None) -> None:
+        """Insert a fetched block (demand read, or `prefetched` and not read yet)."""
+        if key in self:
+            return
+        entry = _Entry(data, len(data), visit)
+        if entry.size > self.budget:
+            self.rejections += 1
+            return
+        self._by_object.setdefault(key.key, set()).add(key)
+        if prefetched:
+            self._staged[key] = entry
+            self._staged_bytes += entry.size
+        else:
+            self._freq.increment(key, len(self))
+            self._window[key] = entry
+            self._window_bytes += entry.size
+        self._enforce()
+
+    def reserve(self, nbytes: int) -> None:
+        """Account for a GET about to bring `nbytes`; evicts so the budget holds."""
+        self._reserved += nbytes
+        self._enforce()
+
+    def release(self, nbytes: int) -> None:
+        self._reserved = max(0, self._reserved - nbytes)
+
+    def invalidate(self, object_key: str) -> int:
+        """Drop every cached block of an object (any version); returns how many."""
+        keys = self._by_object.pop(object_key, set())
+        for key in keys:
+            for segment in (self._window, self._main, self._staged):
+                entry = segment.pop(key, None)
+                if entry is not None:
+                    self._account(segment, -entry.size)
+        self._freq.forget(keys)
+        return len(keys)
+
+    def clear(self) -> None:
+        for segment in (self._window, self._main, self._staged):
+            segment.clear()
+        self._window_bytes = self._main_bytes = self._staged_bytes = 0
+        self._by_object.clear()
+
+    # ---- policy --------------------------------------------------------------------------
+    def _account(self, segment: OrderedDict, delta: int) -> None:
+        if segment is self._window:
+            self._window_bytes += delta
+        elif segment is self._main:
+            self._main_bytes += delta
+        else:
+            self._staged_bytes += delta
+
+    def _forget(self, key: BlockKey) -> None:
+        keys = self._by_object.get(key.key)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._by_object[key.key]
+
+    def _drop(self, segment: OrderedDict, *, oldest: bool = True) -> None:
+        key, entry = segment.popitem(last=not oldest)
+        self._account(segment, -entry.size)
+        self._forget(key)
+        if segment is self._staged:
+            self.prefetch_dropped += 1
+        else:
+            self.evictions += 1
+
+    def _enforce(self) -> None:
+        while self._staged_bytes > self._staged_cap:
+            self._drop(self._staged)
+        while self._window_bytes > self._window_cap and len(self._window) > 1:
+            key, entry = self._window.popitem(last=False)
+            self._window_bytes -= entry.size
+            self._admit(key, entry)
+        while self.used > self.budget:
+            if len(self._window) > 1:
+                self._drop(self._window)
+            elif self._main:
+                self._drop(self._main)
+            elif self._staged:
+                self._drop(self._staged)
+            elif self._window:
+                self._drop(self._window)
+            else:
+                break  # only reservations left; the fetcher bounds those below the budget
+
+    def _admit(self, key: BlockKey, entry: _Entry) -> None:
+        """A block leaves the window: keep it in main only if it is worth more than main's LRU."""
+        room = self.budget - self.used
+        if entry.size > room:
+            candidate_freq = self._freq.frequency(key)
+            while self._main and entry.size > room:
+                victim = next(iter(self._main))
+                if candidate_freq <= self._freq.frequency(victim):
+                    break
+                self._drop(self._main)
+                room = self.budget - self.used
+            if entry.size > room:
+                self._forget(key)
+                self.rejections += 1
+                self.evictions += 1
+                return
+        self._main[key] = entry
+        self._main_bytes += entry.size

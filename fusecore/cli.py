@@ -1,0 +1,269 @@
+"""`stoker mount|unmount|stats|warm|drop`: parse once at the edge into MountConfig, then act."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from . import control
+from .config import ConfigError, MountConfig, StoreConfig, parse_s3_url, parse_size, parse_ttl
+
+DEFAULT_READY_TIMEOUT = 120.0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    m = sub.add_parser("mount", help="mount s3://BUCKET[/PREFIX] read-only at MOUNTPOINT")
+    m.add_argument("source", help="s3://BUCKET[/PREFIX]")
+    m.add_argument("mountpoint")
+    m.add_argument("--endpoint-url", help="S3-compatible endpoint (MinIO, Ceph RGW, IBM COS, ...)")
+    m.add_argument("--region")
+    m.add_argument("--profile", help="profile from the shared AWS config/credentials files")
+    m.add_argument("--cache-size", default="4GiB", help="memory budget of the block cache (default 4GiB)")
+    m.add_argument("--block-size", default="4MiB", help="unit of fetch and cache (default 4MiB)")
+    m.add_argument("--max-concurrency", type=int, default=32, help="concurrent GETs (default 32)")
+    m.add_argument("--max-prefetch", default="256MiB", help="read-ahead per sequential reader (default 256MiB)")
+    m.add_argument("--metadata-ttl", default="60", help="seconds to trust listings, or 'forever' (default 60)")
+    m.add_argument("--request-timeout", type=float, default=10.0, help="seconds per socket read (default 10)")
+    m.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect (default 5)")
+    m.add_argument("--max-attempts", type=int, default=5, help="attempts per request, botocore retries (default 5)")
+    m.add_argument("--read-deadline", type=float, default=60.0,
+                   help="a read waiting longer than this fails with EIO (default 60)")
+    m.add_argument("--no-kernel-cache", action="store_true", help="do not keep the kernel page cache across opens")
+    m.add_argument("--read-ahead-kb", type=int, default=4096, help="kernel readahead of the mount (root only)")
+    m.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    m.add_argument("--metrics-addr", default="127.0.0.1", help="address for --metrics-port (default 127.0.0.1)")
+    m.add_argument("--control-socket", help="unix socket of the control API (default: derived from MOUNTPOINT)")
+    m.add_argument("--allow-other", action="store_true", help="let other users read the mount")
+    m.add_argument("--foreground", action="store_true", help="stay attached; unmount on SIGINT/SIGTERM")
+    m.add_argument("--log-file", help="log file of a background mount")
+    m.add_argument("--log-level", default="INFO")
+    m.add_argument("--ready-timeout", type=float, default=DEFAULT_READY_TIMEOUT, help=argparse.SUPPRESS)
+    m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    m.set_defaults(func=cmd_mount)
+
+    u = sub.add_parser("unmount", help="unmount a Stoker mount")
+    u.add_argument("mountpoint")
+    u.set_defaults(func=cmd_unmount)
+
+    s = sub.add_parser("stats", help="cache and request statistics of a mount")
+    s.add_argument("mountpoint")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--control-socket")
+    s.set_defaults(func=cmd_stats)
+
+    w = sub.add_parser("warm", help="load files or directories of a mount into its cache")
+    w.add_argument("mountpoint")
+    w.add_argument("paths", nargs="*", help="paths inside the mount (default: everything)")
+    w.add_argument("--control-socket")
+    w.add_argument("--quiet", action="store_true")
+    w.set_defaults(func=cmd_warm)
+
+    d = sub.add_parser("drop", help="empty the cache of a mount")
+    d.add_argument("mountpoint")
+    d.add_argument("--control-socket")
+    d.set_defaults(func=cmd_drop)
+
+
+def config_from_args(args: argparse.Namespace) -> MountConfig:
+    bucket, prefix = parse_s3_url(args.source)
+    store = StoreConfig(
+        bucket=bucket, prefix=prefix, endpoint_url=args.endpoint_url, region=args.region, profile=args.profile,
+        max_concurrency=args.max_concurrency, connect_timeout=args.connect_timeout,
+        request_timeout=args.request_timeout, max_attempts=args.max_attempts,
+    )
+    return MountConfig(
+        store=store,
+        mountpoint=os.path.abspath(args.mountpoint),
+        cache_size=parse_size(args.cache_size, name="cache-size"),
+        block_size=parse_size(args.block_size, name="block-size"),
+        max_prefetch=parse_size(args.max_prefetch, name="max-prefetch"),
+        metadata_ttl=parse_ttl(args.metadata_ttl),
+        kernel_cache=not args.no_kernel_cache,
+        read_ahead_kb=args.read_ahead_kb,
+        metrics_port=args.metrics_port,
+        metrics_addr=args.metrics_addr,
+        control_socket=args.control_socket,
+        allow_other=args.allow_other,
+        read_deadline=args.read_deadline,
+    )
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as exc:
+        print(f"stoker mount: {exc}", file=sys.stderr)
+        return 2
+    if args.foreground:
+        return _mount_here(cfg, args)
+    return _mount_in_background(args, cfg)
+
+
+def _mount_here(cfg: MountConfig, args: argparse.Namespace) -> int:
+    from .daemon import run_mount  # pyfuse3 is needed only by the process that serves
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("botocore", "boto3", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    ready_fd = args.ready_fd
+
+    def ready(error: str | None) -> None:
+        nonlocal ready_fd
+        if error is not None:
+            print(f"stoker mount: {error}", file=sys.stderr)
+        if ready_fd is not None:
+            os.write(ready_fd, (f"ERR {error}" if error else "OK").encode() + b"\n")
+            os.close(ready_fd)
+            ready_fd = None
+
+    return run_mount(cfg, ready)
+
+
+def _mount_in_background(args: argparse.Namespace, cfg: MountConfig) -> int:
+    """Start a detached serving process and return once it mounted (or say why it did not)."""
+    log_file = args.log_file or control.default_control_socket(cfg.mountpoint)[:-5] + ".log"
+    os.makedirs(os.path.dirname(log_file), mode=0o700, exist_ok=True)
+    read_fd, write_fd = os.pipe()
+    argv = [sys.executable, "-m", "stoker", *_child_argv(sys.argv[1:]), "--foreground", "--ready-fd", str(write_fd)]
+    with open(log_file, "ab") as log:
+        child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(write_fd,),
+                                 start_new_session=True, close_fds=True)
+    os.close(write_fd)
+    answer = _read_ready(read_fd, args.ready_timeout)
+    if answer == "OK":
+        return 0
+    if answer is None:
+        child.kill()
+        reason = f"the mount did not become ready within {args.ready_timeout:g}s"
+    elif answer.startswith("ERR "):
+        reason = answer[4:]
+    else:
+        reason = f"the mount process exited (status {child.wait()}); see {log_file}"
+    child.wait()
+    print(f"stoker mount: {reason}", file=sys.stderr)
+    return 1
+
+
+def _child_argv(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg == "--ready-fd":
+            skip = True
+            continue
+        if arg == "--foreground" or arg.startswith("--ready-fd="):
+            continue
+        out.append(arg)
+    return out
+
+
+def _read_ready(fd: int, timeout: float) -> str | None:
+    import select
+
+    deadline = time.monotonic() + timeout
+    data = b""
+    with os.fdopen(fd, "rb", buffering=0) as pipe:
+        while b"\n" not in data:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            readable, _, _ = select.select([pipe], [], [], remaining)
+            if readable:
+                chunk = pipe.read(4096)
+                if not chunk:
+                    return "" if not data else data.decode()
+                data += chunk
+    return data.decode().strip()
+
+
+def cmd_unmount(args: argparse.Namespace) -> int:
+    mp = os.path.abspath(args.mountpoint)
+    if not os.path.ismount(mp):
+        print(f"stoker unmount: {mp} is not mounted", file=sys.stderr)
+        return 1
+    tool = shutil.which("fusermount3") or shutil.which("fusermount")
+    cmd = [tool, "-u", mp] if tool else ["umount", mp]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        print(f"stoker unmount: {result.stderr.strip() or 'failed'}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _socket(args: argparse.Namespace) -> str:
+    return args.control_socket or control.default_control_socket(args.mountpoint)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    try:
+        stats = control.call(_socket(args), {"op": "stats"})
+    except control.ControlError as exc:
+        print(f"stoker stats: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    c, r = stats["cache"], stats["requests"]
+    print(f"mount        s3://{stats['bucket']}/{stats['prefix']} at {stats['mountpoint']}")
+    print(f"cache        {_human(c['bytes'])} of {_human(c['budget'])}, {c['entries']} blocks, "
+          f"hit ratio {c['hit_ratio']:.1%}, {c['evictions']} evictions")
+    print(f"fetched      {_human(stats['bytes_fetched'])} in {r['get']} GETs ({r['get_prefetch']} prefetch), "
+          f"{r['list']} LIST, {r['head']} HEAD")
+    print(f"served       {_human(stats['bytes_served']['cache'])} from cache, "
+          f"{_human(stats['bytes_served']['network'])} from the network")
+    print(f"in flight    {stats['inflight']['requests']} GETs, {_human(stats['inflight']['bytes'])}")
+    print(f"errors       {json.dumps(stats['errors']) if stats['errors'] else 'none'}")
+    return 0
+
+
+def cmd_warm(args: argparse.Namespace) -> int:
+    try:
+        final = None
+        for progress in control.request(_socket(args), {"op": "warm", "paths": args.paths}, timeout=None):
+            final = progress
+            if not args.quiet:
+                _progress_bar(progress)
+    except control.ControlError as exc:
+        print(f"\nstoker warm: {exc}", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        print()
+    if final is None:
+        return 1
+    skipped = f", {final['skipped_files']} files did not fit the cache" if final["skipped_files"] else ""
+    print(f"warmed {final['files_done']} files, {_human(final['bytes_done'])} in {final.get('seconds', 0)}s"
+          f"{skipped}{', ' + str(final['errors']) + ' errors' if final['errors'] else ''}")
+    return 1 if final["errors"] else 0
+
+
+def _progress_bar(p: dict) -> None:
+    total = p["bytes_total"] or 1
+    frac = min(1.0, p["bytes_done"] / total)
+    bar = "#" * int(frac * 30)
+    print(f"\r[{bar:<30}] {frac:6.1%} {_human(p['bytes_done'])}/{_human(p['bytes_total'])}", end="", flush=True)
+
+
+def cmd_drop(args: argparse.Namespace) -> int:
+    try:
+        result = control.call(_socket(args), {"op": "drop"})
+    except control.ControlError as exc:
+        print(f"stoker drop: {exc}", file=sys.stderr)
+        return 1
+    print(f"dropped {_human(result['dropped_bytes'])}")
+    return 0
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

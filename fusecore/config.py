@@ -1,0 +1,120 @@
+"""One typed configuration object for a mount, parsed once at the edge (CLI, CSI attributes)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
+    "ti": 1024**4, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+FOREVER = math.inf
+
+
+class ConfigError(ValueError):
+    """A configuration value is malformed; the message names the setting."""
+
+
+def parse_size(text: str | int, *, name: str = "size") -> int:
+    """Parse '4GiB', '512MiB', '64M', '1000' into bytes."""
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _SIZE_RE.match(str(text))
+        unit = match.group(2).lower() if match else None
+        if not match or unit not in _SIZE_UNITS:
+            raise ConfigError(f"{name}: cannot parse {text!r} as a size (examples: 4GiB, 512MiB, 1048576)")
+        value = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if value < 0:
+        raise ConfigError(f"{name}: must not be negative")
+    return value
+
+
+def parse_ttl(text: str | float, *, name: str = "metadata-ttl") -> float:
+    """Parse a TTL in seconds, or 'forever'."""
+    if isinstance(text, str) and text.strip().lower() in ("forever", "inf", "infinite"):
+        return FOREVER
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected seconds or 'forever', got {text!r}") from None
+    if value < 0 or math.isnan(value):
+        raise ConfigError(f"{name}: must be >= 0 seconds")
+    return value
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """Split 's3://bucket/some/prefix' into ('bucket', 'some/prefix/')."""
+    if not url.startswith("s3://"):
+        raise ConfigError(f"source: expected s3://BUCKET[/PREFIX], got {url!r}")
+    rest = url[len("s3://"):]
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise ConfigError(f"source: no bucket in {url!r}")
+    prefix = prefix.strip("/")
+    return bucket, (prefix + "/") if prefix else ""
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Where the objects live and how to talk to the store."""
+
+    bucket: str
+    prefix: str = ""
+    endpoint_url: str | None = None
+    region: str | None = None
+    profile: str | None = None
+    max_concurrency: int = 32
+    connect_timeout: float = 5.0
+    request_timeout: float = 10.0  # per socket read; bounds a silent store
+    max_attempts: int = 5  # botocore 'standard' retry mode (503 SlowDown, resets, ...)
+
+
+@dataclass(frozen=True)
+class MountConfig:
+    """Everything a mount needs; built once by the CLI (or the CSI plugin) and passed down."""
+
+    store: StoreConfig
+    mountpoint: str = ""
+    cache_size: int = 4 * 1024**3
+    block_size: int = 4 * 1024**2
+    max_prefetch: int = 256 * 1024**2  # bytes ahead of one sequential reader
+    max_inflight_bytes: int = 256 * 1024**2  # all GETs of the mount together
+    metadata_ttl: float = 60.0
+    kernel_cache: bool = True  # keep_cache while the ETag is unchanged
+    read_ahead_kb: int = 4096  # kernel readahead for the mount's bdi
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
+    control_socket: str | None = None
+    allow_other: bool = False
+    read_retries: int = 3  # body-level retries on top of botocore's request retries
+    read_deadline: float = 60.0  # a read waiting longer than this for the store fails with EIO
+    uid: int | None = None
+    gid: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 64 * 1024 or self.block_size > 64 * 1024**2:
+            raise ConfigError("block-size: must be between 64KiB and 64MiB")
+        if self.cache_size < 2 * self.block_size:
+            raise ConfigError("cache-size: must hold at least two blocks")
+        if self.store.max_concurrency < 1 or self.store.max_concurrency > 1024:
+            raise ConfigError("max-concurrency: must be between 1 and 1024")
+        if self.store.request_timeout <= 0 or self.store.connect_timeout <= 0:
+            raise ConfigError("timeouts: must be > 0 seconds")
+
+    @property
+    def inflight_limit(self) -> int:
+        """In-flight GET bytes may use at most half the cache budget (they count against it)."""
+        return max(self.block_size, min(self.max_inflight_bytes, self.cache_size // 2))
+
+    @property
+    def prefetch_limit(self) -> int:
+        return max(self.block_size, min(self.max_prefetch, self.cache_size // 2))

@@ -1,0 +1,116 @@
+"""A mount's local control API: JSON lines over a unix socket (stats, warm, drop).
+
+The CLI (`stoker stats|warm|drop`) and the CSI plugin talk to a running mount through it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+from typing import Iterator
+
+import trio
+
+from .datapath import DataPath
+
+log = logging.getLogger(__name__)
+
+
+def runtime_dir() -> str:
+    if os.geteuid() == 0:
+        return "/run/stoker"
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return os.path.join(base, f"stoker-{os.getuid()}")
+
+
+def default_control_socket(mountpoint: str) -> str:
+    """Where the mount at `mountpoint` listens, derived from its absolute path."""
+    digest = hashlib.sha256(os.path.abspath(mountpoint).encode()).hexdigest()[:20]
+    return os.path.join(runtime_dir(), f"{digest}.sock")
+
+
+class ControlError(RuntimeError):
+    pass
+
+
+async def serve(datapath: DataPath, path: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    if os.path.exists(path):
+        os.unlink(path)
+    sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    await sock.bind(path)
+    os.chmod(path, 0o600)
+    sock.listen(16)
+    listener = trio.SocketListener(sock)
+    task_status.started()
+    try:
+        await trio.serve_listeners(lambda stream: _handle(datapath, stream), [listener])
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+async def _handle(datapath: DataPath, stream: trio.SocketStream) -> None:
+    async with stream:
+        buf = b""
+        while b"\n" not in buf:
+            chunk = await stream.receive_some(65536)
+            if not chunk:
+                return
+            buf += chunk
+        try:
+            request = json.loads(buf.split(b"\n", 1)[0])
+            op = request.get("op")
+        except (ValueError, AttributeError):
+            await _send(stream, {"error": "malformed request"})
+            return
+        try:
+            if op == "stats":
+                await _send(stream, datapath.stats())
+            elif op == "drop":
+                await _send(stream, datapath.drop())
+            elif op == "warm":
+                paths = [str(p) for p in request.get("paths", [])]
+                result = await datapath.warm(paths, lambda progress: _send(stream, progress))
+                await _send(stream, result)
+            else:
+                await _send(stream, {"error": f"unknown op {op!r}"})
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+        except Exception as exc:  # noqa: BLE001 - report to the client, keep serving
+            log.exception("control request %r failed", op)
+            await _send(stream, {"error": f"{type(exc).__name__}: {exc}"})
+
+
+async def _send(stream: trio.SocketStream, message: dict) -> None:
+    await stream.send_all(json.dumps(message).encode() + b"\n")
+
+
+def request(path: str, message: dict, timeout: float | None = 30.0) -> Iterator[dict]:
+    """Send one request to a mount and yield each JSON line it answers (blocking client)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+    except (FileNotFoundError, ConnectionRefusedError) as exc:
+        sock.close()
+        raise ControlError(f"no Stoker mount answers on {path} ({exc.strerror})") from None
+    with sock, sock.makefile("rb") as reader:
+        sock.sendall(json.dumps(message).encode() + b"\n")
+        for line in reader:
+            reply = json.loads(line)
+            if "error" in reply:
+                raise ControlError(reply["error"])
+            yield reply
+
+
+def call(path: str, message: dict, timeout: float | None = 30.0) -> dict:
+    replies = list(request(path, message, timeout))
+    if not replies:
+        raise ControlError("the mount closed the connection without answering")
+    return replies[-1]

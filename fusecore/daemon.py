@@ -1,0 +1,116 @@
+"""Mount lifecycle: validate the store, mount with pyfuse3, serve until unmounted or signalled."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import signal
+from typing import Callable
+
+import pyfuse3
+import trio
+
+from . import control
+from .config import MountConfig
+from .datapath import DataPath
+from .fs import StokerFS
+from .store import S3Store, StoreError
+
+log = logging.getLogger(__name__)
+
+ReadyCallback = Callable[[str | None], None]  # None: mounted and serving; else the reason it failed
+
+
+class MountError(RuntimeError):
+    pass
+
+
+def tune_malloc() -> None:
+    """Keep RSS close to the cache budget: big blocks come from mmap and go back on free."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1024 * 1024)  # M_MMAP_THRESHOLD: fixed, no dynamic growth
+        libc.mallopt(-8, 4)  # M_ARENA_MAX: worker threads share a few arenas
+    except (OSError, AttributeError):
+        pass
+
+
+def check_mountpoint(path: str) -> None:
+    if not os.path.isdir(path):
+        raise MountError(f"mountpoint {path} is not an existing directory")
+    if os.path.ismount(path):
+        raise MountError(f"{path} is already a mount point")
+
+
+def run_mount(cfg: MountConfig, ready: ReadyCallback) -> int:
+    """Mount and serve in this process; returns the exit status."""
+    tune_malloc()
+    try:
+        check_mountpoint(cfg.mountpoint)
+        store = S3Store(cfg.store)
+        store.check()
+    except (MountError, StoreError) as exc:
+        ready(str(exc))
+        return 1
+    datapath = DataPath(cfg, store)
+    try:
+        trio.run(_serve, cfg, datapath, ready)
+    except MountError as exc:
+        ready(str(exc))
+        return 1
+    return 0
+
+
+async def _serve(cfg: MountConfig, datapath: DataPath, ready: ReadyCallback) -> None:
+    fs = StokerFS(datapath.namespace, datapath.reader, block_size=cfg.block_size, kernel_cache=cfg.kernel_cache,
+                  uid=os.getuid() if cfg.uid is None else cfg.uid, gid=os.getgid() if cfg.gid is None else cfg.gid)
+    options = set(pyfuse3.default_options)
+    options |= {"ro", f"fsname=stoker:{cfg.store.bucket}", "subtype=stoker"}
+    if cfg.allow_other:
+        options.add("allow_other")
+    try:
+        pyfuse3.init(fs, cfg.mountpoint, options)
+    except RuntimeError as exc:
+        raise MountError(f"cannot mount at {cfg.mountpoint}: {exc}") from None
+    try:
+        async with trio.open_nursery() as nursery:
+            datapath.start(nursery)
+            socket_path = cfg.control_socket or control.default_control_socket(cfg.mountpoint)
+            await nursery.start(control.serve, datapath, socket_path)
+            if cfg.metrics_port is not None:
+                datapath.metrics.serve(cfg.metrics_port, cfg.metrics_addr)
+            nursery.start_soon(_terminate_on_signal)
+            nursery.start_soon(_announce_ready, cfg, ready)
+            await pyfuse3.main(min_tasks=4, max_tasks=128)
+            nursery.cancel_scope.cancel()
+    finally:
+        pyfuse3.close(unmount=True)
+
+
+async def _announce_ready(cfg: MountConfig, ready: ReadyCallback) -> None:
+    """Report ready only once the kernel gets answers from this process."""
+    st = await trio.to_thread.run_sync(os.stat, cfg.mountpoint)
+    _set_read_ahead(st.st_dev, cfg.read_ahead_kb)
+    log.info("mounted s3://%s/%s at %s", cfg.store.bucket, cfg.store.prefix, cfg.mountpoint)
+    ready(None)
+
+
+def _set_read_ahead(dev: int, kb: int) -> None:
+    """Larger kernel readahead means larger, concurrent FUSE reads for sequential readers."""
+    path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+    try:
+        with open(path, "w") as f:
+            f.write(str(kb))
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT):
+            log.info("could not set %s: %s", path, exc)
+
+
+async def _terminate_on_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("signal %d: unmounting", signum)
+            pyfuse3.terminate()
+            return

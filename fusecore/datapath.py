@@ -1,0 +1,124 @@
+"""Assembles one mount's data path (store, cache, fetcher, namespace, reader) and its stats.
+
+Knows nothing of FUSE: the filesystem adapter and the control API both sit on top of it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Awaitable, Callable
+
+import trio
+
+from .blocks import block_count
+from .cache import BlockCache
+from .config import MountConfig
+from .fetcher import Fetcher
+from .metrics import MountMetrics
+from .namespace import Namespace
+from .reader import Reader
+from .store import ObjectStore, StoreError
+
+
+class DataPath:
+    def __init__(self, cfg: MountConfig, store: ObjectStore, metrics: MountMetrics | None = None):
+        self.cfg = cfg
+        self.store = store
+        self.metrics = metrics or MountMetrics()
+        self.cache = BlockCache(cfg.cache_size)
+        self.metrics.bind_cache(self.cache.stats)
+        self.fetcher = Fetcher(store, self.cache, self.metrics, block_size=cfg.block_size,
+                               max_concurrency=cfg.store.max_concurrency, inflight_limit=cfg.inflight_limit,
+                               read_retries=cfg.read_retries, read_deadline=cfg.read_deadline)
+        self.namespace = Namespace(store, cfg.store.prefix, cfg.metadata_ttl, self.metrics)
+        self.reader = Reader(self.fetcher, self.metrics, block_size=cfg.block_size,
+                             prefetch_limit=cfg.prefetch_limit)
+
+    def start(self, nursery: trio.Nursery) -> None:
+        self.fetcher.start(nursery)
+
+    def stats(self) -> dict:
+        c = self.cache.stats()
+        m = self.metrics
+        errors = {}
+        for metric in m.errors.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    errors[sample.labels["kind"]] = int(sample.value)
+        gets = sum(m.value(m.get_requests, kind=k) for k in ("demand", "prefetch"))
+        return {
+            "mountpoint": self.cfg.mountpoint,
+            "bucket": self.cfg.store.bucket,
+            "prefix": self.cfg.store.prefix,
+            "cache": {
+                "bytes": c.bytes, "budget": c.budget, "entries": c.entries, "staged_bytes": c.staged,
+                "hits": c.hits, "misses": c.misses, "hit_ratio": round(c.hit_ratio, 4),
+                "evictions": c.evictions, "prefetch_dropped": c.prefetch_dropped,
+            },
+            "requests": {
+                "get": int(gets),
+                "get_prefetch": int(m.value(m.get_requests, kind="prefetch")),
+                "list": int(m.value(m.list_requests)),
+                "head": int(m.value(m.head_requests)),
+                "body_retries": int(m.value(m.retries)),
+            },
+            "bytes_fetched": int(m.value(m.get_bytes)),
+            "bytes_served": {
+                "cache": int(m.value(m.bytes_served, source="cache")),
+                "network": int(m.value(m.bytes_served, source="network")),
+            },
+            "inflight": {"requests": self.fetcher.inflight, "bytes": int(m.inflight_bytes._value.get())},
+            "open_files": self.reader.open_files,
+            "errors": errors,
+            "skipped_names": self.namespace.skipped_names,
+        }
+
+    def drop(self) -> dict:
+        before = self.cache.stats().bytes
+        self.cache.clear()
+        return {"dropped_bytes": before}
+
+    async def warm(self, paths: list[str], report: Callable[[dict], Awaitable[None]]) -> dict:
+        """Load files into the cache (up to 90% of the budget), reporting progress as it goes."""
+        files = []
+        for path in paths or [""]:
+            files.extend(await self.namespace.walk_files(path))
+        budget = int(self.cache.budget * 0.9)
+        planned, total = [], 0
+        for info in files:
+            if total + info.size <= budget:
+                planned.append(info)
+                total += info.size
+        progress = {"files_total": len(planned), "bytes_total": total, "files_done": 0, "bytes_done": 0,
+                    "skipped_files": len(files) - len(planned), "errors": 0}
+        slots = trio.CapacityLimiter(self.cfg.store.max_concurrency)
+        block_size = self.cfg.block_size
+
+        async def warm_block(info, index: int) -> None:
+            async with slots:
+                try:
+                    await self.fetcher.block(info, index, visit="warm")
+                except StoreError:
+                    progress["errors"] += 1
+                    return
+            progress["bytes_done"] += min(block_size, info.size - index * block_size)
+
+        async def reporter() -> None:
+            while True:
+                await trio.sleep(0.25)
+                await report(dict(progress))
+
+        started = time.monotonic()
+        async with trio.open_nursery() as outer:
+            outer.start_soon(reporter)
+            async with trio.open_nursery() as nursery:
+                for info in planned:
+                    for index in range(block_count(info.size, block_size)):
+                        async with slots:  # keep at most max_concurrency tasks queued
+                            pass
+                        nursery.start_soon(warm_block, info, index)
+                    progress["files_done"] += 1
+            outer.cancel_scope.cancel()
+        progress["seconds"] = round(time.monotonic() - started, 3)
+        progress["done"] = True
+        return progress

@@ -1,0 +1,177 @@
+"""Fetch scheduler: one in-flight GET per block shared by all waiters, bounded concurrency and
+in-flight bytes, demand reads ahead of prefetches, body-level retries, and a read deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Callable, Hashable
+
+import trio
+
+from .blocks import BlockKey, block_extent
+from .cache import BlockCache, Buffer
+from .metrics import MountMetrics
+from .store import ObjectInfo, ObjectStore, PreconditionFailed, StoreError, TransientError, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+class ByteBudget:
+    """An async semaphore over bytes; a request larger than the limit waits for an empty budget."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self._changed = trio.Condition()
+
+    async def acquire(self, nbytes: int) -> None:
+        nbytes = min(nbytes, self.limit)
+        async with self._changed:
+            while self.used + nbytes > self.limit:
+                await self._changed.wait()
+            self.used += nbytes
+
+    async def release(self, nbytes: int) -> None:
+        async with self._changed:
+            self.used -= min(nbytes, self.limit)
+            self._changed.notify_all()
+
+
+class _Pending:
+    """The shared future of one block GET."""
+
+    __slots__ = ("done", "data", "error", "demanded", "visit")
+
+    def __init__(self, demanded: bool, visit: Hashable | None):
+        self.done = trio.Event()
+        self.data: Buffer | None = None
+        self.error: StoreError | None = None
+        self.demanded = demanded
+        self.visit = visit
+
+
+class Fetcher:
+    def __init__(self, store: ObjectStore, cache: BlockCache, metrics: MountMetrics, *, block_size: int,
+                 max_concurrency: int, inflight_limit: int, read_retries: int = 3,
+                 read_deadline: float = 60.0):
+        self.store = store
+        self.cache = cache
+        self.metrics = metrics
+        self.block_size = block_size
+        self.read_retries = read_retries
+        self.read_deadline = read_deadline
+        self._threads = trio.CapacityLimiter(max_concurrency)
+        # Prefetches may use at most 3/4 of the connections, so demand reads always find one.
+        self._prefetch_slots = trio.CapacityLimiter(max(1, (max_concurrency * 3) // 4))
+        self._bytes = ByteBudget(inflight_limit)
+        self._pending: dict[BlockKey, _Pending] = {}
+        self._nursery: trio.Nursery | None = None
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Background GETs run in `nursery`, so a cancelled reader never cancels a shared GET."""
+        self._nursery = nursery
+
+    @property
+    def inflight(self) -> int:
+        return len(self._pending)
+
+    async def block(self, obj: ObjectInfo, index: int, visit: Hashable | None = None) -> tuple[Buffer, bool]:
+        """The bytes of one block and whether the cache had them (else an in-flight or new GET)."""
+        key = BlockKey(obj.key, obj.etag, index)
+        data = self.cache.get(key, visit)
+        if data is not None:
+            return data, True
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._launch(key, obj, demanded=True, visit=visit)
+        else:
+            pending.demanded = True
+            pending.visit = visit
+        with trio.move_on_after(self.read_deadline):
+            await pending.done.wait()
+        if not pending.done.is_set():
+            self.metrics.errors.labels(kind="deadline").inc()
+            raise Unavailable(f"get {obj.key!r}: no answer within {self.read_deadline:g}s")
+        if pending.error is not None:
+            raise pending.error
+        if pending.data is None:
+            raise Unavailable(f"get {obj.key!r}: fetch abandoned")
+        return pending.data, False
+
+    def prefetch(self, obj: ObjectInfo, index: int, wanted: Callable[[], bool] = lambda: True) -> None:
+        """Start fetching a block ahead of the reader unless it is cached or already coming."""
+        key = BlockKey(obj.key, obj.etag, index)
+        if key in self._pending or key in self.cache:
+            return
+        self._launch(key, obj, demanded=False, visit=None, wanted=wanted)
+
+    def _launch(self, key: BlockKey, obj: ObjectInfo, *, demanded: bool, visit: Hashable | None,
+                wanted: Callable[[], bool] = lambda: True) -> _Pending:
+        if self._nursery is None:
+            raise RuntimeError("Fetcher.start() was not called")
+        pending = _Pending(demanded, visit)
+        self._pending[key] = pending
+        self._nursery.start_soon(self._run, key, obj, pending, wanted)
+        return pending
+
+    async def _run(self, key: BlockKey, obj: ObjectInfo, pending: _Pending, wanted: Callable[[], bool]) -> None:
+        try:
+            if pending.demanded:
+                pending.data = await self._fetch(key, obj)
+            else:
+                async with self._prefetch_slots:
+                    if pending.demanded or wanted():
+                        pending.data = await self._fetch(key, obj)
+            if pending.data is not None:
+                self.cache.put(key, pending.data, prefetched=not pending.demanded, visit=pending.visit)
+            elif pending.demanded:  # a reader joined a prefetch that was abandoned
+                pending.data = await self._fetch(key, obj)
+                self.cache.put(key, pending.data, visit=pending.visit)
+        except StoreError as exc:
+            pending.error = exc
+            self.metrics.errors.labels(kind=exc.kind).inc()
+            if isinstance(exc, PreconditionFailed):
+                dropped = self.cache.invalidate(obj.key)
+                log.warning("%s changed during reads; dropped %d cached blocks", obj.key, dropped)
+            elif not pending.demanded:
+                log.info("prefetch of %s block %d failed: %s", obj.key, key.index, exc)
+        finally:
+            del self._pending[key]
+            pending.done.set()
+
+    async def _fetch(self, key: BlockKey, obj: ObjectInfo) -> Buffer:
+        start, end = block_extent(key.index, obj.size, self.block_size)
+        nbytes = end - start
+        await self._bytes.acquire(nbytes)
+        self.cache.reserve(nbytes)
+        self.metrics.inflight_requests.inc()
+        self.metrics.inflight_bytes.inc(nbytes)
+        try:
+            for attempt in range(self.read_retries + 1):
+                began = time.monotonic()
+                self.metrics.get_requests.labels(kind="demand" if self._is_demanded(key) else "prefetch").inc()
+                try:
+                    data = await trio.to_thread.run_sync(
+                        self.store.get_range, obj.key, start, end, obj.etag, limiter=self._threads)
+                except TransientError:
+                    if attempt == self.read_retries:
+                        raise
+                    self.metrics.retries.inc()
+                    await trio.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + random.random()))
+                    continue
+                self.metrics.get_latency.observe(time.monotonic() - began)
+                self.metrics.get_bytes.inc(nbytes)
+                return data
+            raise AssertionError("unreachable")
+        finally:
+            self.metrics.inflight_requests.dec()
+            self.metrics.inflight_bytes.dec(nbytes)
+            self.cache.release(nbytes)
+            await self._bytes.release(nbytes)
+
+    def _is_demanded(self, key: BlockKey) -> bool:
+        pending = self._pending.get(key)
+        return pending is not None and pending.demanded

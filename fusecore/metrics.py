@@ -1,0 +1,49 @@
+"""Prometheus metrics of one mount (its own registry, served on --metrics-port)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class MountMetrics:
+    """Counters the data path updates; cache gauges are read from the cache when scraped."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.bytes_served = Counter("stoker_bytes_served", "Bytes returned to readers, by source",
+                                    ["source"], registry=r)
+        self.get_requests = Counter("stoker_get_requests", "Range GET requests sent", ["kind"], registry=r)
+        self.get_bytes = Counter("stoker_get_bytes", "Bytes received from range GETs", registry=r)
+        self.get_latency = Histogram("stoker_get_latency_seconds", "Range GET latency (whole body)",
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.list_requests = Counter("stoker_list_requests", "LIST requests sent", registry=r)
+        self.head_requests = Counter("stoker_head_requests", "HEAD requests sent", registry=r)
+        self.inflight_requests = Gauge("stoker_inflight_requests", "GETs in flight", registry=r)
+        self.inflight_bytes = Gauge("stoker_inflight_bytes", "Bytes of GETs in flight", registry=r)
+        self.errors = Counter("stoker_errors", "Object-store errors by kind", ["kind"], registry=r)
+        self.retries = Counter("stoker_body_retries", "GETs retried after a broken body", registry=r)
+        self.cache_bytes = Gauge("stoker_cache_bytes", "Bytes held by the block cache", registry=r)
+        self.cache_budget = Gauge("stoker_cache_budget_bytes", "Configured cache budget", registry=r)
+        self.cache_evictions = Gauge("stoker_cache_evictions", "Blocks evicted or not admitted (total)",
+                                     registry=r)
+        self.cache_hit_ratio = Gauge("stoker_cache_hit_ratio", "Block lookups served from the cache",
+                                     registry=r)
+
+    def bind_cache(self, stats: Callable) -> None:
+        """Make the cache gauges read live values from `stats()` at scrape time."""
+        self.cache_bytes.set_function(lambda: stats().bytes)
+        self.cache_budget.set_function(lambda: stats().budget)
+        self.cache_evictions.set_function(lambda: stats().evictions)
+        self.cache_hit_ratio.set_function(lambda: stats().hit_ratio)
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)
+
+    def value(self, counter: Counter, **labels: str) -> float:
+        metric = counter.labels(**labels) if labels else counter
+        return metric._value.get()  # noqa: SLF001 - prometheus-client has no public getter

@@ -1,0 +1,227 @@
+"""The namespace: directories and files of a bucket/prefix, from LIST with a delimiter.
+
+Directories come from common prefixes, file sizes and ETags from the listing, so listing a
+directory sends no HEAD per file. Results are cached for `ttl` seconds. A name looked up in a
+directory that was never listed costs one HEAD and one LIST (sent together); after a few such
+lookups in the same directory the directory is listed once instead.
+
+Keys that are not valid POSIX names are skipped, deterministically (see `valid_name`), and a key
+that is both an object and a prefix ("a" and "a/b") shows as the directory; the object is hidden.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Iterable
+
+import trio
+
+from .metrics import MountMetrics
+from .store import Listing, NotFound, ObjectInfo, ObjectStore
+
+log = logging.getLogger(__name__)
+
+ROOT_INODE = 1
+MAX_NAME_BYTES = 255
+LIST_AFTER_LOOKUPS = 8  # targeted lookups in one directory before it is listed whole
+
+
+def valid_name(name: str) -> bool:
+    """A path segment the kernel accepts: not empty, '.', '..'; no NUL or '/'; at most 255 bytes."""
+    return (
+        name not in ("", ".", "..")
+        and "\0" not in name
+        and "/" not in name
+        and len(name.encode("utf-8", "surrogateescape")) <= MAX_NAME_BYTES
+    )
+
+
+@dataclass
+class Node:
+    inode: int
+    path: str  # relative to the mount root; '' for the root
+    is_dir: bool
+    info: ObjectInfo | None = None  # files only
+    children: dict[str, int] = field(default_factory=dict)  # dirs: name -> inode
+    listed_at: float = -math.inf  # dirs: when the whole directory was last listed
+    checked_at: float = -math.inf  # when this node was last confirmed by the store
+    lookups_since_list: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+
+class Namespace:
+    def __init__(self, store: ObjectStore, prefix: str, ttl: float, metrics: MountMetrics, *,
+                 run_sync: Callable[..., Awaitable] | None = None, clock: Callable[[], float] = time.monotonic):
+        self.store = store
+        self.prefix = prefix
+        self.ttl = ttl
+        self.metrics = metrics
+        self._clock = clock
+        self._limiter = trio.CapacityLimiter(16)
+        self._run_sync = run_sync or (lambda fn, *a: trio.to_thread.run_sync(fn, *a, limiter=self._limiter))
+        self._nodes: dict[int, Node] = {ROOT_INODE: Node(ROOT_INODE, "", True)}
+        self._by_path: dict[str, int] = {"": ROOT_INODE}
+        self._next_inode = ROOT_INODE + 1
+        self._listing: dict[int, trio.Event] = {}
+        self.skipped_names = 0
+        self.mount_time = time.time()
+
+    # ---- queries -------------------------------------------------------------------------
+    def node(self, inode: int) -> Node:
+        try:
+            return self._nodes[inode]
+        except KeyError:
+            raise NotFound(f"inode {inode} is unknown") from None
+
+    def key_of(self, node: Node) -> str:
+        return self.prefix + node.path
+
+    def _fresh(self, stamp: float) -> bool:
+        return self._clock() - stamp < self.ttl
+
+    async def lookup(self, parent_inode: int, name: str) -> Node:
+        """The child `name` of a directory, or NotFound."""
+        parent = self.node(parent_inode)
+        if not parent.is_dir or not valid_name(name):
+            raise NotFound(name)
+        if self._fresh(parent.listed_at):
+            return self._child(parent, name)
+        inode = parent.children.get(name)
+        if inode is not None and self._fresh(self._nodes[inode].checked_at):
+            return self._nodes[inode]
+        if parent.listed_at > -math.inf or parent.lookups_since_list >= LIST_AFTER_LOOKUPS:
+            await self.ensure_listed(parent)
+            return self._child(parent, name)
+        parent.lookups_since_list += 1
+        return await self._resolve(parent, name)
+
+    async def readdir(self, inode: int) -> list[tuple[str, Node]]:
+        node = self.node(inode)
+        if not node.is_dir:
+            raise NotFound(node.path)
+        await self.ensure_listed(node)
+        return [(name, self._nodes[child]) for name, child in sorted(node.children.items())]
+
+    def _child(self, parent: Node, name: str) -> Node:
+        inode = parent.children.get(name)
+        if inode is None:
+            raise NotFound(name)
+        return self._nodes[inode]
+
+    # ---- store access --------------------------------------------------------------------
+    async def ensure_listed(self, node: Node) -> None:
+        """List a directory if its listing is missing or older than the TTL (one LIST at a time)."""
+        while not self._fresh(node.listed_at):
+            event = self._listing.get(node.inode)
+            if event is not None:
+                await event.wait()
+                continue
+            event = self._listing[node.inode] = trio.Event()
+            try:
+                pages = await self._run_sync(self._list_pages, self.prefix + (node.path + "/" if node.path else ""))
+                self._apply_listing(node, pages)
+            finally:
+                del self._listing[node.inode]
+                event.set()
+            return
+
+    def _list_pages(self, prefix: str) -> list[Listing]:
+        pages = []
+        for page in self.store.list_dir(prefix):
+            self.metrics.list_requests.inc()
+            pages.append(page)
+        if not pages:
+            self.metrics.list_requests.inc()
+        return pages
+
+    def _apply_listing(self, node: Node, pages: Iterable[Listing]) -> None:
+        base = self.prefix + (node.path + "/" if node.path else "")
+        now = self._clock()
+        files: dict[str, ObjectInfo] = {}
+        dirs: set[str] = set()
+        for page in pages:
+            for info in page.files:
+                name = info.key[len(base):]
+                if valid_name(name):
+                    files[name] = info
+                elif name:  # '' is the directory's own marker object
+                    self.skipped_names += 1
+            for prefix in page.dirs:
+                name = prefix[len(base):-1]
+                if valid_name(name):
+                    dirs.add(name)
+                else:
+                    self.skipped_names += 1
+        children: dict[str, int] = {}
+        for name in dirs:
+            children[name] = self._upsert(_join(node.path, name), True, None, now).inode
+        for name, info in files.items():
+            if name not in dirs:
+                children[name] = self._upsert(_join(node.path, name), False, info, now).inode
+        node.children = children
+        node.listed_at = node.checked_at = now
+        node.lookups_since_list = 0
+
+    async def _resolve(self, parent: Node, name: str) -> Node:
+        """One HEAD and one LIST, concurrently: is `name` an object, a prefix, or neither?"""
+        path = _join(parent.path, name)
+        key = self.prefix + path
+        results: dict[str, object] = {}
+
+        async def head() -> None:
+            self.metrics.head_requests.inc()
+            results["head"] = await self._run_sync(self.store.head, key)
+
+        async def is_prefix() -> None:
+            self.metrics.list_requests.inc()
+            results["dir"] = await self._run_sync(self.store.has_prefix, key + "/")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(head)
+            nursery.start_soon(is_prefix)
+        now = self._clock()
+        if results["dir"]:
+            node = self._upsert(path, True, None, now)
+        elif results["head"] is not None:
+            node = self._upsert(path, False, results["head"], now)  # type: ignore[arg-type]
+        else:
+            parent.children.pop(name, None)
+            raise NotFound(path)
+        parent.children[name] = node.inode
+        return node
+
+    def _upsert(self, path: str, is_dir: bool, info: ObjectInfo | None, now: float) -> Node:
+        inode = self._by_path.get(path)
+        node = self._nodes.get(inode) if inode is not None else None
+        if node is None or node.is_dir != is_dir:
+            inode = self._next_inode
+            self._next_inode += 1
+            node = Node(inode, path, is_dir)
+            self._nodes[inode] = node
+            self._by_path[path] = inode
+        if not is_dir:
+            node.info = info
+        node.checked_at = now
+        return node
+
+    async def walk_files(self, path: str) -> list[ObjectInfo]:
+        """Every object under a relative path (a file or a directory), for warming."""
+        path = path.strip("/")
+        key = self.prefix + path
+        if path:
+            info = await self._run_sync(self.store.head, key)
+            if info is not None:
+                return [info]
+        listed = await self._run_sync(lambda: list(self.store.list_all(key + "/" if path else self.prefix)))
+        self.metrics.list_requests.inc()
+        return [i for i in listed if all(valid_name(seg) for seg in i.key[len(self.prefix):].split("/"))]
+
+
+def _join(parent: str, name: str) -> str:
+    return f"{parent}/{name}" if parent else name

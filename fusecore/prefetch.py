@@ -1,0 +1,53 @@
+"""Per-open-file sequential detection and a prefetch window that grows on sequential reads.
+
+Pure logic: it answers "which blocks should be fetched ahead now", nothing more.
+"""
+
+from __future__ import annotations
+
+from .blocks import block_count, block_span
+
+
+class ReadAhead:
+    """Sequential detector for one open file.
+
+    A read is sequential when it starts in the block the previous reads reached, or one block
+    either side (the kernel issues readahead requests concurrently, so they may arrive slightly
+    out of order). Each time a sequential reader enters a new block the window doubles, up to
+    `max_window_blocks`; any other read is a seek and resets the window to zero, so random access
+    fetches only what it asks for.
+    """
+
+    def __init__(self, file_size: int, block_size: int, max_window_blocks: int, initial_window: int = 1):
+        self.file_size = file_size
+        self.block_size = block_size
+        self.max_window = max(0, max_window_blocks)
+        self.initial_window = min(initial_window, self.max_window)
+        self.window = 0
+        self._frontier: int | None = None  # highest block index read so far in this run
+        self._issued_until = -1  # highest block index already handed out for prefetch
+        self._last_block = block_count(file_size, block_size) - 1
+
+    def on_read(self, offset: int, size: int) -> range:
+        """Record a read and return the block indexes to prefetch now (possibly empty)."""
+        span = block_span(offset, size, self.file_size, self.block_size)
+        if not span:
+            return range(0)
+        first, last = span[0], span[-1]
+        if self._frontier is None:
+            self.window = self.initial_window if offset == 0 else 0
+            self._frontier = last
+        elif self._frontier - 1 <= first <= self._frontier + 1:
+            if last > self._frontier:
+                self.window = min(self.max_window, max(1, self.window * 2))
+                self._frontier = last
+        else:
+            self.window = 0
+            self._frontier = last
+            self._issued_until = last
+        start = max(last + 1, self._issued_until + 1)
+        stop = min(last + self.window, self._last_block) + 1
+        if start >= stop:
+            return range(0)
+        self._issued_until = stop - 1
+        return range(start, stop)

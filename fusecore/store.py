@@ -1,0 +1,226 @@
+"""The object-store client: the one place that knows S3, boto3 and botocore.
+
+Everything above this module sees `ObjectInfo`, `Listing` and the `StoreError` family; every
+botocore exception is translated here, once. Calls are blocking: the fetcher runs them in worker
+threads.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+import boto3
+import botocore.config
+import botocore.exceptions
+
+from .config import StoreConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str  # full object key
+    size: int
+    etag: str
+    mtime: float  # seconds since the epoch
+
+
+@dataclass
+class Listing:
+    """One page of a delimiter listing: objects directly under a prefix and sub-prefixes."""
+
+    files: list[ObjectInfo] = field(default_factory=list)
+    dirs: list[str] = field(default_factory=list)  # full prefixes, ending in '/'
+
+
+class StoreError(Exception):
+    """Base of every object-store failure; `kind` labels metrics and picks the errno."""
+
+    kind = "other"
+
+
+class NotFound(StoreError):
+    kind = "not_found"
+
+
+class BucketNotFound(StoreError):
+    kind = "no_bucket"
+
+
+class AccessDenied(StoreError):
+    kind = "access_denied"
+
+
+class PreconditionFailed(StoreError):
+    """The object changed since it was listed (ETag mismatch, 412, or 416 on a shrunk object)."""
+
+    kind = "changed"
+
+
+class Unavailable(StoreError):
+    """The store did not answer usefully after botocore's retries (timeouts, 5xx, refused)."""
+
+    kind = "unavailable"
+
+
+class TransientError(StoreError):
+    """A body read broke off mid-stream; worth retrying the whole request."""
+
+    kind = "transient"
+
+
+class ObjectStore(Protocol):
+    def check(self) -> None: ...
+    def list_dir(self, prefix: str) -> Iterator[Listing]: ...
+    def list_all(self, prefix: str) -> Iterator[ObjectInfo]: ...
+    def head(self, key: str) -> ObjectInfo | None: ...
+    def has_prefix(self, prefix: str) -> bool: ...
+    def get_range(self, key: str, start: int, end: int, etag: str) -> bytearray: ...
+
+
+_NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
+_DENIED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden",
+           "InvalidToken", "ExpiredToken", "AllAccessDisabled"}
+_CHANGED = {"PreconditionFailed", "412", "InvalidRange", "416"}
+_NO_BUCKET = {"NoSuchBucket"}
+
+
+def _translate(exc: Exception, what: str) -> StoreError:
+    """Map a botocore exception to the StoreError family (never includes credentials)."""
+    if isinstance(exc, botocore.exceptions.ClientError):
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code in _NO_BUCKET:
+            return BucketNotFound(f"{what}: bucket does not exist")
+        if code in _NOT_FOUND or status == 404:
+            return NotFound(f"{what}: not found")
+        if code in _DENIED or status == 403:
+            return AccessDenied(f"{what}: access denied ({code or status}); check the credentials and policy")
+        if code in _CHANGED or status in (412, 416):
+            return PreconditionFailed(f"{what}: object changed since it was listed")
+        return Unavailable(f"{what}: store error {code or status}")
+    if isinstance(exc, botocore.exceptions.NoCredentialsError):
+        return AccessDenied(f"{what}: no credentials found (environment, shared files or --profile)")
+    if isinstance(exc, botocore.exceptions.ProfileNotFound):
+        return AccessDenied(f"{what}: {exc}")
+    if isinstance(exc, (botocore.exceptions.ResponseStreamingError, botocore.exceptions.IncompleteReadError)):
+        return TransientError(f"{what}: response body broke off")
+    if isinstance(exc, botocore.exceptions.ReadTimeoutError):
+        return Unavailable(f"{what}: store did not answer in time")
+    if isinstance(exc, botocore.exceptions.ConnectTimeoutError):
+        return Unavailable(f"{what}: could not connect in time")
+    if isinstance(exc, botocore.exceptions.EndpointConnectionError):
+        return Unavailable(f"{what}: cannot reach the endpoint")
+    if isinstance(exc, (botocore.exceptions.ConnectionClosedError, botocore.exceptions.HTTPClientError)):
+        return Unavailable(f"{what}: connection failed")
+    if isinstance(exc, botocore.exceptions.BotoCoreError):
+        return Unavailable(f"{what}: {type(exc).__name__}")
+    return StoreError(f"{what}: {type(exc).__name__}")
+
+
+class S3Store:
+    """ObjectStore over boto3; thread-safe (one client, a connection pool sized to concurrency)."""
+
+    def __init__(self, cfg: StoreConfig):
+        self.cfg = cfg
+        self.bucket = cfg.bucket
+        try:
+            session = boto3.session.Session(profile_name=cfg.profile) if cfg.profile else boto3.session.Session()
+        except botocore.exceptions.ProfileNotFound as exc:
+            raise AccessDenied(f"profile {cfg.profile!r} not found") from exc
+        config = botocore.config.Config(
+            max_pool_connections=cfg.max_concurrency + 8,
+            connect_timeout=cfg.connect_timeout,
+            read_timeout=cfg.request_timeout,
+            retries={"mode": "standard", "max_attempts": cfg.max_attempts},
+            s3={"addressing_style": "path" if cfg.endpoint_url else "auto"},
+            tcp_keepalive=True,
+        )
+        self._client = session.client("s3", endpoint_url=cfg.endpoint_url, region_name=cfg.region, config=config)
+
+    def check(self) -> None:
+        """Fail early, with one clear reason, on a missing bucket, bad credentials or no store."""
+        what = f"bucket {self.bucket!r}"
+        try:
+            self._client.list_objects_v2(Bucket=self.bucket, Prefix=self.cfg.prefix, MaxKeys=1)
+        except Exception as exc:  # noqa: BLE001 - translated below
+            raise _translate(exc, what) from None
+
+    def list_dir(self, prefix: str) -> Iterator[Listing]:
+        paginator = self._client.get_paginator("list_objects_v2")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix, Delimiter="/"):
+                yield Listing(
+                    files=[_info(item) for item in page.get("Contents", ())],
+                    dirs=[p["Prefix"] for p in page.get("CommonPrefixes", ())],
+                )
+        except botocore.exceptions.BotoCoreError as exc:
+            raise _translate(exc, f"list {prefix!r}") from None
+        except botocore.exceptions.ClientError as exc:
+            raise _translate(exc, f"list {prefix!r}") from None
+
+    def list_all(self, prefix: str) -> Iterator[ObjectInfo]:
+        paginator = self._client.get_paginator("list_objects_v2")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+                for item in page.get("Contents", ()):
+                    yield _info(item)
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+            raise _translate(exc, f"list {prefix!r}") from None
+
+    def head(self, key: str) -> ObjectInfo | None:
+        try:
+            resp = self._client.head_object(Bucket=self.bucket, Key=key)
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+            err = _translate(exc, f"head {key!r}")
+            if isinstance(err, NotFound):
+                return None
+            raise err from None
+        return ObjectInfo(key, resp["ContentLength"], resp["ETag"], resp["LastModified"].timestamp())
+
+    def has_prefix(self, prefix: str) -> bool:
+        try:
+            resp = self._client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, MaxKeys=1)
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+            raise _translate(exc, f"list {prefix!r}") from None
+        return resp.get("KeyCount", 0) > 0
+
+    def get_range(self, key: str, start: int, end: int, etag: str) -> bytearray:
+        """Bytes [start, end) of the version `etag` of `key`, into one preallocated buffer."""
+        what = f"get {key!r}"
+        length = end - start
+        buf = bytearray(length)
+        if length == 0:
+            return buf
+        try:
+            resp = self._client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=etag)
+            if resp.get("ETag") not in (None, etag):
+                raise PreconditionFailed(f"{what}: object changed since it was listed")
+            body = resp["Body"]
+            view = memoryview(buf)
+            pos = 0
+            try:
+                while pos < length:
+                    n = body.readinto(view[pos:])
+                    if not n:
+                        break
+                    pos += n
+            finally:
+                body.close()
+        except StoreError:
+            raise
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+            raise _translate(exc, what) from None
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            raise TransientError(f"{what}: {type(exc).__name__} while reading the body") from None
+        if pos != length:
+            raise TransientError(f"{what}: short body ({pos} of {length} bytes)")
+        return buf
+
+
+def _info(item: dict) -> ObjectInfo:
+    return ObjectInfo(item["Key"], item["Size"], item.get("ETag", ""), item["LastModified"].timestamp())
