@@ -5,6 +5,7 @@ Knows nothing of FUSE: the filesystem adapter and the control API both sit on to
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Awaitable, Callable
 
@@ -47,6 +48,7 @@ class DataPath:
                     errors[sample.labels["kind"]] = int(sample.value)
         gets = sum(m.value(m.get_requests, kind=k) for k in ("demand", "prefetch"))
         return {
+            "pid": os.getpid(),
             "mountpoint": self.cfg.mountpoint,
             "bucket": self.cfg.store.bucket,
             "prefix": self.cfg.store.prefix,

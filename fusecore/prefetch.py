@@ -11,9 +11,9 @@ from .blocks import block_count, block_span
 class ReadAhead:
     """Sequential detector for one open file.
 
-    A read is sequential when it starts in the block the previous reads reached, or one block
-    either side (the kernel issues readahead requests concurrently, so they may arrive slightly
-    out of order). Each time a sequential reader enters a new block the window doubles, up to
+    A read is sequential when it starts between the block before the furthest block read so far
+    and the end of the current window (the kernel issues readahead requests concurrently, so they
+    may arrive slightly out of order, and a reader may skip ahead inside what was prefetched). Each time a sequential reader enters a new block the window doubles, up to
     `max_window_blocks`; any other read is a seek and resets the window to zero, so random access
     fetches only what it asks for.
     """
@@ -37,7 +37,7 @@ class ReadAhead:
         if self._frontier is None:
             self.window = self.initial_window if offset == 0 else 0
             self._frontier = last
-        elif self._frontier - 1 <= first <= self._frontier + 1:
+        elif self._frontier - 1 <= first <= self._frontier + max(1, self.window):
             if last > self._frontier:
                 self.window = min(self.max_window, max(1, self.window * 2))
                 self._frontier = last

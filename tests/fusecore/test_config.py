@@ -1,0 +1,50 @@
+import math
+
+import pytest
+
+from fusecore.config import ConfigError, MountConfig, StoreConfig, parse_s3_url, parse_size, parse_ttl
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("4GiB", 4 * 1024**3), ("512MiB", 512 * 1024**2), ("64M", 64_000_000), ("1000", 1000),
+    ("1.5GiB", int(1.5 * 1024**3)), ("8mib", 8 * 1024**2), (123, 123),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "4 parsecs", "-1", "1e3"])
+def test_parse_size_rejects_with_the_setting_named(text):
+    with pytest.raises(ConfigError, match="cache-size"):
+        parse_size(text, name="cache-size")
+
+
+def test_parse_ttl():
+    assert parse_ttl("forever") == math.inf
+    assert parse_ttl("2.5") == 2.5
+    with pytest.raises(ConfigError):
+        parse_ttl("soon")
+    with pytest.raises(ConfigError):
+        parse_ttl("-1")
+
+
+def test_parse_s3_url():
+    assert parse_s3_url("s3://b") == ("b", "")
+    assert parse_s3_url("s3://b/p/q/") == ("b", "p/q/")
+    with pytest.raises(ConfigError):
+        parse_s3_url("http://b")
+    with pytest.raises(ConfigError):
+        parse_s3_url("s3:///p")
+
+
+def test_mount_config_validates_knobs():
+    store = StoreConfig(bucket="b")
+    with pytest.raises(ConfigError, match="block-size"):
+        MountConfig(store=store, block_size=1024)
+    with pytest.raises(ConfigError, match="cache-size"):
+        MountConfig(store=store, cache_size=1024**2, block_size=1024**2)
+    with pytest.raises(ConfigError, match="max-concurrency"):
+        MountConfig(store=StoreConfig(bucket="b", max_concurrency=0))
+    cfg = MountConfig(store=store, cache_size=64 * 1024**2, block_size=1024**2)
+    assert cfg.inflight_limit <= cfg.cache_size // 2
+    assert cfg.prefetch_limit <= cfg.cache_size // 2

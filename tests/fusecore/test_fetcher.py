@@ -1,0 +1,181 @@
+"""The fetch scheduler against the fake store: dedup, bounds, retries, changed objects, deadlines."""
+
+import time
+
+import pytest
+import trio
+
+from fusecore.blocks import BlockKey
+from fusecore.cache import BlockCache
+from fusecore.fetcher import Fetcher
+from fusecore.metrics import MountMetrics
+from fusecore.store import AccessDenied, PreconditionFailed, Unavailable
+from tests.support.fakestore import FakeStore
+
+KiB = 1024
+BLOCK = 64 * KiB
+
+
+def make(store, *, budget=8 * 1024 * KiB, concurrency=4, inflight=1024 * KiB, retries=2, deadline=10.0):
+    cache = BlockCache(budget)
+    fetcher = Fetcher(store, cache, MountMetrics(), block_size=BLOCK, max_concurrency=concurrency,
+                      inflight_limit=inflight, read_retries=retries, read_deadline=deadline)
+    return fetcher, cache
+
+
+def run(fn):
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await fn(nursery)
+            nursery.cancel_scope.cancel()
+    trio.run(main)
+
+
+def test_concurrent_readers_of_one_block_share_one_get():
+    store = FakeStore()
+    info = store.put("k", bytes(range(256)) * 1024)
+    store.faults.latency = 0.05
+    fetcher, _ = make(store)
+    results = []
+
+    async def body(nursery):
+        fetcher.start(nursery)
+
+        async def reader():
+            data, _ = await fetcher.block(info, 1)
+            results.append(bytes(data))
+
+        async with trio.open_nursery() as inner:
+            for _ in range(20):
+                inner.start_soon(reader)
+
+    run(body)
+    assert store.calls["get"] == 1
+    assert all(r == (bytes(range(256)) * 1024)[BLOCK:2 * BLOCK] for r in results)
+    assert len(results) == 20
+
+
+def test_concurrency_and_inflight_bytes_are_bounded():
+    store = FakeStore()
+    info = store.put("big", b"x" * (64 * BLOCK))
+    store.faults.latency = 0.02
+    fetcher, cache = make(store, concurrency=3, inflight=5 * BLOCK)
+    peak_reserved = []
+
+    async def body(nursery):
+        fetcher.start(nursery)
+
+        async def watch():
+            while True:
+                peak_reserved.append(cache.stats().reserved)
+                await trio.sleep(0.005)
+
+        nursery.start_soon(watch)
+        async with trio.open_nursery() as inner:
+            for i in range(64):
+                inner.start_soon(fetcher.block, info, i)
+
+    run(body)
+    assert store.max_active <= 3
+    assert max(peak_reserved) <= 5 * BLOCK
+    assert store.calls["get"] == 64
+
+
+def test_transient_failures_are_retried_then_succeed():
+    store = FakeStore()
+    info = store.put("k", b"abc" * 50_000)
+    store.faults.transient = 2  # e.g. 503 SlowDown / reset that survived botocore's own retries
+    fetcher, _ = make(store, retries=2)
+    out = []
+
+    async def body(nursery):
+        fetcher.start(nursery)
+        out.append(await fetcher.block(info, 0))
+
+    run(body)
+    assert bytes(out[0][0]) == (b"abc" * 50_000)[:BLOCK]
+    assert store.calls["get"] == 3
+
+
+def test_persistent_failures_give_up_with_an_error_not_a_hang():
+    store = FakeStore()
+    info = store.put("k", b"abc" * 50_000)
+    store.faults.transient = 100
+    fetcher, _ = make(store, retries=2)
+
+    async def body(nursery):
+        fetcher.start(nursery)
+        with pytest.raises(Exception) as err:
+            await fetcher.block(info, 0)
+        assert err.value.kind in ("transient", "unavailable")
+
+    run(body)
+    assert store.calls["get"] == 3
+
+
+def test_a_store_that_stops_answering_fails_the_read_within_the_deadline():
+    store = FakeStore()
+    info = store.put("k", b"abc" * 50_000)
+    store.faults.hang = 3.0
+    fetcher, _ = make(store, deadline=0.5)
+
+    async def body(nursery):
+        fetcher.start(nursery)
+        started = time.monotonic()
+        with pytest.raises(Unavailable):
+            await fetcher.block(info, 0)
+        assert time.monotonic() - started < 2.0
+
+    run(body)
+
+
+def test_a_changed_object_fails_and_drops_its_cached_blocks():
+    store = FakeStore()
+    old = store.put("k", b"1" * (3 * BLOCK))
+    fetcher, cache = make(store)
+
+    async def body(nursery):
+        fetcher.start(nursery)
+        await fetcher.block(old, 0)
+        assert BlockKey("k", old.etag, 0) in cache
+        store.put("k", b"2" * (3 * BLOCK))  # overwritten behind our back
+        with pytest.raises(PreconditionFailed):
+            await fetcher.block(old, 1)
+        assert BlockKey("k", old.etag, 0) not in cache, "never mix bytes of two versions"
+        new = store.info("k")
+        data, _ = await fetcher.block(new, 1)
+        assert bytes(data) == b"2" * BLOCK
+
+    run(body)
+
+
+def test_access_denied_is_reported_as_such():
+    store = FakeStore()
+    info = store.put("secret", b"s" * 10)
+    store.faults.denied_keys.add("secret")
+    fetcher, _ = make(store)
+
+    async def body(nursery):
+        fetcher.start(nursery)
+        with pytest.raises(AccessDenied):
+            await fetcher.block(info, 0)
+
+    run(body)
+
+
+def test_unwanted_prefetches_are_skipped_and_wanted_ones_land_in_the_cache():
+    store = FakeStore()
+    info = store.put("k", b"z" * (20 * BLOCK))
+    store.faults.latency = 0.01
+    fetcher, cache = make(store, concurrency=1)
+
+    async def body(nursery):
+        fetcher.start(nursery)
+        for i in range(10):
+            fetcher.prefetch(info, i, wanted=lambda: False)
+        fetcher.prefetch(info, 15)
+        await trio.sleep(0.3)
+        assert BlockKey("k", info.etag, 15) in cache
+
+    run(body)
+    assert store.calls["get"] == 1

@@ -1,0 +1,264 @@
+"""End to end: the real `stoker mount` CLI, a real kernel FUSE mount, a real S3 API (moto)."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from stoker.s3server import MotoServer
+from tests.conftest import requires_fuse
+from tests.support.faultproxy import FaultProxy
+
+pytestmark = [pytest.mark.integration, requires_fuse]
+MiB = 1024 * 1024
+
+
+def put(s3, bucket, key, data):
+    s3.put_object(Bucket=bucket, Key=key, Body=data)
+    return data
+
+
+def read_whole(path, chunk=1 * MiB):
+    out = bytearray()
+    with open(path, "rb", buffering=0) as f:
+        while piece := f.read(chunk):
+            out += piece
+    return bytes(out)
+
+
+def test_sequential_random_and_concurrent_reads_match_the_objects(s3, bucket, mounts):
+    big = put(s3, bucket, "shards/big.tar", random.Random(1).randbytes(40 * MiB + 12345))
+    mp = mounts.mount(f"s3://{bucket}", "--cache-size", "256MiB", "--block-size", "1MiB")
+    path = os.path.join(mp, "shards/big.tar")
+    assert os.path.getsize(path) == len(big)
+    assert hashlib.sha256(read_whole(path)).digest() == hashlib.sha256(big).digest()
+
+    rng = random.Random(2)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for _ in range(200):
+            off = rng.randrange(0, len(big))
+            size = rng.choice([1, 4096, 100_000, 256 * 1024, 3 * MiB])
+            assert os.pread(fd, size, off) == big[off:off + size]
+    finally:
+        os.close(fd)
+
+    with ThreadPoolExecutor(6) as pool:
+        digests = list(pool.map(lambda _: hashlib.sha256(read_whole(path, 128 * 1024)).digest(), range(6)))
+    assert set(digests) == {hashlib.sha256(big).digest()}
+
+
+def test_many_small_files_read_concurrently_and_listing_sends_no_head(s3, bucket, mounts):
+    files = {f"imgs/{i:04d}.jpg": random.Random(i).randbytes(random.Random(i).randint(50_000, 150_000))
+             for i in range(300)}
+    for key, data in files.items():
+        put(s3, bucket, key, data)
+    mp = mounts.mount(f"s3://{bucket}")
+    names = sorted(os.listdir(os.path.join(mp, "imgs")))
+    assert names == sorted(k.split("/")[1] for k in files)
+    sizes = {e.name: e.stat().st_size for e in os.scandir(os.path.join(mp, "imgs"))}
+    assert sizes == {k.split("/")[1]: len(v) for k, v in files.items()}
+    stats = mounts.stats(mp)
+    # One HEAD (+ one LIST) resolved "imgs" itself; the 300 files cost no HEAD at all.
+    assert stats["requests"]["head"] <= 1, "ls -l of the directory sends no HEAD per file"
+
+    order = list(files)
+    random.Random(3).shuffle(order)
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda k: read_whole(os.path.join(mp, k)), order))
+    assert all(g == files[k] for k, g in zip(order, got))
+    assert mounts.stats(mp)["requests"]["get"] == len(files), "each small file is fetched whole in one GET"
+
+
+def test_second_epoch_is_served_without_new_gets(s3, bucket, mounts):
+    data = {f"d/{i}": random.Random(i).randbytes(3 * MiB + i) for i in range(4)}
+    for k, v in data.items():
+        put(s3, bucket, k, v)
+    # Without the kernel page cache every read reaches Stoker, so this checks Stoker's own cache.
+    mp = mounts.mount(f"s3://{bucket}", "--no-kernel-cache", "--cache-size", "128MiB", "--block-size", "1MiB")
+    for k, v in data.items():
+        assert read_whole(os.path.join(mp, k)) == v
+    first = mounts.stats(mp)
+    for k, v in data.items():
+        assert read_whole(os.path.join(mp, k)) == v
+    second = mounts.stats(mp)
+    assert second["requests"]["get"] == first["requests"]["get"]
+    assert second["bytes_served"]["cache"] - first["bytes_served"]["cache"] == sum(map(len, data.values()))
+
+
+def test_kernel_page_cache_serves_a_reopened_unchanged_file(s3, bucket, mounts):
+    v = put(s3, bucket, "f", random.Random(9).randbytes(2 * MiB))
+    mp = mounts.mount(f"s3://{bucket}")
+    assert read_whole(os.path.join(mp, "f")) == v
+    served = mounts.stats(mp)["bytes_served"]
+    assert read_whole(os.path.join(mp, "f")) == v
+    assert mounts.stats(mp)["bytes_served"] == served, "keep_cache: no FUSE read for the second open"
+
+
+def test_writes_are_refused_with_erofs(s3, bucket, mounts):
+    put(s3, bucket, "f", b"data")
+    mp = mounts.mount(f"s3://{bucket}")
+    for action in (lambda: open(os.path.join(mp, "f"), "wb"), lambda: open(os.path.join(mp, "new"), "wb"),
+                   lambda: os.mkdir(os.path.join(mp, "d")), lambda: os.unlink(os.path.join(mp, "f"))):
+        with pytest.raises(OSError) as err:
+            action()
+        assert err.value.errno == errno.EROFS
+
+
+def test_prefix_mount_and_odd_keys_do_not_crash(s3, bucket, mounts):
+    for key in ["root/a.txt", "root//double", "root/./dot", "root/dup", "root/dup/inner", "root/dir/", "other/x",
+                "root/ünïcode ✓.txt"]:
+        put(s3, bucket, key, key.encode())
+    mp = mounts.mount(f"s3://{bucket}/root")
+    assert sorted(os.listdir(mp)) == sorted(["a.txt", "dup", "dir", "ünïcode ✓.txt"])
+    assert os.path.isdir(os.path.join(mp, "dup"))
+    assert read_whole(os.path.join(mp, "dup", "inner")) == b"root/dup/inner"
+    assert read_whole(os.path.join(mp, "ünïcode ✓.txt")) == "root/ünïcode ✓.txt".encode()
+    assert not os.path.exists(os.path.join(mp, "x"))
+
+
+def test_changed_object_fails_with_eio_and_new_version_appears_after_ttl(s3, bucket, mounts):
+    old = put(s3, bucket, "f", b"A" * (4 * MiB))
+    mp = mounts.mount(f"s3://{bucket}", "--metadata-ttl", "1", "--block-size", "1MiB", "--no-kernel-cache")
+    path = os.path.join(mp, "f")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert os.pread(fd, 1000, 0) == old[:1000]
+        time.sleep(0.5)  # let the first block's prefetch settle
+        put(s3, bucket, "f", b"B" * (4 * MiB))
+        with pytest.raises(OSError) as err:
+            for off in range(MiB, 4 * MiB, MiB):  # a block not fetched before the change
+                chunk = os.pread(fd, 1000, off)
+                assert chunk == old[off:off + 1000], "never a mix of two versions"
+        assert err.value.errno == errno.EIO
+    finally:
+        os.close(fd)
+    time.sleep(1.5)
+    assert read_whole(path) == b"B" * (4 * MiB)
+
+
+def test_object_deleted_after_listing_gives_enoent(s3, bucket, mounts):
+    put(s3, bucket, "gone", b"x" * 1000)
+    mp = mounts.mount(f"s3://{bucket}", "--metadata-ttl", "forever")
+    assert os.listdir(mp) == ["gone"]
+    s3.delete_object(Bucket=bucket, Key="gone")
+    with pytest.raises(OSError) as err:
+        read_whole(os.path.join(mp, "gone"))
+    assert err.value.errno == errno.ENOENT
+
+
+def test_missing_bucket_fails_before_mounting_with_one_line(mounts):
+    result = mounts.run("s3://no-such-bucket-xyz")
+    assert result.returncode != 0
+    assert "does not exist" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not os.path.ismount(result.mountpoint)
+
+
+def test_wrong_credentials_fail_before_mounting_and_the_secret_is_never_printed(mounts, tmp_path):
+    with MotoServer(env={"INITIAL_NO_AUTH_ACTION_COUNT": "1"}) as server:
+        import boto3
+        boto3.client("s3", endpoint_url=server.endpoint).create_bucket(Bucket="guarded")
+        secret = "very-secret-value-123"
+        result = mounts.run("s3://guarded", "--log-level", "DEBUG", endpoint=server.endpoint,
+                            env={"AWS_SECRET_ACCESS_KEY": secret})
+    assert result.returncode != 0
+    assert "access denied" in result.stderr.lower()
+    assert not os.path.ismount(result.mountpoint)
+    logs = "".join(p.read_text() for p in tmp_path.glob("*.log"))
+    assert secret not in result.stderr + result.stdout + logs
+
+
+def test_unreachable_endpoint_fails_quickly(mounts):
+    started = time.monotonic()
+    result = mounts.run("s3://b", "--max-attempts", "2", endpoint="http://127.0.0.1:9")
+    assert result.returncode != 0 and "endpoint" in result.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_reads_fail_in_bounded_time_when_the_store_stops_answering(s3, bucket, mounts, moto_server):
+    put(s3, bucket, "f", b"z" * (2 * MiB))
+    with FaultProxy(moto_server.endpoint) as proxy:
+        mp = mounts.mount(f"s3://{bucket}", "--request-timeout", "1", "--max-attempts", "2",
+                          "--read-deadline", "4", endpoint=proxy.endpoint)
+        os.listdir(mp)
+        proxy.set("blackhole")
+        started = time.monotonic()
+        with pytest.raises(OSError) as err:
+            read_whole(os.path.join(mp, "f"))
+        assert err.value.errno == errno.EIO
+        assert time.monotonic() - started < 15
+        proxy.set("pass")
+        assert read_whole(os.path.join(mp, "f")) == b"z" * (2 * MiB), "the mount recovers with the store"
+
+
+def test_slowdown_and_broken_bodies_are_retried_transparently(s3, bucket, mounts, moto_server):
+    data = put(s3, bucket, "f", random.Random(5).randbytes(3 * MiB))
+    with FaultProxy(moto_server.endpoint) as proxy:
+        mp = mounts.mount(f"s3://{bucket}", "--block-size", "1MiB", endpoint=proxy.endpoint)
+        os.listdir(mp)
+        proxy.set("slowdown", 3)
+        assert read_whole(os.path.join(mp, "f")) == data
+        assert proxy.faults_served == 3
+    data2 = put(s3, bucket, "g", random.Random(6).randbytes(3 * MiB))
+    with FaultProxy(moto_server.endpoint) as proxy:
+        mp2 = mounts.mount(f"s3://{bucket}", "--block-size", "1MiB", endpoint=proxy.endpoint)
+        os.listdir(mp2)
+        proxy.set("reset", 2)
+        assert read_whole(os.path.join(mp2, "g")) == data2
+        assert mounts.stats(mp2)["requests"]["body_retries"] >= 1
+
+
+def test_stats_warm_drop_and_metrics(s3, bucket, mounts):
+    data = {f"w/{i}": random.Random(i).randbytes(MiB + i) for i in range(5)}
+    for k, v in data.items():
+        put(s3, bucket, k, v)
+    port = 20000 + os.getpid() % 20000
+    mp = mounts.mount(f"s3://{bucket}", "--metrics-port", str(port), "--no-kernel-cache")
+    stoker = [sys.executable, "-m", "stoker"]
+    warm = subprocess.run([*stoker, "warm", mp, "w"], capture_output=True, text=True, timeout=60)
+    assert warm.returncode == 0, warm.stderr
+    assert "warmed 5 files" in warm.stdout
+    gets = mounts.stats(mp)["requests"]["get"]
+    for k, v in data.items():
+        assert read_whole(os.path.join(mp, k)) == v
+    assert mounts.stats(mp)["requests"]["get"] == gets, "warmed files need no GET"
+
+    text = subprocess.run([*stoker, "stats", mp], capture_output=True, text=True).stdout
+    assert "hit ratio" in text
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for name in ("stoker_bytes_served_total", "stoker_get_latency_seconds_bucket", "stoker_cache_bytes",
+                 "stoker_cache_budget_bytes", "stoker_inflight_requests", "stoker_cache_hit_ratio"):
+        assert name in metrics
+
+    drop = subprocess.run([*stoker, "drop", mp], capture_output=True, text=True)
+    assert drop.returncode == 0 and mounts.stats(mp)["cache"]["bytes"] == 0
+
+
+def test_foreground_mount_unmounts_cleanly_on_sigterm(s3, bucket, tmp_path, moto_server):
+    put(s3, bucket, "f", b"hello")
+    mp = tmp_path / "fg"
+    mp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "stoker", "mount", f"s3://{bucket}", str(mp), "--foreground",
+                             "--endpoint-url", moto_server.endpoint], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.ismount(mp) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert read_whole(str(mp / "f")) == b"hello"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert not os.path.ismount(mp)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            subprocess.run(["fusermount3", "-uz", str(mp)])

@@ -1,0 +1,105 @@
+"""The namespace against the fake store: listings, name rules, targeted lookups, TTL."""
+
+import pytest
+import trio
+
+from fusecore.metrics import MountMetrics
+from fusecore.namespace import LIST_AFTER_LOOKUPS, ROOT_INODE, Namespace, valid_name
+from fusecore.store import NotFound
+from tests.support.fakestore import FakeStore
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+async def _direct(fn, *args):
+    return fn(*args)
+
+
+def ns_for(store, prefix="", ttl=60.0, clock=None):
+    return Namespace(store, prefix, ttl, MountMetrics(), run_sync=_direct, clock=clock or Clock())
+
+
+def test_listing_gives_sizes_and_etags_without_any_head():
+    store = FakeStore(page_size=7)
+    for i in range(50):
+        store.put(f"data/train/{i:03d}.jpg", b"x" * i)
+    store.put("data/train/sub/a", b"a")
+    ns = ns_for(store, prefix="data/")
+
+    async def go():
+        await ns.readdir(ROOT_INODE)  # like `ls -l` from the mount root down
+        train = await ns.lookup(ROOT_INODE, "train")
+        return await ns.readdir(train.inode)
+
+    entries = trio.run(go)
+    names = [name for name, _ in entries]
+    assert names == sorted([f"{i:03d}.jpg" for i in range(50)] + ["sub"])
+    sizes = {name: node.info.size for name, node in entries if not node.is_dir}
+    assert sizes["007.jpg"] == 7
+    assert store.calls["head"] == 0
+    assert store.calls["list_dir"] == 2  # root once, train once (paginated inside)
+
+
+def test_invalid_names_are_skipped_and_a_prefix_wins_over_an_object():
+    store = FakeStore()
+    for key in ["ok", "a//b", "./x", "../y", "dup", "dup/child", "long" + "n" * 300, "dir/", "dir/inside"]:
+        store.put(key, b"1")
+    ns = ns_for(store)
+
+    async def go():
+        return {name: node for name, node in await ns.readdir(ROOT_INODE)}
+
+    entries = trio.run(go)
+    assert set(entries) == {"ok", "a", "dup", "dir"}
+    assert entries["dup"].is_dir
+    assert ns.skipped_names >= 3
+
+
+@pytest.mark.parametrize("name,ok", [("a", True), ("", False), (".", False), ("..", False), ("a\0b", False),
+                                     ("x" * 255, True), ("x" * 256, False), ("é" * 128, False)])
+def test_valid_name(name, ok):
+    assert valid_name(name) is ok
+
+
+def test_lookup_in_an_unlisted_directory_uses_one_head_and_one_list_then_lists_it():
+    store = FakeStore()
+    for i in range(30):
+        store.put(f"imgs/{i}.jpg", b"x")
+    ns = ns_for(store)
+
+    async def go():
+        root_child = await ns._resolve(ns.node(ROOT_INODE), "imgs")
+        node = await ns.lookup(root_child.inode, "3.jpg")
+        assert node.info.size == 1 and store.calls["head"] == 2
+        with pytest.raises(NotFound):
+            await ns.lookup(root_child.inode, "missing.jpg")
+        for i in range(LIST_AFTER_LOOKUPS + 2):
+            await ns.lookup(root_child.inode, f"{i}.jpg")
+        return store.calls["list_dir"]
+
+    assert trio.run(go) == 1, "after a few targeted lookups the directory is listed once"
+
+
+def test_changes_are_picked_up_after_the_ttl_only():
+    store = FakeStore()
+    store.put("f", b"old")
+    clock = Clock()
+    ns = ns_for(store, ttl=10, clock=clock)
+
+    async def go():
+        first = await ns.lookup(ROOT_INODE, "f")
+        store.put("f", b"newer")
+        clock.now += 5
+        assert (await ns.lookup(ROOT_INODE, "f")).info.size == 3
+        clock.now += 6
+        second = await ns.lookup(ROOT_INODE, "f")
+        assert second.inode == first.inode, "inode numbers are stable"
+        assert second.info.size == 5
+
+    trio.run(go)

@@ -1,0 +1,63 @@
+from hypothesis import given, strategies as st
+
+from fusecore.prefetch import ReadAhead
+
+MiB = 1024 * 1024
+
+
+def sequential(ra: ReadAhead, chunk: int, total: int) -> list[range]:
+    return [ra.on_read(off, chunk) for off in range(0, total, chunk)]
+
+
+def test_window_doubles_on_each_new_block_and_stops_at_the_cap():
+    ra = ReadAhead(file_size=1024 * MiB, block_size=MiB, max_window_blocks=16)
+    windows = []
+    for off in range(0, 40 * MiB, MiB):
+        ra.on_read(off, MiB)
+        windows.append(ra.window)
+    assert windows[:6] == [1, 2, 4, 8, 16, 16]
+    assert max(windows) == 16
+
+
+def test_sequential_reader_gets_every_following_block_exactly_once():
+    ra = ReadAhead(file_size=64 * MiB + 5, block_size=MiB, max_window_blocks=8)
+    issued = [i for r in sequential(ra, 128 * 1024, 64 * MiB + 5) for i in r]
+    assert sorted(issued) == list(range(1, 65)), "blocks 1..64 (the short last one too), none twice"
+
+
+def test_random_reads_prefetch_nothing():
+    ra = ReadAhead(file_size=1024 * MiB, block_size=MiB, max_window_blocks=64)
+    for off in (500 * MiB, 3 * MiB, 900 * MiB, 100 * MiB, 42 * MiB):
+        assert list(ra.on_read(off, 256 * 1024)) == []
+
+
+def test_seek_resets_the_window():
+    ra = ReadAhead(file_size=1024 * MiB, block_size=MiB, max_window_blocks=64)
+    sequential(ra, MiB, 10 * MiB)
+    assert ra.window > 1
+    assert list(ra.on_read(700 * MiB, MiB)) == []
+    assert ra.window == 0
+    assert list(ra.on_read(701 * MiB, MiB)) == [702]  # sequential again: the window grows from one
+
+
+def test_slightly_reordered_kernel_reads_still_count_as_sequential():
+    ra = ReadAhead(file_size=1024 * MiB, block_size=MiB, max_window_blocks=64)
+    for off in (0, MiB, 3 * MiB, 2 * MiB, 4 * MiB):
+        ra.on_read(off, MiB)
+    assert ra.window >= 8
+
+
+@given(reads=st.lists(st.tuples(st.integers(0, 200), st.integers(1, 3 * 4096)), max_size=60),
+       file_blocks=st.integers(1, 50), window=st.integers(0, 16))
+def test_never_prefetches_past_the_end_or_what_is_being_read(reads, file_blocks, window):
+    block = 4096
+    file_size = file_blocks * block - 7
+    ra = ReadAhead(file_size, block, window)
+    last = (file_size - 1) // block
+    for start_block, size in reads:
+        offset = start_block * block // 4
+        ahead = ra.on_read(offset, size)
+        for index in ahead:
+            assert 0 <= index <= last
+            assert index > (min(offset + size, file_size) - 1) // block
+        assert len(ahead) <= max(window, 0)

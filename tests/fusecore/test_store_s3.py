@@ -1,0 +1,111 @@
+"""S3Store against a real S3 HTTP API (moto server), with faults injected on real sockets."""
+
+import time
+
+import pytest
+
+from fusecore.config import StoreConfig
+from fusecore.store import AccessDenied, BucketNotFound, NotFound, PreconditionFailed, S3Store, Unavailable
+from stoker.s3server import MotoServer
+from tests.support.faultproxy import FaultProxy
+
+pytestmark = pytest.mark.integration
+
+
+def store_for(endpoint, bucket, **kw):
+    return S3Store(StoreConfig(bucket=bucket, endpoint_url=endpoint, region="us-east-1", **kw))
+
+
+def test_listing_is_paginated_and_split_into_files_and_prefixes(s3, bucket, moto_server):
+    for i in range(1005):
+        s3.put_object(Bucket=bucket, Key=f"many/{i:05d}", Body=b"x" * (i % 7))
+    s3.put_object(Bucket=bucket, Key="many/sub/a", Body=b"a")
+    store = store_for(moto_server.endpoint, bucket)
+    pages = list(store.list_dir("many/"))
+    assert len(pages) >= 2
+    files = [f for p in pages for f in p.files]
+    dirs = [d for p in pages for d in p.dirs]
+    assert len(files) == 1005 and dirs == ["many/sub/"]
+    assert files[3].size == 3 and files[3].etag.startswith('"')
+    assert len(list(store.list_all("many/"))) == 1006
+
+
+def test_range_get_head_and_missing_objects(s3, bucket, moto_server):
+    body = bytes(range(256)) * 100
+    s3.put_object(Bucket=bucket, Key="k", Body=body)
+    store = store_for(moto_server.endpoint, bucket)
+    info = store.head("k")
+    assert info.size == len(body)
+    assert bytes(store.get_range("k", 100, 5000, info.etag)) == body[100:5000]
+    assert store.head("nope") is None
+    with pytest.raises(NotFound):
+        store.get_range("nope", 0, 10, info.etag)
+    assert store.has_prefix("k") and not store.has_prefix("zzz/")
+
+
+def test_if_match_detects_a_changed_object(s3, bucket, moto_server):
+    s3.put_object(Bucket=bucket, Key="k", Body=b"version-1")
+    store = store_for(moto_server.endpoint, bucket)
+    old = store.head("k")
+    s3.put_object(Bucket=bucket, Key="k", Body=b"version-2")
+    with pytest.raises(PreconditionFailed):
+        store.get_range("k", 0, 9, old.etag)
+
+
+def test_check_reports_a_missing_bucket(moto_server):
+    with pytest.raises(BucketNotFound):
+        store_for(moto_server.endpoint, "no-such-bucket-here").check()
+
+
+def test_check_reports_wrong_credentials():
+    with MotoServer(env={"INITIAL_NO_AUTH_ACTION_COUNT": "1"}) as server:
+        import boto3
+        boto3.client("s3", endpoint_url=server.endpoint).create_bucket(Bucket="guarded")
+        with pytest.raises(AccessDenied) as err:
+            store_for(server.endpoint, "guarded").check()
+        assert "testing-secret" not in str(err.value)
+
+
+def test_slowdown_503_is_retried_by_botocore(s3, bucket, moto_server):
+    s3.put_object(Bucket=bucket, Key="k", Body=b"q" * 1000)
+    with FaultProxy(moto_server.endpoint) as proxy:
+        store = store_for(proxy.endpoint, bucket, max_attempts=5)
+        info = store.head("k")
+        proxy.set("slowdown", 2)
+        assert bytes(store.get_range("k", 0, 1000, info.etag)) == b"q" * 1000
+        assert proxy.faults_served == 2
+
+
+def test_slowdown_that_persists_becomes_unavailable(s3, bucket, moto_server):
+    s3.put_object(Bucket=bucket, Key="k", Body=b"q" * 1000)
+    with FaultProxy(moto_server.endpoint) as proxy:
+        store = store_for(proxy.endpoint, bucket, max_attempts=2)
+        info = store.head("k")
+        proxy.set("slowdown", 100)
+        with pytest.raises(Unavailable):
+            store.get_range("k", 0, 1000, info.etag)
+
+
+def test_a_body_cut_short_is_a_transient_error(s3, bucket, moto_server):
+    s3.put_object(Bucket=bucket, Key="k", Body=b"r" * 100_000)
+    with FaultProxy(moto_server.endpoint) as proxy:
+        store = store_for(proxy.endpoint, bucket, max_attempts=1)
+        info = store.head("k")
+        proxy.set("reset", 1)
+        with pytest.raises(Exception) as err:
+            store.get_range("k", 0, 100_000, info.etag)
+        assert err.value.kind in ("transient", "unavailable")
+        assert bytes(store.get_range("k", 0, 100_000, info.etag)) == b"r" * 100_000
+
+
+def test_a_store_that_stops_answering_fails_in_bounded_time(s3, bucket, moto_server):
+    s3.put_object(Bucket=bucket, Key="k", Body=b"r" * 10)
+    with FaultProxy(moto_server.endpoint) as proxy:
+        store = store_for(proxy.endpoint, bucket, max_attempts=1, request_timeout=1.0)
+        info = store.head("k")
+        proxy.set("blackhole")
+        started = time.monotonic()
+        with pytest.raises(Unavailable):
+            store.get_range("k", 0, 10, info.etag)
+        assert time.monotonic() - started < 10
+        proxy.set("pass")

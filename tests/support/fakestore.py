@@ -1,0 +1,113 @@
+"""An in-memory ObjectStore with request counters and fault injection, for data-path tests."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from fusecore.store import (AccessDenied, Listing, NotFound, ObjectInfo, PreconditionFailed, TransientError,
+                            Unavailable)
+
+
+@dataclass
+class Faults:
+    latency: float = 0.0  # seconds added to every GET
+    transient: int = 0  # next N GETs break off mid-body (503 / connection reset after retries)
+    unavailable: int = 0  # next N GETs fail as a store that timed out
+    hang: float = 0.0  # GETs block this long (a store that stopped answering)
+    denied_keys: set[str] = field(default_factory=set)
+
+
+class FakeStore:
+    def __init__(self, page_size: int = 1000):
+        self.objects: dict[str, tuple[bytes, str, float]] = {}
+        self.calls: Counter[str] = Counter()
+        self.faults = Faults()
+        self.page_size = page_size
+        self.active = 0
+        self.max_active = 0
+        self.ranges: list[tuple[str, int, int]] = []
+        self._lock = threading.Lock()
+
+    # ---- set-up helpers ----------------------------------------------------------------------
+    def put(self, key: str, data: bytes) -> ObjectInfo:
+        etag = '"' + hashlib.md5(data).hexdigest() + '"'
+        self.objects[key] = (data, etag, time.time())
+        return self.info(key)
+
+    def info(self, key: str) -> ObjectInfo:
+        data, etag, mtime = self.objects[key]
+        return ObjectInfo(key, len(data), etag, mtime)
+
+    # ---- ObjectStore ---------------------------------------------------------------------------
+    def check(self) -> None:
+        self.calls["check"] += 1
+
+    def list_dir(self, prefix: str):
+        self.calls["list_dir"] += 1
+        files, dirs = [], set()
+        for key in sorted(self.objects):
+            if not key.startswith(prefix):
+                continue
+            rest = key[len(prefix):]
+            if "/" in rest:
+                dirs.add(prefix + rest.split("/", 1)[0] + "/")
+            else:
+                files.append(self.info(key))
+        entries = [(f.key, f) for f in files] + [(d, d) for d in dirs]
+        entries.sort(key=lambda e: e[0])
+        for i in range(0, max(len(entries), 1), self.page_size):
+            chunk = entries[i:i + self.page_size]
+            yield Listing(files=[e for _, e in chunk if isinstance(e, ObjectInfo)],
+                          dirs=[e for _, e in chunk if isinstance(e, str)])
+
+    def list_all(self, prefix: str):
+        self.calls["list_all"] += 1
+        for key in sorted(self.objects):
+            if key.startswith(prefix):
+                yield self.info(key)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        self.calls["head"] += 1
+        return self.info(key) if key in self.objects else None
+
+    def has_prefix(self, prefix: str) -> bool:
+        self.calls["has_prefix"] += 1
+        return any(k.startswith(prefix) for k in self.objects)
+
+    def get_range(self, key: str, start: int, end: int, etag: str) -> bytearray:
+        with self._lock:
+            self.calls["get"] += 1
+            self.ranges.append((key, start, end))
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+            faults = self.faults
+            transient = faults.transient > 0
+            if transient:
+                faults.transient -= 1
+            unavailable = faults.unavailable > 0
+            if unavailable:
+                faults.unavailable -= 1
+        try:
+            if faults.hang:
+                time.sleep(faults.hang)
+            if faults.latency:
+                time.sleep(faults.latency)
+            if key in faults.denied_keys:
+                raise AccessDenied(f"get {key!r}: access denied")
+            if transient:
+                raise TransientError(f"get {key!r}: connection reset")
+            if unavailable:
+                raise Unavailable(f"get {key!r}: timed out")
+            if key not in self.objects:
+                raise NotFound(f"get {key!r}: not found")
+            data, current, _ = self.objects[key]
+            if current != etag:
+                raise PreconditionFailed(f"get {key!r}: changed")
+            return bytearray(data[start:end])
+        finally:
+            with self._lock:
+                self.active -= 1
