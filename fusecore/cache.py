@@ -16,13 +16,14 @@ Pure logic, single-threaded: the caller (the trio thread) serialises access.
 
 from __future__ import annotations
 
+import mmap
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Hashable
 
 from .blocks import BlockKey
 
-Buffer = bytes | bytearray | memoryview
+Buffer = bytes | bytearray | memoryview | mmap.mmap
 
 
 @dataclass

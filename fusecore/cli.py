@@ -26,7 +26,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--profile", help="profile from the shared AWS config/credentials files")
     m.add_argument("--cache-size", default="4GiB", help="memory budget of the block cache (default 4GiB)")
     m.add_argument("--block-size", default="4MiB", help="unit of fetch and cache (default 4MiB)")
-    m.add_argument("--max-concurrency", type=int, default=32, help="concurrent GETs (default 32)")
+    m.add_argument("--max-concurrency", type=int, default=64, help="concurrent GETs (default 64)")
     m.add_argument("--max-prefetch", default="256MiB", help="read-ahead per sequential reader (default 256MiB)")
     m.add_argument("--metadata-ttl", default="60", help="seconds to trust listings, or 'forever' (default 60)")
     m.add_argument("--request-timeout", type=float, default=10.0, help="seconds per socket read (default 10)")

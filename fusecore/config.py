@@ -71,7 +71,7 @@ class StoreConfig:
     endpoint_url: str | None = None
     region: str | None = None
     profile: str | None = None
-    max_concurrency: int = 32
+    max_concurrency: int = 64
     connect_timeout: float = 5.0
     request_timeout: float = 10.0  # per socket read; bounds a silent store
     max_attempts: int = 5  # botocore 'standard' retry mode (503 SlowDown, resets, ...)

@@ -71,6 +71,7 @@ class DataPath:
             },
             "inflight": {"requests": self.fetcher.inflight, "bytes": int(m.inflight_bytes._value.get())},
             "open_files": self.reader.open_files,
+            "fuse_reads": {"count": self.reader.read_calls, "bytes_requested": self.reader.read_bytes},
             "errors": errors,
             "skipped_names": self.namespace.skipped_names,
         }

@@ -36,6 +36,8 @@ class Reader:
         self.block_size = block_size
         self.max_window_blocks = max(1, prefetch_limit // block_size)
         self._files: dict[int, OpenFile] = {}
+        self.read_calls = 0
+        self.read_bytes = 0
         self._handles = itertools.count(1)
         self._served_cache = metrics.bytes_served.labels(source="cache")
         self._served_network = metrics.bytes_served.labels(source="network")
@@ -57,6 +59,8 @@ class Reader:
     async def read(self, fh: int, offset: int, size: int) -> Buffer:
         f = self._files[fh]
         info = f.info
+        self.read_calls += 1
+        self.read_bytes += size
         span = block_span(offset, size, info.size, self.block_size)
         if not span:
             return b""

@@ -1,7 +1,58 @@
-"""`stoker bench` (filled in by the benchmark issue)."""
+"""`stoker bench`: Stoker side by side with s3fs-fuse, rclone mount and plain boto3, one run."""
+
+from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import sys
+
+from fusecore.config import parse_size
+
+from .fixture import scratch_dir
+from .report import write
+from .runner import run_all
+from .systems import SYSTEMS
+from .targets import evaluate
+from .workloads import WORKLOADS
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
-    return None
+    p = sub.add_parser("bench", help="benchmark Stoker against s3fs-fuse, rclone and boto3 on an emulated store")
+    p.add_argument("--scale", type=float, default=0.5, help="dataset size factor (1: 1 GiB large objects)")
+    p.add_argument("--out", default="./bench-results", help="output folder (default ./bench-results)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {','.join(SYSTEMS)}")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {','.join(WORKLOADS)}")
+    p.add_argument("--latency-ms", type=float, default=20.0, help="first-byte latency of the store (default 20)")
+    p.add_argument("--bandwidth-mbps", type=float, default=16.0, help="MB/s per connection (default 16)")
+    p.add_argument("--cache-size", default="2GiB", help="Stoker's cache and rclone's cache limit (default 2GiB)")
+    p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs of every system)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    systems = [s for s in args.systems.split(",") if s]
+    workloads = [w for w in args.workloads.split(",") if w]
+    unknown = [s for s in systems if s not in SYSTEMS] + [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        print(f"stoker bench: unknown system or workload: {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    if os.geteuid() != 0 and not shutil.which("fusermount3"):
+        print("stoker bench: FUSE mounts need root or fusermount3", file=sys.stderr)
+        return 2
+    workdir = scratch_dir()
+    try:
+        cells, info = run_all(scale=args.scale, systems=systems, workloads=workloads, workdir=workdir,
+                              latency=args.latency_ms / 1000, bandwidth=args.bandwidth_mbps * 1e6,
+                              cache_bytes=parse_size(args.cache_size, name="cache-size"),
+                              log=lambda line: print(line, flush=True))
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    targets = evaluate(cells, info)
+    paths = write(args.out, cells, info, targets)
+    print()
+    with open(paths["markdown"]) as f:
+        print(f.read())
+    print("written: " + ", ".join(paths.values()))
+    return 1 if any(c.wrong for c in cells) else 0

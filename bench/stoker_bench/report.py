@@ -1,0 +1,117 @@
+"""One Markdown table of ratios to s3fs-fuse, a JSON file, and a PNG chart."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from .runner import Cell, to_dicts
+from .workloads import WORKLOADS
+
+LOWER_IS_BETTER = {"ttfb"}
+
+
+def _ratio(workload: str, value: float | None, base: float | None) -> str:
+    if value is None or not base:
+        return "-"
+    r = base / value if workload in LOWER_IS_BETTER else value / base
+    return f"{r:.2f}×"
+
+
+def markdown(cells: list[Cell], info: dict, targets: list[str]) -> str:
+    by = {(c.workload, c.system, c.run): c for c in cells}
+    systems = list(dict.fromkeys(c.system for c in cells))
+    workloads = list(dict.fromkeys(c.workload for c in cells))
+    lines = [
+        f"Emulated object store: first-byte latency {info['latency_s'] * 1000:.0f} ms, "
+        f"{info['bandwidth_Bps'] / 1e6:.0f} MB/s per connection, scale {info['scale']}, "
+        f"Stoker cache {info['cache_bytes'] / 2**20:.0f} MiB (epochs: {info['epoch_cache_bytes'] / 2**20:.0f} MiB). "
+        f"Fixture ceiling without the cap: {info['store_ceiling_MBps']} MB/s.",
+        "",
+        "| workload | run | " + " | ".join(systems) + " | " + " | ".join(f"{s} vs s3fs" for s in systems if s != "s3fs")
+        + " |",
+        "|---|---|" + "---|" * (len(systems) * 2 - ("s3fs" in systems)),
+    ]
+    for w in workloads:
+        for run in ("cold", "warm"):
+            row = [WORKLOADS[w][0], run]
+            base = by.get((w, "s3fs", run))
+            for s in systems:
+                c = by.get((w, s, run))
+                if c is None:
+                    row.append("n/a" if s == "boto3" and run == "warm" else "-")
+                elif c.value is None:
+                    row.append(c.note.replace("|", "/")[:80])
+                else:
+                    text = f"{c.value:,.1f}"
+                    if c.wrong:
+                        text += " WRONG BYTES"
+                    if c.extra.get("hit_ratio_per_epoch"):
+                        text += " (hits " + "/".join(f"{h:.0%}" for h in c.extra["hit_ratio_per_epoch"]) + ")"
+                    row.append(text)
+            for s in systems:
+                if s == "s3fs":
+                    continue
+                c = by.get((w, s, run))
+                row.append(_ratio(w, c.value if c else None, base.value if base else None))
+            lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Resources per cell (CPU-seconds per GiB delivered / peak RSS MiB / requests / read amplification):", "",
+              "| workload | run | " + " | ".join(systems) + " |", "|---|---|" + "---|" * len(systems)]
+    for w in workloads:
+        for run in ("cold", "warm"):
+            row = [w, run]
+            for s in systems:
+                c = by.get((w, s, run))
+                if c is None or c.value is None:
+                    row.append("-")
+                else:
+                    row.append(f"{_fmt(c.cpu_s_per_gib)} / {_fmt(c.peak_rss_mib)} / {c.requests} / "
+                               f"{_fmt(c.read_amplification)}")
+            lines.append("| " + " | ".join(row) + " |")
+    if targets:
+        lines += ["", "Targets:", ""] + [f"- {t}" for t in targets]
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:g}"
+
+
+def write(out_dir: str, cells: list[Cell], info: dict, targets: list[str]) -> dict[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"markdown": os.path.join(out_dir, "results.md"), "json": os.path.join(out_dir, "results.json"),
+             "png": os.path.join(out_dir, "results.png")}
+    with open(paths["markdown"], "w") as f:
+        f.write(markdown(cells, info, targets))
+    with open(paths["json"], "w") as f:
+        json.dump({"info": info, "cells": to_dicts(cells), "targets": targets}, f, indent=2)
+    try:
+        chart(cells, paths["png"])
+    except ImportError:
+        paths.pop("png")
+    return paths
+
+
+def chart(cells: list[Cell], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = list(dict.fromkeys(c.system for c in cells))
+    workloads = list(dict.fromkeys(c.workload for c in cells))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(3.2 * len(workloads), 3.6), squeeze=False)
+    for ax, w in zip(axes[0], workloads):
+        for i, run in enumerate(("cold", "warm")):
+            values = []
+            for s in systems:
+                c = next((c for c in cells if c.workload == w and c.system == s and c.run == run), None)
+                values.append(c.value if c is not None and c.value is not None else 0)
+            ax.bar([x + i * 0.4 for x in range(len(systems))], values, width=0.4, label=run)
+        ax.set_xticks([x + 0.2 for x in range(len(systems))])
+        ax.set_xticklabels(systems, rotation=45, fontsize=8)
+        ax.set_title(WORKLOADS[w][0], fontsize=8)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

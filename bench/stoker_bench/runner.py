@@ -1,0 +1,180 @@
+"""Runs every workload through every system, cold then warm, and measures each cell."""
+
+from __future__ import annotations
+
+import os
+import resource
+import threading
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+from .fixture import StoreProcess
+from .systems import SYSTEMS, Unavailable
+from .workloads import WORKLOADS, Dataset, Outcome
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+GiB = 1024**3
+
+
+@dataclass
+class Cell:
+    workload: str
+    system: str
+    run: str  # cold | warm
+    value: float | None = None  # the workload's headline figure
+    unit: str = ""
+    seconds: float = 0.0
+    bytes: int = 0
+    cpu_seconds: float | None = None
+    cpu_s_per_gib: float | None = None
+    peak_rss_mib: float | None = None
+    requests: int = 0
+    store_bytes: int = 0
+    read_amplification: float | None = None
+    wrong: int = 0
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _proc_cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def _proc_rss_kib(pid: int, field_name: str = "VmRSS") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+class RssSampler(threading.Thread):
+    """Peak RSS of a process over a window (VmHWM would also count earlier runs)."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.peak, self._done = pid, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            try:
+                self.peak = max(self.peak, _proc_rss_kib(self.pid))
+            except OSError:
+                return
+            self._done.wait(0.05)
+
+    def finish(self) -> float:
+        self._done.set()
+        self.join()
+        return self.peak / 1024
+
+
+def headline(workload: str, o: Outcome) -> tuple[float, str]:
+    if workload == "small":
+        return o.files / o.seconds, "files/s"
+    if workload == "metadata":
+        return o.files / o.seconds, "entries/s"
+    if workload == "ttfb":
+        return o.extra["ttfb_median_ms"], "ms"
+    return o.bytes / o.seconds / 1e6, "MB/s"
+
+
+def measure(system, store: StoreProcess, workload: str, d: Dataset, run_index: int) -> Cell:
+    fn = WORKLOADS[workload][1]
+    cell = Cell(workload, system.name, "cold" if run_index == 0 else "warm")
+    own = not system.is_mount
+    before_cpu = (resource.getrusage(resource.RUSAGE_SELF).ru_utime + resource.getrusage(resource.RUSAGE_SELF).ru_stime
+                  if own else _proc_cpu(system.pid))
+    sampler = None if own else RssSampler(system.pid)
+    if sampler:
+        sampler.start()
+    before = store.stats()
+    outcome = fn(system, d, run_index)
+    after = store.stats()
+    after_cpu = (resource.getrusage(resource.RUSAGE_SELF).ru_utime + resource.getrusage(resource.RUSAGE_SELF).ru_stime
+                 if own else _proc_cpu(system.pid))
+    cell.value, cell.unit = headline(workload, outcome)
+    cell.seconds, cell.bytes, cell.wrong, cell.extra = outcome.seconds, outcome.bytes, outcome.wrong, outcome.extra
+    cell.cpu_seconds = round(after_cpu - before_cpu, 3)
+    if outcome.bytes:
+        cell.cpu_s_per_gib = round(cell.cpu_seconds / (outcome.bytes / GiB), 3)
+    if sampler:
+        cell.peak_rss_mib = round(sampler.finish(), 1)
+    cell.requests = after["requests"] - before["requests"]
+    cell.store_bytes = after["bytes_sent"] - before["bytes_sent"]
+    if outcome.bytes:
+        cell.read_amplification = round(cell.store_bytes / outcome.bytes, 3)
+    return cell
+
+
+def run_all(*, scale: float, systems: list[str], workloads: list[str], workdir: str, latency: float,
+            bandwidth: float, cache_bytes: int, log=print) -> tuple[list[Cell], dict]:
+    d = Dataset.build(scale)
+    cells: list[Cell] = []
+    with StoreProcess({"bench": d.objects()}, latency=latency, bandwidth=bandwidth, workdir=workdir) as store:
+        info = {"scale": scale, "latency_s": latency, "bandwidth_Bps": bandwidth, "cache_bytes": cache_bytes,
+                "epoch_cache_bytes": d.epoch_cache, "objects": len(d.objects()),
+                "store_ceiling_MBps": store_ceiling(d, workdir, latency)}
+        log(f"emulated store at {store.endpoint}: {info['objects']} objects, latency {latency * 1000:.0f} ms, "
+            f"{bandwidth / 1e6:.0f} MB/s per connection; unthrottled ceiling {info['store_ceiling_MBps']} MB/s")
+        for workload in workloads:
+            for name in systems:
+                cache = d.epoch_cache if workload == "epochs" else cache_bytes
+                system = SYSTEMS[name](store.endpoint, "bench", workdir, cache)
+                system.store_stats = store.stats
+                runs = 1 if name == "boto3" else 2
+                try:
+                    system.start()
+                except Unavailable as exc:
+                    for r in range(runs):
+                        cells.append(Cell(workload, name, ("cold", "warm")[r], note=f"cannot run: {exc}"))
+                    log(f"{workload:>8} {name:>7}: cannot run: {exc}")
+                    continue
+                try:
+                    for r in range(runs):
+                        try:
+                            cell = measure(system, store, workload, d, r)
+                        except Exception as exc:  # noqa: BLE001 - a failing peer becomes a note
+                            cell = Cell(workload, name, ("cold", "warm")[r], note=f"failed: {type(exc).__name__}: {exc}")
+                            traceback.print_exc()
+                        cells.append(cell)
+                        log(f"{workload:>8} {name:>7} {cell.run}: "
+                            + (f"{cell.value:.1f} {cell.unit}" if cell.value is not None else cell.note)
+                            + (f", rss {cell.peak_rss_mib} MiB" if cell.peak_rss_mib else "")
+                            + (f", {cell.requests} req, amp {cell.read_amplification}" if cell.value is not None else "")
+                            + (f" WRONG BYTES x{cell.wrong}" if cell.wrong else "")
+                            + (f" {cell.extra}" if cell.extra else ""))
+                finally:
+                    system.stop()
+    return cells, info
+
+
+def store_ceiling(d: Dataset, workdir: str, latency: float) -> float:
+    """How fast the fixture itself serves on this machine with the per-connection cap lifted."""
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    key, size = d.seq[0]
+    n = min(size, 128 * 1024 * 1024)
+    ceiling_dir = os.path.join(workdir, "ceiling")
+    os.makedirs(ceiling_dir, exist_ok=True)
+    with StoreProcess({"bench": dict(d.seq)}, latency=latency, bandwidth=0, workdir=ceiling_dir) as fast:
+        def fetch(i: int) -> int:
+            req = urllib.request.Request(f"{fast.endpoint}/bench/{key}", headers={"Range": f"bytes=0-{n - 1}"})
+            total = 0
+            with urllib.request.urlopen(req, timeout=120) as r:
+                while chunk := r.read(4 << 20):
+                    total += len(chunk)
+            return total
+
+        started = time.monotonic()
+        with ThreadPoolExecutor(8) as pool:
+            total = sum(pool.map(fetch, range(8)))
+        return round(total / (time.monotonic() - started) / 1e6, 1)
+
+
+def to_dicts(cells: list[Cell]) -> list[dict]:
+    return [asdict(c) for c in cells]

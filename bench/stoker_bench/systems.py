@@ -1,0 +1,184 @@
+"""The systems under test: Stoker, s3fs-fuse, rclone mount (FUSE mounts) and plain boto3."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+ACCESS_KEY, SECRET_KEY = "bench", "bench-secret"
+
+
+class Unavailable(RuntimeError):
+    """The system cannot run here; the table says why."""
+
+
+def _wait_mounted(path: str, proc: subprocess.Popen | None, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.ismount(path):
+        if proc is not None and proc.poll() is not None:
+            raise Unavailable(f"exited with status {proc.returncode} before mounting")
+        if time.monotonic() > deadline:
+            raise Unavailable("did not mount in time")
+        time.sleep(0.05)
+
+
+def _unmount(path: str) -> None:
+    if os.path.ismount(path):
+        subprocess.run(["fusermount3", "-u", path], capture_output=True)
+    deadline = time.monotonic() + 20
+    while os.path.ismount(path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if os.path.ismount(path):
+        subprocess.run(["fusermount3", "-uz", path], capture_output=True)
+
+
+def _find_pid(pattern: str) -> int | None:
+    out = subprocess.run(["pgrep", "-n", "-f", pattern], capture_output=True, text=True).stdout.strip()
+    return int(out) if out else None
+
+
+class MountedSystem:
+    name = "?"
+    is_mount = True
+
+    def __init__(self, endpoint: str, bucket: str, workdir: str, cache_bytes: int):
+        self.endpoint = endpoint
+        self.bucket = bucket
+        self.workdir = workdir
+        self.cache_bytes = cache_bytes
+        self.mountpoint = os.path.join(workdir, f"mnt-{self.name}")
+        self.pid: int | None = None
+        self.proc: subprocess.Popen | None = None
+        self.log_path = os.path.join(workdir, f"{self.name}.log")
+
+    def env(self) -> dict:
+        return dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY,
+                    AWS_DEFAULT_REGION="us-east-1")
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        _unmount(self.mountpoint)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        if self.pid and os.path.exists(f"/proc/{self.pid}"):
+            deadline = time.monotonic() + 10
+            while os.path.exists(f"/proc/{self.pid}") and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+    def drop_kernel_cache(self) -> None:
+        """Between cold and warm runs nothing is dropped: warm means every cache may help."""
+
+
+class Stoker(MountedSystem):
+    name = "stoker"
+
+    def start(self) -> None:
+        os.makedirs(self.mountpoint, exist_ok=True)
+        cmd = [sys.executable, "-m", "stoker", "mount", f"s3://{self.bucket}", self.mountpoint,
+               "--endpoint-url", self.endpoint, "--cache-size", str(self.cache_bytes), "--log-file", self.log_path,
+               "--metadata-ttl", "3600"]
+        result = subprocess.run(cmd, env=self.env(), capture_output=True, text=True)
+        if result.returncode != 0:
+            raise Unavailable(result.stderr.strip())
+        from fusecore import control
+
+        self.pid = control.call(control.default_control_socket(self.mountpoint), {"op": "stats"})["pid"]
+
+
+class S3fs(MountedSystem):
+    name = "s3fs"
+
+    def start(self) -> None:
+        if not shutil.which("s3fs"):
+            raise Unavailable("s3fs is not installed (Debian package s3fs)")
+        os.makedirs(self.mountpoint, exist_ok=True)
+        passwd = os.path.join(self.workdir, "s3fs.passwd")
+        with open(passwd, "w") as f:
+            f.write(f"{ACCESS_KEY}:{SECRET_KEY}\n")
+        os.chmod(passwd, 0o600)
+        # Parallel ranged downloads as s3fs documents them: parallel_count x multipart_size.
+        opts = ",".join([f"url={self.endpoint}", "use_path_request_style", f"passwd_file={passwd}", "ro",
+                         "parallel_count=32", "multipart_size=8", "max_stat_cache_size=200000",
+                         "stat_cache_expire=3600", f"logfile={self.log_path}", "dbglevel=warn"])
+        cmd = ["s3fs", self.bucket, self.mountpoint, "-f", "-o", opts]
+        self.proc = subprocess.Popen(cmd, env=self.env(), stdout=subprocess.DEVNULL,
+                                     stderr=open(self.log_path + ".err", "w"))
+        _wait_mounted(self.mountpoint, self.proc)
+        self.pid = self.proc.pid
+
+
+class Rclone(MountedSystem):
+    name = "rclone"
+
+    def start(self) -> None:
+        if not shutil.which("rclone"):
+            raise Unavailable("rclone is not installed (Debian package rclone)")
+        os.makedirs(self.mountpoint, exist_ok=True)
+        cache_dir = os.path.join(self.workdir, "rclone-cache")
+        env = self.env()
+        env.pop("AWS_CA_BUNDLE", None)  # rclone fails at start-up on it
+        cmd = ["rclone", "mount", f":s3:{self.bucket}", self.mountpoint, "--read-only",
+               "--s3-provider", "Other", "--s3-endpoint", self.endpoint, "--s3-access-key-id", ACCESS_KEY,
+               "--s3-secret-access-key", SECRET_KEY, "--s3-force-path-style",
+               "--vfs-cache-mode", "full", "--cache-dir", cache_dir, "--vfs-read-chunk-size", "8M",
+               "--vfs-read-chunk-size-limit", "256M", "--buffer-size", "64M", "--dir-cache-time", "1h",
+               "--vfs-cache-max-size", str(self.cache_bytes), "--log-file", self.log_path, "--log-level", "NOTICE"]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_mounted(self.mountpoint, self.proc)
+        self.pid = self.proc.pid
+
+    def stop(self) -> None:
+        super().stop()
+        shutil.rmtree(os.path.join(self.workdir, "rclone-cache"), ignore_errors=True)
+
+
+class Boto3Baseline:
+    """The naive baseline: one GET stream per file, read in 1 MiB pieces, no cache."""
+
+    name = "boto3"
+    is_mount = False
+
+    def __init__(self, endpoint: str, bucket: str, workdir: str, cache_bytes: int):
+        import boto3
+        import botocore.config
+
+        self.bucket = bucket
+        self.pid = os.getpid()
+        self.client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=ACCESS_KEY,
+                                   aws_secret_access_key=SECRET_KEY, region_name="us-east-1",
+                                   config=botocore.config.Config(max_pool_connections=64,
+                                                                 s3={"addressing_style": "path"}))
+
+    def start(self) -> None:
+        return None
+
+    def stop(self) -> None:
+        return None
+
+    def drop_kernel_cache(self) -> None:
+        return None
+
+    def open_read(self, key: str, offset: int = 0, size: int | None = None):
+        kw = {}
+        if size is not None:
+            kw["Range"] = f"bytes={offset}-{offset + size - 1}"
+        return self.client.get_object(Bucket=self.bucket, Key=key, **kw)["Body"]
+
+    def list_stat(self, prefix: str) -> int:
+        paginator = self.client.get_paginator("list_objects_v2")
+        n = 0
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix, Delimiter="/"):
+            n += len(page.get("Contents", ()))
+        return n
+
+
+SYSTEMS = {"stoker": Stoker, "s3fs": S3fs, "rclone": Rclone, "boto3": Boto3Baseline}

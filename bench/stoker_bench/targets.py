@@ -1,0 +1,51 @@
+"""The product targets, checked against one run's cells and printed with the table."""
+
+from __future__ import annotations
+
+from .runner import Cell
+
+
+def _get(cells: list[Cell], workload: str, system: str, run: str) -> Cell | None:
+    return next((c for c in cells if (c.workload, c.system, c.run) == (workload, system, run)
+                 and c.value is not None), None)
+
+
+def evaluate(cells: list[Cell], info: dict) -> list[str]:
+    out = []
+
+    def check(label: str, ok: bool | None, detail: str) -> None:
+        mark = "n/a" if ok is None else ("met" if ok else "MISSED")
+        out.append(f"{label}: {mark} ({detail})")
+
+    st, s3, bo = (_get(cells, "seq1", s, "cold") for s in ("stoker", "s3fs", "boto3"))
+    if st and s3:
+        check("large sequential, 1 reader >= 3x s3fs", st.value >= 3 * s3.value, f"{st.value / s3.value:.2f}x")
+    if st and bo:
+        check("large sequential, 1 reader >= 20x boto3 single stream", st.value >= 20 * bo.value,
+              f"{st.value / bo.value:.2f}x")
+    st, s3 = _get(cells, "small", "stoker", "cold"), _get(cells, "small", "s3fs", "cold")
+    if st and s3:
+        check("small files cold >= 5x s3fs", st.value >= 5 * s3.value, f"{st.value / s3.value:.2f}x")
+    st, rc = _get(cells, "small", "stoker", "warm"), _get(cells, "small", "rclone", "warm")
+    if st and rc:
+        check("small files warm >= rclone full cache", st.value >= rc.value, f"{st.value / rc.value:.2f}x")
+    st = _get(cells, "seq1", "stoker", "warm")
+    if st:
+        check("warm large sequential >= 1.5 GB/s (or 50% of tmpfs)", st.value >= 1500, f"{st.value:.0f} MB/s")
+    st = _get(cells, "epochs", "stoker", "cold")
+    if st and st.extra.get("hit_ratio_per_epoch"):
+        ratio = 1 / 1.5
+        later = st.extra["hit_ratio_per_epoch"][1:]
+        check("epochs 2-3 hit ratio >= 50% of cache/dataset", min(later) >= 0.5 * ratio,
+              f"{later} vs {0.5 * ratio:.2f}")
+    rss = [c for c in cells if c.system == "stoker" and c.peak_rss_mib is not None]
+    if rss:
+        worst = max(rss, key=lambda c: c.peak_rss_mib - _budget(c, info) / 2**20)
+        over = worst.peak_rss_mib - _budget(worst, info) / 2**20
+        check("Stoker RSS <= cache budget + 150 MiB", over <= 150,
+              f"worst {worst.workload}/{worst.run}: {worst.peak_rss_mib:.0f} MiB, {over:+.0f} MiB vs budget")
+    return out
+
+
+def _budget(cell: Cell, info: dict) -> int:
+    return info["epoch_cache_bytes"] if cell.workload == "epochs" else info["cache_bytes"]

@@ -1,0 +1,211 @@
+"""Workloads: each reads a part of the dataset through one system and checks the bytes.
+
+A mounted system is read through its mountpoint with plain file I/O (threads stand in for data
+loader workers); the boto3 baseline reads the same keys with one GET stream per file. Large reads
+are verified on every 16th MiB (and the last piece); small files and random reads are verified
+whole. Any mismatch marks the cell WRONG rather than failing the run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from .objectstore import expected_bytes
+
+MiB = 1024 * 1024
+KiB = 1024
+
+
+@dataclass
+class Outcome:
+    bytes: int = 0
+    files: int = 0
+    ops: int = 0
+    seconds: float = 0.0
+    wrong: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Dataset:
+    """Keys per workload, built from the scale."""
+
+    scale: float
+    seq: list[tuple[str, int]] = field(default_factory=list)
+    shards: list[tuple[str, int]] = field(default_factory=list)
+    small: list[tuple[str, int]] = field(default_factory=list)
+    meta: list[tuple[str, int]] = field(default_factory=list)
+    epoch: list[tuple[str, int]] = field(default_factory=list)
+    epoch_cache: int = 0
+
+    @classmethod
+    def build(cls, scale: float) -> "Dataset":
+        rng = random.Random(42)
+        d = cls(scale)
+        big = max(16 * MiB, int(1024 * MiB * scale) // MiB * MiB)
+        d.seq = [(f"large/object-{i}.bin", big + i * 4099) for i in range(4)]
+        d.shards = [(f"shards/shard-{i:04d}.tar", 64 * MiB) for i in range(max(4, int(16 * scale)))]
+        d.small = [(f"small/train/{i % 100:03d}/img-{i:06d}.jpg", rng.randint(90_000, 130_000))
+                   for i in range(max(200, int(3000 * scale)))]
+        d.meta = [(f"meta/files/f-{i:06d}.dat", 1000 + i % 97) for i in range(max(1000, int(10_000 * min(1, scale * 2))))]
+        d.epoch = [(f"epochs/part-{i:04d}.bin", 32 * MiB) for i in range(max(6, int(24 * scale)))]
+        d.epoch_cache = int(sum(s for _, s in d.epoch) / 1.5)
+        return d
+
+    def objects(self) -> dict[str, int]:
+        out = {}
+        for group in (self.seq, self.shards, self.small, self.meta, self.epoch):
+            out.update(group)
+        return out
+
+
+def _verify(key: str, offset: int, data: bytes) -> bool:
+    return data == expected_bytes(key, offset, offset + len(data))
+
+
+def read_stream(system, key: str, size: int, bs: int = MiB, verify_every: int = 16) -> tuple[int, int]:
+    """Read a whole object sequentially in `bs` pieces; returns (bytes, wrong pieces)."""
+    wrong = 0
+    pos = 0
+    if system.is_mount:
+        f = open(os.path.join(system.mountpoint, key), "rb", buffering=0)
+        read = f.read
+    else:
+        f = system.open_read(key)
+        read = f.read
+    try:
+        while True:
+            piece = read(bs)
+            if not piece:
+                break
+            if (pos // bs) % verify_every == 0 or pos + len(piece) >= size:
+                wrong += not _verify(key, pos, piece)
+            pos += len(piece)
+    finally:
+        f.close()
+    if pos != size:
+        wrong += 1
+    return pos, wrong
+
+
+def read_range(system, key: str, offset: int, size: int) -> bytes:
+    if system.is_mount:
+        with open(os.path.join(system.mountpoint, key), "rb", buffering=0) as f:
+            return os.pread(f.fileno(), size, offset)
+    body = system.open_read(key, offset, size)
+    try:
+        return body.read()
+    finally:
+        body.close()
+
+
+def _parallel(readers: int, items, fn) -> list:
+    with ThreadPoolExecutor(readers) as pool:
+        return list(pool.map(fn, items))
+
+
+def run_streams(system, keys: list[tuple[str, int]], readers: int) -> Outcome:
+    started = time.monotonic()
+    results = _parallel(readers, keys, lambda kv: read_stream(system, kv[0], kv[1]))
+    return Outcome(bytes=sum(b for b, _ in results), files=len(keys), seconds=time.monotonic() - started,
+                   wrong=sum(w for _, w in results))
+
+
+def seq1(system, d: Dataset, run: int) -> Outcome:
+    return run_streams(system, d.seq[:1], 1)
+
+
+def seq4(system, d: Dataset, run: int) -> Outcome:
+    return run_streams(system, d.seq, 4)
+
+
+def shards(system, d: Dataset, run: int) -> Outcome:
+    order = d.shards[:]
+    random.Random(run).shuffle(order)
+    return run_streams(system, order, 4)
+
+
+def small_files(system, d: Dataset, run: int) -> Outcome:
+    order = d.small[:]
+    random.Random(run).shuffle(order)  # like a DataLoader with shuffle=True and 8 workers
+    started = time.monotonic()
+    results = _parallel(8, order, lambda kv: read_stream(system, kv[0], kv[1], bs=256 * KiB, verify_every=1))
+    return Outcome(bytes=sum(b for b, _ in results), files=len(order), seconds=time.monotonic() - started,
+                   wrong=sum(w for _, w in results))
+
+
+def random_reads(system, d: Dataset, run: int) -> Outcome:
+    rng = random.Random(100 + run)
+    plan = []
+    for _ in range(max(64, int(400 * d.scale))):
+        key, size = rng.choice(d.seq)
+        plan.append((key, rng.randrange(0, size - 256 * KiB)))
+    started = time.monotonic()
+    results = _parallel(8, plan, lambda p: (p, read_range(system, p[0], p[1], 256 * KiB)))
+    wrong = sum(1 for (key, off), data in results if not _verify(key, off, data) or len(data) != 256 * KiB)
+    return Outcome(bytes=sum(len(r) for _, r in results), ops=len(plan), seconds=time.monotonic() - started,
+                   wrong=wrong)
+
+
+def metadata(system, d: Dataset, run: int) -> Outcome:
+    started = time.monotonic()
+    if system.is_mount:
+        total = 0
+        wrong = 0
+        sizes = dict(d.meta)
+        for entry in os.scandir(os.path.join(system.mountpoint, "meta/files")):
+            st = entry.stat()
+            wrong += st.st_size != sizes.get("meta/files/" + entry.name)
+            total += 1
+    else:
+        total = system.list_stat("meta/files/")
+        wrong = 0
+    wrong += total != len(d.meta)
+    return Outcome(files=total, ops=total, seconds=time.monotonic() - started, wrong=wrong)
+
+
+def multi_epoch(system, d: Dataset, run: int) -> Outcome:
+    """Three epochs, same order, over a dataset 1.5x the cache; hit ratio per epoch from the store."""
+    outcome = Outcome()
+    ratios = []
+    for epoch in range(3):
+        before = system.store_stats()
+        o = run_streams(system, d.epoch, 2)
+        sent = system.store_stats()["bytes_sent"] - before["bytes_sent"]
+        ratios.append(max(0.0, 1 - sent / max(o.bytes, 1)))
+        outcome.bytes += o.bytes
+        outcome.files += o.files
+        outcome.seconds += o.seconds
+        outcome.wrong += o.wrong
+    outcome.extra["hit_ratio_per_epoch"] = [round(r, 3) for r in ratios]
+    return outcome
+
+
+def ttfb(system, d: Dataset, run: int) -> Outcome:
+    """Open a large object nobody read yet and time its first 4 KiB."""
+    times = []
+    wrong = 0
+    for key, _ in d.shards[-3:] if run == 0 else d.shards[-3:]:
+        started = time.monotonic()
+        data = read_range(system, key, 0, 4096)
+        times.append(time.monotonic() - started)
+        wrong += not _verify(key, 0, data)
+    times.sort()
+    return Outcome(bytes=4096 * len(times), ops=len(times), seconds=sum(times), wrong=wrong,
+                   extra={"ttfb_median_ms": round(times[len(times) // 2] * 1000, 1)})
+
+
+WORKLOADS = {
+    "seq1": ("large sequential, 1 reader (MB/s)", seq1),
+    "seq4": ("large sequential, 4 readers (MB/s)", seq4),
+    "shards": ("64 MiB shards, shuffled, 4 readers (MB/s)", shards),
+    "small": ("small files, 8 readers (files/s)", small_files),
+    "random": ("random 256 KiB reads, 8 threads (MB/s)", random_reads),
+    "metadata": ("scandir + stat, big directory (entries/s)", metadata),
+    "epochs": ("3 epochs, dataset 1.5x cache (MB/s)", multi_epoch),
+    "ttfb": ("time to first byte (ms, lower is better)", ttfb),
+}
