@@ -6,11 +6,16 @@ from typing import NamedTuple
 
 
 class BlockKey(NamedTuple):
-    """Identifies one block of one version of one object."""
+    """Identifies one block of one version of one object.
+
+    `unit` is the extent size when it differs from the mount's block size (0): random readers
+    fetch smaller pages so that a 256 KiB read does not pull a whole 4 MiB block.
+    """
 
     key: str
     etag: str
     index: int
+    unit: int = 0
 
 
 def block_span(offset: int, size: int, file_size: int, block_size: int) -> range:

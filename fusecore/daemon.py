@@ -65,7 +65,8 @@ def run_mount(cfg: MountConfig, ready: ReadyCallback) -> int:
 
 async def _serve(cfg: MountConfig, datapath: DataPath, ready: ReadyCallback) -> None:
     fs = StokerFS(datapath.namespace, datapath.reader, block_size=cfg.block_size, kernel_cache=cfg.kernel_cache,
-                  uid=os.getuid() if cfg.uid is None else cfg.uid, gid=os.getgid() if cfg.gid is None else cfg.gid)
+                  uid=os.getuid() if cfg.uid is None else cfg.uid, gid=os.getgid() if cfg.gid is None else cfg.gid,
+                  on_open=datapath.walk.on_open)
     options = set(pyfuse3.default_options)
     options |= {"ro", f"fsname=stoker:{cfg.store.bucket}", "subtype=stoker"}
     if cfg.allow_other:

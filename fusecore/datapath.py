@@ -19,6 +19,7 @@ from .metrics import MountMetrics
 from .namespace import Namespace
 from .reader import Reader
 from .store import ObjectStore, StoreError
+from .walk import DirectoryPrefetcher
 
 
 class DataPath:
@@ -34,6 +35,8 @@ class DataPath:
         self.namespace = Namespace(store, cfg.store.prefix, cfg.metadata_ttl, self.metrics)
         self.reader = Reader(self.fetcher, self.metrics, block_size=cfg.block_size,
                              prefetch_limit=cfg.prefetch_limit)
+        self.walk = DirectoryPrefetcher(self.namespace, self.fetcher, self.cache, small_file_max=cfg.block_size,
+                                        budget=cfg.prefetch_limit)
 
     def start(self, nursery: trio.Nursery) -> None:
         self.fetcher.start(nursery)
@@ -71,6 +74,7 @@ class DataPath:
             },
             "inflight": {"requests": self.fetcher.inflight, "bytes": int(m.inflight_bytes._value.get())},
             "open_files": self.reader.open_files,
+            "walk_prefetches": self.walk.issued,
             "fuse_reads": {"count": self.reader.read_calls, "bytes_requested": self.reader.read_bytes},
             "errors": errors,
             "skipped_names": self.namespace.skipped_names,

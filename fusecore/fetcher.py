@@ -78,9 +78,10 @@ class Fetcher:
     def inflight(self) -> int:
         return len(self._pending)
 
-    async def block(self, obj: ObjectInfo, index: int, visit: Hashable | None = None) -> tuple[Buffer, bool]:
-        """The bytes of one block and whether the cache had them (else an in-flight or new GET)."""
-        key = BlockKey(obj.key, obj.etag, index)
+    async def block(self, obj: ObjectInfo, index: int, visit: Hashable | None = None,
+                    unit: int = 0) -> tuple[Buffer, bool]:
+        """The bytes of one block (or page of size `unit`) and whether the cache had them."""
+        key = BlockKey(obj.key, obj.etag, index, unit)
         data = self.cache.get(key, visit)
         if data is not None:
             return data, True
@@ -143,7 +144,7 @@ class Fetcher:
             pending.done.set()
 
     async def _fetch(self, key: BlockKey, obj: ObjectInfo) -> Buffer:
-        start, end = block_extent(key.index, obj.size, self.block_size)
+        start, end = block_extent(key.index, obj.size, key.unit or self.block_size)
         nbytes = end - start
         await self._bytes.acquire(nbytes)
         self.cache.reserve(nbytes)

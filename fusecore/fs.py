@@ -48,8 +48,9 @@ class StokerFS(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, namespace: Namespace, reader: Reader, *, block_size: int, kernel_cache: bool,
-                 uid: int, gid: int):
+                 uid: int, gid: int, on_open: Callable[[Node], None] = lambda node: None):
         super().__init__()
+        self.on_open = on_open
         self.ns = namespace
         self.reader = reader
         self.block_size = block_size
@@ -124,6 +125,7 @@ class StokerFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR)
         assert node.info is not None
         fh = self.reader.open(node.info)
+        self.on_open(node)
         same_version = self._opened_etag.get(inode) == node.info.etag
         self._opened_etag[inode] = node.info.etag
         return pyfuse3.FileInfo(fh=fh, keep_cache=self.kernel_cache and same_version)

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 ROOT_INODE = 1
 MAX_NAME_BYTES = 255
-LIST_AFTER_LOOKUPS = 8  # targeted lookups in one directory before it is listed whole
+LIST_AFTER_LOOKUPS = 2  # targeted lookups in one directory before it is listed whole
 
 
 def valid_name(name: str) -> bool:
@@ -78,6 +78,20 @@ class Namespace:
             return self._nodes[inode]
         except KeyError:
             raise NotFound(f"inode {inode} is unknown") from None
+
+    def parent_of(self, node: Node) -> Node | None:
+        if not node.path:
+            return None
+        parent_path = node.path.rsplit("/", 1)[0] if "/" in node.path else ""
+        inode = self._by_path.get(parent_path)
+        return self._nodes.get(inode) if inode is not None else None
+
+    def listed_files(self, node: Node) -> list[ObjectInfo] | None:
+        """Files of a directory in listing order, or None unless a fresh listing is at hand."""
+        if not node.is_dir or not self._fresh(node.listed_at):
+            return None
+        nodes = (self._nodes[inode] for _, inode in sorted(node.children.items()))
+        return [n.info for n in nodes if not n.is_dir and n.info is not None]
 
     def key_of(self, node: Node) -> str:
         return self.prefix + node.path

@@ -13,7 +13,9 @@ class ReadAhead:
 
     A read is sequential when it starts between the block before the furthest block read so far
     and the end of the current window (the kernel issues readahead requests concurrently, so they
-    may arrive slightly out of order, and a reader may skip ahead inside what was prefetched). Each time a sequential reader enters a new block the window doubles, up to
+    may arrive slightly out of order, and a reader may skip ahead inside what was prefetched).
+    After a seek, only a read that continues exactly where the previous one ended starts a new
+    sequential run, so random readers landing near each other do not trigger prefetch. Each time a sequential reader enters a new block the window doubles, up to
     `max_window_blocks`; any other read is a seek and resets the window to zero, so random access
     fetches only what it asks for.
     """
@@ -24,6 +26,8 @@ class ReadAhead:
         self.max_window = max(0, max_window_blocks)
         self.initial_window = min(initial_window, self.max_window)
         self.window = 0
+        self.random = False  # the last read was a seek (or a first read past offset 0)
+        self._last_end = -1
         self._frontier: int | None = None  # highest block index read so far in this run
         self._issued_until = -1  # highest block index already handed out for prefetch
         self._last_block = block_count(file_size, block_size) - 1
@@ -34,15 +38,23 @@ class ReadAhead:
         if not span:
             return range(0)
         first, last = span[0], span[-1]
+        end, last_end = offset + size, self._last_end
+        self._last_end = end
         if self._frontier is None:
             self.window = self.initial_window if offset == 0 else 0
+            self.random = offset != 0
             self._frontier = last
+        elif self.random and offset != last_end:
+            self._frontier = last  # still random: only an exact continuation starts a sequential run
+            self._issued_until = last
         elif self._frontier - 1 <= first <= self._frontier + max(1, self.window):
+            self.random = False
             if last > self._frontier:
                 self.window = min(self.max_window, max(1, self.window * 2))
                 self._frontier = last
         else:
             self.window = 0
+            self.random = True
             self._frontier = last
             self._issued_until = last
         start = max(last + 1, self._issued_until + 1)

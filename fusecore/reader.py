@@ -6,7 +6,7 @@ import itertools
 
 import trio
 
-from .blocks import block_extent, block_span
+from .blocks import BlockKey, block_extent, block_span
 from .cache import Buffer
 from .fetcher import Fetcher
 from .metrics import MountMetrics
@@ -34,6 +34,7 @@ class Reader:
     def __init__(self, fetcher: Fetcher, metrics: MountMetrics, *, block_size: int, prefetch_limit: int):
         self.fetcher = fetcher
         self.block_size = block_size
+        self.page_size = max(64 * 1024, block_size // 16)  # the unit random readers fetch
         self.max_window_blocks = max(1, prefetch_limit // block_size)
         self._files: dict[int, OpenFile] = {}
         self.read_calls = 0
@@ -71,22 +72,30 @@ class Reader:
         generation = f.generation
         for index in ahead:
             self.fetcher.prefetch(info, index, lambda: f.wants(generation))
+        unit = 0
+        if f.readahead.random and not self._blocks_cached(info, span):
+            unit = self.page_size
+            span = block_span(offset, size, info.size, unit)
         if len(span) == 1:
-            data, hit = await self.fetcher.block(info, span[0], visit=fh)
-            start = offset - span[0] * self.block_size
+            data, hit = await self.fetcher.block(info, span[0], visit=fh, unit=unit)
+            start = offset - span[0] * (unit or self.block_size)
             view = memoryview(data)[start:start + size]
             (self._served_cache if hit else self._served_network).inc(len(view))
             return view
-        return await self._read_many(f, span, offset, size)
+        return await self._read_many(f, span, offset, size, unit)
 
-    async def _read_many(self, f: OpenFile, span: range, offset: int, size: int) -> bytes:
+    def _blocks_cached(self, info: ObjectInfo, span: range) -> bool:
+        cache = self.fetcher.cache
+        return all(BlockKey(info.key, info.etag, i) in cache for i in span)
+
+    async def _read_many(self, f: OpenFile, span: range, offset: int, size: int, unit: int) -> bytes:
         """A read across blocks waits for all of them concurrently, then joins the slices."""
         blocks: dict[int, tuple[Buffer, bool]] = {}
         errors: list[StoreError] = []
 
         async def one(index: int) -> None:
             try:
-                blocks[index] = await self.fetcher.block(f.info, index, visit=f.fh)
+                blocks[index] = await self.fetcher.block(f.info, index, visit=f.fh, unit=unit)
             except StoreError as exc:
                 errors.append(exc)
 
@@ -99,7 +108,7 @@ class Reader:
         parts = []
         for index in span:
             data, hit = blocks[index]
-            start, stop = block_extent(index, f.info.size, self.block_size)
+            start, stop = block_extent(index, f.info.size, unit or self.block_size)
             part = memoryview(data)[max(offset, start) - start:min(end, stop) - start]
             (self._served_cache if hit else self._served_network).inc(len(part))
             parts.append(part)

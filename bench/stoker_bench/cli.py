@@ -19,7 +19,8 @@ from .workloads import WORKLOADS
 
 def add_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark Stoker against s3fs-fuse, rclone and boto3 on an emulated store")
-    p.add_argument("--scale", type=float, default=0.5, help="dataset size factor (1: 1 GiB large objects)")
+    p.add_argument("--scale", type=float, default=0.25,
+                   help="dataset size factor (default 0.25: 256 MiB large objects; 1: 1 GiB and 10,000 files)")
     p.add_argument("--out", default="./bench-results", help="output folder (default ./bench-results)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {','.join(SYSTEMS)}")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {','.join(WORKLOADS)}")

@@ -44,7 +44,8 @@ class MountedSystem:
     name = "?"
     is_mount = True
 
-    def __init__(self, endpoint: str, bucket: str, workdir: str, cache_bytes: int):
+    def __init__(self, endpoint: str, bucket: str, workdir: str, cache_bytes: int, *, kernel_cache: bool = True):
+        self.kernel_cache = kernel_cache
         self.endpoint = endpoint
         self.bucket = bucket
         self.workdir = workdir
@@ -85,7 +86,7 @@ class Stoker(MountedSystem):
         os.makedirs(self.mountpoint, exist_ok=True)
         cmd = [sys.executable, "-m", "stoker", "mount", f"s3://{self.bucket}", self.mountpoint,
                "--endpoint-url", self.endpoint, "--cache-size", str(self.cache_bytes), "--log-file", self.log_path,
-               "--metadata-ttl", "3600"]
+               "--metadata-ttl", "3600"] + ([] if self.kernel_cache else ["--no-kernel-cache"])
         result = subprocess.run(cmd, env=self.env(), capture_output=True, text=True)
         if result.returncode != 0:
             raise Unavailable(result.stderr.strip())
@@ -147,7 +148,7 @@ class Boto3Baseline:
     name = "boto3"
     is_mount = False
 
-    def __init__(self, endpoint: str, bucket: str, workdir: str, cache_bytes: int):
+    def __init__(self, endpoint: str, bucket: str, workdir: str, cache_bytes: int, **_: object):
         import boto3
         import botocore.config
 

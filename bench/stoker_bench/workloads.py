@@ -51,7 +51,7 @@ class Dataset:
         d.shards = [(f"shards/shard-{i:04d}.tar", 64 * MiB) for i in range(max(4, int(16 * scale)))]
         d.small = [(f"small/train/{i % 100:03d}/img-{i:06d}.jpg", rng.randint(90_000, 130_000))
                    for i in range(max(200, int(3000 * scale)))]
-        d.meta = [(f"meta/files/f-{i:06d}.dat", 1000 + i % 97) for i in range(max(1000, int(10_000 * min(1, scale * 2))))]
+        d.meta = [(f"meta/files/f-{i:06d}.dat", 1000 + i % 97) for i in range(max(500, int(10_000 * min(1, scale))))]
         d.epoch = [(f"epochs/part-{i:04d}.bin", 32 * MiB) for i in range(max(6, int(24 * scale)))]
         d.epoch_cache = int(sum(s for _, s in d.epoch) / 1.5)
         return d
@@ -141,7 +141,7 @@ def small_files(system, d: Dataset, run: int) -> Outcome:
 def random_reads(system, d: Dataset, run: int) -> Outcome:
     rng = random.Random(100 + run)
     plan = []
-    for _ in range(max(64, int(400 * d.scale))):
+    for _ in range(max(32, int(200 * d.scale))):
         key, size = rng.choice(d.seq)
         plan.append((key, rng.randrange(0, size - 256 * KiB)))
     started = time.monotonic()

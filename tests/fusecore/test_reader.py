@@ -110,3 +110,46 @@ def test_multi_epoch_dataset_larger_than_cache_keeps_hitting():
     assert ratios[0] == 0.0
     target = 0.5 * (32 / 48)
     assert min(ratios[1:]) >= target, ratios
+
+
+def test_opening_small_files_of_a_directory_prefetches_its_other_files():
+    store = FakeStore()
+    infos = {f"imgs/{i:03d}.jpg": store.put(f"imgs/{i:03d}.jpg", random.Random(i).randbytes(100 * KiB))
+             for i in range(40)}
+    dp = datapath(store, block=1 * MiB, prefetch=2 * MiB)  # the walk budget: ~20 files ahead at a time
+
+    async def go():
+        await dp.namespace.readdir(1)
+        imgs = await dp.namespace.lookup(1, "imgs")
+        children = await dp.namespace.readdir(imgs.inode)
+        order = [node for _, node in children]
+        random.Random(0).shuffle(order)
+        for node in order:
+            dp.walk.on_open(node)
+            await read_all(dp, node.info, 128 * KiB)()
+            await trio.sleep(0.01)
+
+    run(dp, go)
+    stats = dp.stats()
+    assert dp.walk.issued >= 30
+    assert store.calls["get"] == 40, "every file fetched exactly once, prefetched or not"
+    assert stats["cache"]["hits"] >= 25, "most files were already in memory when the reader came"
+
+
+def test_random_reads_fetch_small_pages_not_whole_blocks():
+    store = FakeStore()
+    data = random.Random(3).randbytes(64 * MiB)
+    info = store.put("big", data)
+    dp = datapath(store, cache=64 * MiB, block=4 * MiB)
+    rng = random.Random(4)
+    fetched = []
+
+    async def go():
+        fh = dp.reader.open(info)
+        for _ in range(50):
+            off = rng.randrange(1, len(data) - 256 * KiB)
+            assert bytes(await dp.reader.read(fh, off, 256 * KiB)) == data[off:off + 256 * KiB]
+        fetched.append(sum(end - start for _, start, end in store.ranges))
+
+    run(dp, go)
+    assert fetched[0] <= 2 * 50 * 256 * KiB, "read amplification of random reads stays below 2x"

@@ -1,0 +1,70 @@
+"""Directory-walk prefetch: when a reader opens several small files of one directory (a data
+loader going through an image folder, in any order), fetch the directory's other small files
+whole, many at once, ahead of it.
+
+Bounded by `budget` bytes of prefetched-but-unread plus in-flight data, so a huge directory
+never floods the cache; it resumes issuing as the reader consumes what was fetched.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .cache import BlockCache
+from .fetcher import Fetcher
+from .namespace import Namespace, Node
+from .store import ObjectInfo
+
+MAX_TRACKED_DIRS = 4096
+
+
+@dataclass
+class _DirState:
+    listed_at: float
+    files: list[ObjectInfo]
+    opened: int = 0
+    next: int = 0
+
+
+class DirectoryPrefetcher:
+    def __init__(self, namespace: Namespace, fetcher: Fetcher, cache: BlockCache, *, small_file_max: int,
+                 budget: int, trigger: int = 2):
+        self.ns = namespace
+        self.fetcher = fetcher
+        self.cache = cache
+        self.small_file_max = small_file_max
+        self.budget = budget
+        self.trigger = trigger
+        self._dirs: OrderedDict[int, _DirState] = OrderedDict()
+        self.issued = 0
+
+    def on_open(self, node: Node) -> None:
+        if node.info is None or node.info.size > self.small_file_max:
+            return
+        parent = self.ns.parent_of(node)
+        if parent is None:
+            return
+        state = self._dirs.get(parent.inode)
+        if state is None or state.listed_at != parent.listed_at:
+            files = self.ns.listed_files(parent)
+            if files is None:
+                return
+            state = _DirState(parent.listed_at, [f for f in files if 0 < f.size <= self.small_file_max])
+            self._dirs[parent.inode] = state
+            while len(self._dirs) > MAX_TRACKED_DIRS:
+                self._dirs.popitem(last=False)
+        self._dirs.move_to_end(parent.inode)
+        state.opened += 1
+        if state.opened >= self.trigger:
+            self._issue(state)
+
+    def _issue(self, state: _DirState) -> None:
+        while state.next < len(state.files):
+            stats = self.cache.stats()
+            if stats.staged + stats.reserved >= self.budget:
+                return
+            info = state.files[state.next]
+            state.next += 1
+            self.fetcher.prefetch(info, 0)
+            self.issued += 1

@@ -1,0 +1,51 @@
+"""The benchmark harness at a tiny scale: a real run through Stoker and boto3 yields a well-formed
+table and JSON (no speed is asserted)."""
+
+import json
+import os
+
+import pytest
+
+from stoker_bench.report import markdown, write
+from stoker_bench.runner import Cell, run_all
+from stoker_bench.targets import evaluate
+from stoker_bench.workloads import Dataset, WORKLOADS
+from tests.conftest import requires_fuse
+
+pytestmark = pytest.mark.integration
+
+
+def test_dataset_scales():
+    small, big = Dataset.build(0.02), Dataset.build(1.0)
+    assert sum(s for _, s in small.seq) < sum(s for _, s in big.seq)
+    assert big.seq[0][1] >= 1024**3
+    assert abs(sum(s for _, s in big.epoch) / big.epoch_cache - 1.5) < 0.01
+
+
+def test_report_marks_missing_peers_and_ratios():
+    cells = [Cell("seq1", "stoker", "cold", value=300.0, unit="MB/s"),
+             Cell("seq1", "s3fs", "cold", value=100.0, unit="MB/s"),
+             Cell("seq1", "rclone", "cold", note="cannot run: rclone is not installed")]
+    info = {"latency_s": 0.02, "bandwidth_Bps": 16e6, "scale": 1, "cache_bytes": 2**30,
+            "epoch_cache_bytes": 2**29, "store_ceiling_MBps": 1000}
+    text = markdown(cells, info, evaluate(cells, info))
+    assert "3.00×" in text and "cannot run: rclone is not installed" in text
+    assert "large sequential, 1 reader >= 3x s3fs: met" in text
+
+
+@requires_fuse
+def test_a_tiny_run_produces_table_json_and_chart(tmp_path):
+    cells, info = run_all(scale=0.02, systems=["stoker", "boto3"], workloads=list(WORKLOADS), workdir=str(tmp_path),
+                          latency=0.002, bandwidth=0, cache_bytes=256 * 2**20, log=lambda line: None)
+    assert {c.workload for c in cells} == set(WORKLOADS)
+    assert all(c.wrong == 0 for c in cells), [c for c in cells if c.wrong]
+    stoker = [c for c in cells if c.system == "stoker"]
+    assert len(stoker) == 2 * len(WORKLOADS) and all(c.value is not None for c in stoker), stoker
+    assert all(c.peak_rss_mib and c.requests >= 0 for c in stoker)
+    paths = write(str(tmp_path / "out"), cells, info, evaluate(cells, info))
+    table = open(paths["markdown"]).read()
+    assert table.count("\n| ") >= len(WORKLOADS) * 2
+    data = json.load(open(paths["json"]))
+    assert len(data["cells"]) == len(cells)
+    if "png" in paths:
+        assert os.path.getsize(paths["png"]) > 1000
