@@ -14,9 +14,12 @@ import trio
 from .blocks import BlockKey, block_extent
 from .cache import BlockCache, Buffer
 from .metrics import MountMetrics
-from .store import ObjectInfo, ObjectStore, PreconditionFailed, StoreError, TransientError, Unavailable
+from .buffers import allocate
+from .store import ObjectInfo, ObjectStore, PreconditionFailed, Progress, StoreError, TransientError, Unavailable
 
 log = logging.getLogger(__name__)
+
+_POLL_SECONDS = 0.002  # how often a reader waiting for the next bytes of a block looks again
 
 
 class ByteBudget:
@@ -41,9 +44,9 @@ class ByteBudget:
 
 
 class _Pending:
-    """The shared future of one block GET."""
+    """The shared future of one block GET; readers may take bytes as soon as they arrive."""
 
-    __slots__ = ("done", "data", "error", "demanded", "visit")
+    __slots__ = ("done", "data", "error", "demanded", "visit", "buffer", "progress")
 
     def __init__(self, demanded: bool, visit: Hashable | None):
         self.done = trio.Event()
@@ -51,6 +54,8 @@ class _Pending:
         self.error: StoreError | None = None
         self.demanded = demanded
         self.visit = visit
+        self.buffer: Buffer | None = None  # being filled; valid up to progress.received
+        self.progress = Progress()
 
 
 class Fetcher:
@@ -79,8 +84,13 @@ class Fetcher:
         return len(self._pending)
 
     async def block(self, obj: ObjectInfo, index: int, visit: Hashable | None = None,
-                    unit: int = 0) -> tuple[Buffer, bool]:
-        """The bytes of one block (or page of size `unit`) and whether the cache had them."""
+                    unit: int = 0, need: int | None = None) -> tuple[Buffer, bool]:
+        """The bytes of one block (or page of size `unit`) and whether the cache had them.
+
+        With `need`, return as soon as the block's first `need` bytes have arrived (the buffer is
+        then only valid up to there): a reader does not wait for the rest of a block it does not
+        read yet, which is what makes the first byte of a cold file quick.
+        """
         key = BlockKey(obj.key, obj.etag, index, unit)
         data = self.cache.get(key, visit)
         if data is not None:
@@ -92,7 +102,14 @@ class Fetcher:
             pending.demanded = True
             pending.visit = visit
         with trio.move_on_after(self.read_deadline):
-            await pending.done.wait()
+            if need is None:
+                await pending.done.wait()
+            else:
+                while not pending.done.is_set():
+                    if pending.buffer is not None and pending.progress.received >= need:
+                        return pending.buffer, False
+                    with trio.move_on_after(_POLL_SECONDS):
+                        await pending.done.wait()
         if not pending.done.is_set():
             self.metrics.errors.labels(kind="deadline").inc()
             raise Unavailable(f"get {obj.key!r}: no answer within {self.read_deadline:g}s")
@@ -121,15 +138,15 @@ class Fetcher:
     async def _run(self, key: BlockKey, obj: ObjectInfo, pending: _Pending, wanted: Callable[[], bool]) -> None:
         try:
             if pending.demanded:
-                pending.data = await self._fetch(key, obj)
+                pending.data = await self._fetch(key, obj, pending)
             else:
                 async with self._prefetch_slots:
                     if pending.demanded or wanted():
-                        pending.data = await self._fetch(key, obj)
+                        pending.data = await self._fetch(key, obj, pending)
             if pending.data is not None:
                 self.cache.put(key, pending.data, prefetched=not pending.demanded, visit=pending.visit)
             elif pending.demanded:  # a reader joined a prefetch that was abandoned
-                pending.data = await self._fetch(key, obj)
+                pending.data = await self._fetch(key, obj, pending)
                 self.cache.put(key, pending.data, visit=pending.visit)
         except StoreError as exc:
             pending.error = exc
@@ -143,7 +160,7 @@ class Fetcher:
             del self._pending[key]
             pending.done.set()
 
-    async def _fetch(self, key: BlockKey, obj: ObjectInfo) -> Buffer:
+    async def _fetch(self, key: BlockKey, obj: ObjectInfo, pending: _Pending) -> Buffer:
         start, end = block_extent(key.index, obj.size, key.unit or self.block_size)
         nbytes = end - start
         await self._bytes.acquire(nbytes)
@@ -151,21 +168,27 @@ class Fetcher:
         self.metrics.inflight_requests.inc()
         self.metrics.inflight_bytes.inc(nbytes)
         try:
+            buffer = allocate(nbytes)
+            view = memoryview(buffer)
+            progress = pending.progress
+            pending.buffer = buffer
             for attempt in range(self.read_retries + 1):
                 began = time.monotonic()
-                self.metrics.get_requests.labels(kind="demand" if self._is_demanded(key) else "prefetch").inc()
+                self.metrics.get_requests.labels(kind="demand" if pending.demanded else "prefetch").inc()
+                done = progress.received  # a retry resumes where the broken body stopped
                 try:
-                    data = await trio.to_thread.run_sync(
-                        self.store.get_range, obj.key, start, end, obj.etag, limiter=self._threads)
+                    await trio.to_thread.run_sync(self.store.read_range, obj.key, start + done, end, obj.etag,
+                                                  view[done:], progress, limiter=self._threads)
                 except TransientError:
                     if attempt == self.read_retries:
                         raise
                     self.metrics.retries.inc()
                     await trio.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + random.random()))
                     continue
+                finally:
+                    self.metrics.get_bytes.inc(progress.received - done)
                 self.metrics.get_latency.observe(time.monotonic() - began)
-                self.metrics.get_bytes.inc(nbytes)
-                return data
+                return buffer
             raise AssertionError("unreachable")
         finally:
             self.metrics.inflight_requests.dec()
@@ -173,6 +196,3 @@ class Fetcher:
             self.cache.release(nbytes)
             await self._bytes.release(nbytes)
 
-    def _is_demanded(self, key: BlockKey) -> bool:
-        pending = self._pending.get(key)
-        return pending is not None and pending.demanded

@@ -77,9 +77,11 @@ class Reader:
             unit = self.page_size
             span = block_span(offset, size, info.size, unit)
         if len(span) == 1:
-            data, hit = await self.fetcher.block(info, span[0], visit=fh, unit=unit)
-            start = offset - span[0] * (unit or self.block_size)
-            view = memoryview(data)[start:start + size]
+            block_start, block_end = block_extent(span[0], info.size, unit or self.block_size)
+            start = offset - block_start
+            need = min(start + size, block_end - block_start)
+            data, hit = await self.fetcher.block(info, span[0], visit=fh, unit=unit, need=need)
+            view = memoryview(data)[start:need]
             (self._served_cache if hit else self._served_network).inc(len(view))
             return view
         return await self._read_many(f, span, offset, size, unit)
@@ -93,9 +95,13 @@ class Reader:
         blocks: dict[int, tuple[Buffer, bool]] = {}
         errors: list[StoreError] = []
 
+        end = min(offset + size, f.info.size)
+
         async def one(index: int) -> None:
+            start, stop = block_extent(index, f.info.size, unit or self.block_size)
             try:
-                blocks[index] = await self.fetcher.block(f.info, index, visit=f.fh, unit=unit)
+                blocks[index] = await self.fetcher.block(f.info, index, visit=f.fh, unit=unit,
+                                                         need=min(end, stop) - start)
             except StoreError as exc:
                 errors.append(exc)
 
@@ -104,7 +110,6 @@ class Reader:
                 nursery.start_soon(one, index)
         if errors:
             raise errors[0]
-        end = min(offset + size, f.info.size)
         parts = []
         for index in span:
             data, hit = blocks[index]

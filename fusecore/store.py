@@ -75,13 +75,22 @@ class TransientError(StoreError):
     kind = "transient"
 
 
+class Progress:
+    """Bytes of a GET received so far; written by the worker thread, read by waiting readers."""
+
+    __slots__ = ("received",)
+
+    def __init__(self) -> None:
+        self.received = 0
+
+
 class ObjectStore(Protocol):
     def check(self) -> None: ...
     def list_dir(self, prefix: str) -> Iterator[Listing]: ...
     def list_all(self, prefix: str) -> Iterator[ObjectInfo]: ...
     def head(self, key: str) -> ObjectInfo | None: ...
     def has_prefix(self, prefix: str) -> bool: ...
-    def get_range(self, key: str, start: int, end: int, etag: str) -> bytearray | mmap.mmap: ...
+    def read_range(self, key: str, start: int, end: int, etag: str, into: memoryview, progress: Progress) -> None: ...
 
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
@@ -192,28 +201,36 @@ class S3Store:
         return resp.get("KeyCount", 0) > 0
 
     def get_range(self, key: str, start: int, end: int, etag: str) -> bytearray | mmap.mmap:
-        """Bytes [start, end) of the version `etag` of `key`, into one preallocated buffer."""
+        """Bytes [start, end) of the version `etag` of `key`, in a new buffer."""
+        buf = allocate(end - start)
+        self.read_range(key, start, end, etag, memoryview(buf), Progress())
+        return buf
+
+    def read_range(self, key: str, start: int, end: int, etag: str, into: memoryview, progress: Progress) -> None:
+        """Fill `into` with bytes [start, end) of version `etag`, advancing `progress` as they arrive.
+
+        Bytes already counted in `progress` are final even if the body later breaks off: the
+        version was checked (If-Match and the response ETag) before the first byte was taken.
+        """
         what = f"get {key!r}"
         length = end - start
-        buf = allocate(length)
-        if length == 0:
-            return buf
+        if length <= 0:
+            return
+        pos = 0
         try:
             resp = self._client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=etag)
             if resp.get("ETag") not in (None, etag):
                 raise PreconditionFailed(f"{what}: object changed since it was listed")
             body = resp["Body"]
             readinto, release = _body_reader(body)
-            view = memoryview(buf)
-            pos = 0
             try:
                 while pos < length:
-                    n = readinto(view[pos:])
+                    n = readinto(into[pos:])
                     if not n:
                         break
                     pos += n
+                    progress.received += n
             finally:
-                del view
                 if pos == length:
                     release()
                 else:
@@ -226,7 +243,6 @@ class S3Store:
             raise TransientError(f"{what}: {type(exc).__name__} while reading the body") from None
         if pos != length:
             raise TransientError(f"{what}: short body ({pos} of {length} bytes)")
-        return buf
 
 
 def _body_reader(body) -> tuple:

@@ -179,3 +179,43 @@ def test_unwanted_prefetches_are_skipped_and_wanted_ones_land_in_the_cache():
 
     run(body)
     assert store.calls["get"] == 1
+
+
+def test_a_reader_gets_the_first_bytes_before_the_whole_block_arrived():
+    store = FakeStore()
+    info = store.put("k", bytes(range(256)) * 4096)  # 1 MiB: 16 pieces of 64 KiB
+    store.faults.chunk_delay = 0.05  # the whole block takes ~0.8 s
+    fetcher, _ = make(store)
+    timings = {}
+
+    async def body(nursery):
+        fetcher.start(nursery)
+        started = time.monotonic()
+        data, hit = await fetcher.block(info, 0, need=1000)
+        timings["first"] = time.monotonic() - started
+        assert bytes(memoryview(data)[:1000]) == (bytes(range(256)) * 4)[:1000] and not hit
+        data, _ = await fetcher.block(info, 0)
+        timings["whole"] = time.monotonic() - started
+        assert bytes(data) == bytes(range(256)) * 256
+
+    run(body)
+    assert timings["first"] < timings["whole"] / 3
+    assert store.calls["get"] == 1
+
+
+def test_a_body_that_breaks_off_is_resumed_not_restarted():
+    store = FakeStore()
+    payload = bytes(range(256)) * 1024
+    info = store.put("k", payload)
+    store.faults.transient = 1
+    store.faults.break_after = 40_000
+    fetcher, _ = make(store)
+    out = []
+
+    async def body(nursery):
+        fetcher.start(nursery)
+        out.append(bytes((await fetcher.block(info, 0))[0]))
+
+    run(body)
+    assert out[0] == payload[:BLOCK]
+    assert store.ranges == [("k", 0, BLOCK), ("k", 40_000, BLOCK)]

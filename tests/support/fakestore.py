@@ -8,8 +8,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from fusecore.store import (AccessDenied, Listing, NotFound, ObjectInfo, PreconditionFailed, TransientError,
-                            Unavailable)
+from fusecore.store import (AccessDenied, Listing, NotFound, ObjectInfo, PreconditionFailed, Progress,
+                            TransientError, Unavailable)
 
 
 @dataclass
@@ -18,6 +18,8 @@ class Faults:
     transient: int = 0  # next N GETs break off mid-body (503 / connection reset after retries)
     unavailable: int = 0  # next N GETs fail as a store that timed out
     hang: float = 0.0  # GETs block this long (a store that stopped answering)
+    chunk_delay: float = 0.0  # seconds between 64 KiB pieces of a body (a bandwidth cap)
+    break_after: int = 0  # next transient failure happens after this many bytes of the body
     denied_keys: set[str] = field(default_factory=set)
 
 
@@ -78,7 +80,21 @@ class FakeStore:
         self.calls["has_prefix"] += 1
         return any(k.startswith(prefix) for k in self.objects)
 
-    def get_range(self, key: str, start: int, end: int, etag: str) -> bytearray:
+    def read_range(self, key: str, start: int, end: int, etag: str, into: memoryview, progress: Progress) -> None:
+        """Like S3Store.read_range: pieces arrive one after another, `progress` advancing."""
+        data = self.get_range(key, start, end, etag, _partial_ok=True)
+        broken = isinstance(data, TransientError)
+        payload = data.args[1] if broken else data
+        for pos in range(0, len(payload), 64 * 1024):
+            piece = payload[pos:pos + 64 * 1024]
+            into[pos:pos + len(piece)] = piece
+            progress.received += len(piece)
+            if self.faults.chunk_delay:
+                time.sleep(self.faults.chunk_delay)
+        if broken:
+            raise TransientError(data.args[0])
+
+    def get_range(self, key: str, start: int, end: int, etag: str, _partial_ok: bool = False) -> bytearray:
         with self._lock:
             self.calls["get"] += 1
             self.ranges.append((key, start, end))
@@ -98,7 +114,7 @@ class FakeStore:
                 time.sleep(faults.latency)
             if key in faults.denied_keys:
                 raise AccessDenied(f"get {key!r}: access denied")
-            if transient:
+            if transient and not (_partial_ok and self.faults.break_after):
                 raise TransientError(f"get {key!r}: connection reset")
             if unavailable:
                 raise Unavailable(f"get {key!r}: timed out")
@@ -107,6 +123,8 @@ class FakeStore:
             data, current, _ = self.objects[key]
             if current != etag:
                 raise PreconditionFailed(f"get {key!r}: changed")
+            if transient:  # the body breaks off after `break_after` bytes
+                return TransientError(f"get {key!r}: connection reset", data[start:min(end, start + self.faults.break_after)])
             return bytearray(data[start:end])
         finally:
             with self._lock:
