@@ -85,7 +85,7 @@ class FrequencySketch:
 class BlockCache:
     """See the module docstring. `budget` bounds window + main + staged + reserved bytes."""
 
-    def __init__(self, budget: int, *, window_fraction: float = 0.1, staged_fraction: float = 0.5,
+    def __init__(self, budget: int, *, window_fraction: float = 0.1, staged_fraction: float = 0.125,
                  min_sample: int = 10_000):
         if budget <= 0:
             raise ValueError("budget must be positive")
@@ -105,6 +105,11 @@ class BlockCache:
     @property
     def used(self) -> int:
         return self._window_bytes + self._main_bytes + self._staged_bytes + self._reserved
+
+    @property
+    def transient_room(self) -> int:
+        """Bytes prefetches may still claim (staged plus in flight stay under the staging cap)."""
+        return self._staged_cap - self._staged_bytes - self._reserved
 
     @property
     def resident_bytes(self) -> int:

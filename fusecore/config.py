@@ -112,9 +112,11 @@ class MountConfig:
 
     @property
     def inflight_limit(self) -> int:
-        """In-flight GET bytes may use at most half the cache budget (they count against it)."""
-        return max(self.block_size, min(self.max_inflight_bytes, self.cache_size // 2))
+        """In-flight GET bytes count against the cache budget: at most an eighth of it, so that
+        reading ahead never pushes out the blocks a multi-epoch job keeps hitting."""
+        return max(self.block_size, min(self.max_inflight_bytes, self.cache_size // 8))
 
     @property
     def prefetch_limit(self) -> int:
-        return max(self.block_size, min(self.max_prefetch, self.cache_size // 2))
+        """Read-ahead of one sequential reader; also bounded by an eighth of the budget."""
+        return max(self.block_size, min(self.max_prefetch, self.cache_size // 8))

@@ -73,6 +73,7 @@ class Fetcher:
         self._prefetch_slots = trio.CapacityLimiter(max(1, (max_concurrency * 3) // 4))
         self._bytes = ByteBudget(inflight_limit)
         self._pending: dict[BlockKey, _Pending] = {}
+        self._queued = 0  # bytes of prefetches launched but not yet reserved in the cache
         self._nursery: trio.Nursery | None = None
 
     def start(self, nursery: trio.Nursery) -> None:
@@ -119,28 +120,42 @@ class Fetcher:
             raise Unavailable(f"get {obj.key!r}: fetch abandoned")
         return pending.data, False
 
-    def prefetch(self, obj: ObjectInfo, index: int, wanted: Callable[[], bool] = lambda: True) -> None:
-        """Start fetching a block ahead of the reader unless it is cached or already coming."""
+    def prefetch(self, obj: ObjectInfo, index: int, wanted: Callable[[], bool] = lambda: True) -> bool:
+        """Start fetching a block ahead of the reader unless it is cached or already coming.
+
+        Returns False, starting nothing, while prefetched-but-unread and in-flight bytes fill the
+        cache's staging room: read-ahead waits rather than fetching blocks it would have to drop.
+        """
         key = BlockKey(obj.key, obj.etag, index)
         if key in self._pending or key in self.cache:
-            return
-        self._launch(key, obj, demanded=False, visit=None, wanted=wanted)
+            return True
+        nbytes = min(obj.size - index * self.block_size, self.block_size)
+        if self.cache.transient_room - self._queued < nbytes:
+            return False
+        self._queued += nbytes  # promised until its GET reserves the bytes in the cache
+        self._launch(key, obj, demanded=False, visit=None, wanted=wanted, queued=nbytes)
+        return True
 
     def _launch(self, key: BlockKey, obj: ObjectInfo, *, demanded: bool, visit: Hashable | None,
-                wanted: Callable[[], bool] = lambda: True) -> _Pending:
+                wanted: Callable[[], bool] = lambda: True, queued: int = 0) -> _Pending:
         if self._nursery is None:
             raise RuntimeError("Fetcher.start() was not called")
         pending = _Pending(demanded, visit)
         self._pending[key] = pending
-        self._nursery.start_soon(self._run, key, obj, pending, wanted)
+        self._nursery.start_soon(self._run, key, obj, pending, wanted, queued)
         return pending
 
-    async def _run(self, key: BlockKey, obj: ObjectInfo, pending: _Pending, wanted: Callable[[], bool]) -> None:
+    async def _run(self, key: BlockKey, obj: ObjectInfo, pending: _Pending, wanted: Callable[[], bool],
+                   queued: int = 0) -> None:
         try:
             if pending.demanded:
+                self._queued -= queued
+                queued = 0
                 pending.data = await self._fetch(key, obj, pending)
             else:
                 async with self._prefetch_slots:
+                    self._queued -= queued
+                    queued = 0
                     if pending.demanded or wanted():
                         pending.data = await self._fetch(key, obj, pending)
             if pending.data is not None:
@@ -157,6 +172,7 @@ class Fetcher:
             elif not pending.demanded:
                 log.info("prefetch of %s block %d failed: %s", obj.key, key.index, exc)
         finally:
+            self._queued -= queued
             del self._pending[key]
             pending.done.set()
 

@@ -32,6 +32,10 @@ class ReadAhead:
         self._issued_until = -1  # highest block index already handed out for prefetch
         self._last_block = block_count(file_size, block_size) - 1
 
+    def unissue(self, index: int) -> None:
+        """Blocks from `index` on were not fetched after all; offer them again on the next read."""
+        self._issued_until = min(self._issued_until, index - 1)
+
     def on_read(self, offset: int, size: int) -> range:
         """Record a read and return the block indexes to prefetch now (possibly empty)."""
         span = block_span(offset, size, self.file_size, self.block_size)

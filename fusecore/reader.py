@@ -71,7 +71,9 @@ class Reader:
             f.generation += 1
         generation = f.generation
         for index in ahead:
-            self.fetcher.prefetch(info, index, lambda: f.wants(generation))
+            if not self.fetcher.prefetch(info, index, lambda: f.wants(generation)):
+                f.readahead.unissue(index)
+                break
         unit = 0
         if f.readahead.random and not self._blocks_cached(info, span):
             unit = self.page_size

@@ -65,6 +65,7 @@ class DirectoryPrefetcher:
             if stats.staged + stats.reserved >= self.budget:
                 return
             info = state.files[state.next]
+            if not self.fetcher.prefetch(info, 0):
+                return
             state.next += 1
-            self.fetcher.prefetch(info, 0)
             self.issued += 1

@@ -46,5 +46,5 @@ def test_mount_config_validates_knobs():
     with pytest.raises(ConfigError, match="max-concurrency"):
         MountConfig(store=StoreConfig(bucket="b", max_concurrency=0))
     cfg = MountConfig(store=store, cache_size=64 * 1024**2, block_size=1024**2)
-    assert cfg.inflight_limit <= cfg.cache_size // 2
-    assert cfg.prefetch_limit <= cfg.cache_size // 2
+    assert cfg.inflight_limit <= cfg.cache_size // 8
+    assert cfg.prefetch_limit <= cfg.cache_size // 8
