@@ -59,6 +59,7 @@ class DataPath:
                 "bytes": c.bytes, "budget": c.budget, "entries": c.entries, "staged_bytes": c.staged,
                 "hits": c.hits, "misses": c.misses, "hit_ratio": round(c.hit_ratio, 4),
                 "evictions": c.evictions, "prefetch_dropped": c.prefetch_dropped,
+                "recycled_buffers": self.cache.recycled,
             },
             "requests": {
                 "get": int(gets),

@@ -184,7 +184,7 @@ class Fetcher:
         self.metrics.inflight_requests.inc()
         self.metrics.inflight_bytes.inc(nbytes)
         try:
-            buffer = allocate(nbytes)
+            buffer = self.cache.take_buffer(nbytes) or allocate(nbytes)
             view = memoryview(buffer)
             progress = pending.progress
             pending.buffer = buffer

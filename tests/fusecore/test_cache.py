@@ -149,3 +149,20 @@ class CacheMachine(RuleBasedStateMachine):
 
 TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
+
+
+def test_evicted_buffers_are_reused_only_when_nobody_holds_them():
+    import mmap
+
+    def block():
+        return mmap.mmap(-1, 4 * KiB)
+
+    cache = BlockCache(4 * 4 * KiB, window_fraction=0.5)
+    held = block()
+    cache.put(key(0), held)  # a reader still holds this one (the `held` name)
+    for i in range(1, 12):
+        cache.put(key(i), block())
+    assert cache.recycled == 0
+    reused = cache.take_buffer(4 * KiB)
+    assert reused is not None and reused is not held
+    assert cache.take_buffer(123) is None
