@@ -94,7 +94,6 @@ class MountConfig:
     metrics_addr: str = "127.0.0.1"
     control_socket: str | None = None
     allow_other: bool = False
-    read_retries: int = 3  # body-level retries on top of botocore's request retries
     read_deadline: float = 60.0  # a read waiting longer than this for the store fails with EIO
     uid: int | None = None
     gid: int | None = None

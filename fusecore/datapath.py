@@ -31,7 +31,7 @@ class DataPath:
         self.metrics.bind_cache(self.cache.stats)
         self.fetcher = Fetcher(store, self.cache, self.metrics, block_size=cfg.block_size,
                                max_concurrency=cfg.store.max_concurrency, inflight_limit=cfg.inflight_limit,
-                               read_retries=max(cfg.read_retries, cfg.store.max_attempts - 1), read_deadline=cfg.read_deadline)
+                               read_retries=cfg.store.max_attempts - 1, read_deadline=cfg.read_deadline)
         self.namespace = Namespace(store, cfg.store.prefix, cfg.metadata_ttl, self.metrics)
         self.reader = Reader(self.fetcher, self.metrics, block_size=cfg.block_size,
                              prefetch_limit=cfg.prefetch_limit)

@@ -89,6 +89,9 @@ class Progress:
     def __init__(self) -> None:
         self.received = 0
 
+    def advance(self, n: int) -> None:
+        self.received += n
+
 
 class ObjectStore(Protocol):
     def check(self) -> None: ...
@@ -239,12 +242,7 @@ class S3Store:
             body = resp["Body"]
             readinto, release = _body_reader(body)
             try:
-                while pos < length:
-                    n = readinto(into[pos:pos + _PIECE])
-                    if not n:
-                        break
-                    pos += n
-                    progress.received += n
+                pos = _fill(readinto, into, progress)
             finally:
                 if pos == length:
                     release()
@@ -342,12 +340,7 @@ class _PresignedGets:
         readinto = fp.readinto if fp is not None and hasattr(fp, "readinto") else resp.readinto
         pos = 0
         try:
-            while pos < length:
-                n = readinto(into[pos:pos + _PIECE])
-                if not n:
-                    break
-                pos += n
-                progress.received += n
+            pos = _fill(readinto, into, progress)
         except urllib3.exceptions.ReadTimeoutError:
             raise Unavailable(f"{what}: store stopped sending") from None
         except (urllib3.exceptions.HTTPError, OSError, http.client.HTTPException, ValueError) as exc:
@@ -359,6 +352,18 @@ class _PresignedGets:
                 resp.close()
         if pos != length:
             raise TransientError(f"{what}: short body ({pos} of {length} bytes)")
+
+
+def _fill(readinto, into: memoryview, progress: Progress) -> int:
+    """Read a body into `into` piece by piece, publishing progress; returns the bytes read."""
+    pos, length = 0, len(into)
+    while pos < length:
+        n = readinto(into[pos:pos + _PIECE])
+        if not n:
+            break
+        pos += n
+        progress.advance(n)
+    return pos
 
 
 def _error_code(resp) -> str:

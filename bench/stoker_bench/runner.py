@@ -117,9 +117,11 @@ def run_all(*, scale: float, systems: list[str], workloads: list[str], workdir: 
     with StoreProcess({"bench": d.objects()}, latency=latency, bandwidth=bandwidth, workdir=workdir) as store:
         info = {"scale": scale, "latency_s": latency, "bandwidth_Bps": bandwidth, "cache_bytes": cache_bytes,
                 "epoch_cache_bytes": d.epoch_cache, "objects": len(d.objects()),
-                "store_ceiling_MBps": store_ceiling(d, workdir, latency)}
+                "store_ceiling_MBps": store_ceiling(d, workdir, latency),
+                "python_client_ceiling_MBps": python_client_ceiling(store, d)}
         log(f"emulated store at {store.endpoint}: {info['objects']} objects, latency {latency * 1000:.0f} ms, "
-            f"{bandwidth / 1e6:.0f} MB/s per connection; unthrottled ceiling {info['store_ceiling_MBps']} MB/s")
+            f"{bandwidth / 1e6:.0f} MB/s per connection; unthrottled ceiling {info['store_ceiling_MBps']} MB/s; "
+            f"a bare Python client with 48 connections reaches {info['python_client_ceiling_MBps']} MB/s")
         for workload in workloads:
             for name in systems:
                 cache = d.epoch_cache if workload == "epochs" else cache_bytes
@@ -176,6 +178,35 @@ def store_ceiling(d: Dataset, workdir: str, latency: float) -> float:
         with ThreadPoolExecutor(8) as pool:
             total = sum(pool.map(fetch, range(8)))
         return round(total / (time.monotonic() - started) / 1e6, 1)
+
+
+def python_client_ceiling(store: StoreProcess, d: Dataset, connections: int = 48) -> float:
+    """The best a Python process does here against the capped store: `connections` threads of
+    bare urllib3 range GETs into reused buffers, no FUSE, no cache. Stoker's cold sequential
+    throughput is bounded by this (and by the CPU the kernel's FUSE copies take besides)."""
+    import urllib3
+    from concurrent.futures import ThreadPoolExecutor
+
+    key, size = d.seq[0]
+    block = 4 * 1024 * 1024
+    count = min(size // block, 64)
+    pool = urllib3.PoolManager(maxsize=connections)
+    buffers = [bytearray(block) for _ in range(connections)]
+    url = f"{store.endpoint}/bench/{key}"
+
+    def fetch(i: int) -> int:
+        resp = pool.request("GET", url, headers={"Range": f"bytes={i * block}-{(i + 1) * block - 1}"},
+                            preload_content=False)
+        view, pos = memoryview(buffers[i % connections]), 0
+        while pos < block and (n := resp._fp.readinto(view[pos:pos + 262144])):
+            pos += n
+        resp.release_conn()
+        return pos
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(connections) as executor:
+        total = sum(executor.map(fetch, range(count)))
+    return round(total / (time.monotonic() - started) / 1e6, 1)
 
 
 def to_dicts(cells: list[Cell]) -> list[dict]:

@@ -88,7 +88,7 @@ class FakeStore:
         for pos in range(0, len(payload), 64 * 1024):
             piece = payload[pos:pos + 64 * 1024]
             into[pos:pos + len(piece)] = piece
-            progress.received += len(piece)
+            progress.advance(len(piece))
             if self.faults.chunk_delay:
                 time.sleep(self.faults.chunk_delay)
         if broken:
