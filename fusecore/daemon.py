@@ -7,6 +7,7 @@ import errno
 import logging
 import os
 import signal
+import subprocess
 from typing import Callable
 
 import pyfuse3
@@ -94,6 +95,7 @@ async def _announce_ready(cfg: MountConfig, ready: ReadyCallback) -> None:
     """Report ready only once the kernel gets answers from this process."""
     st = await trio.to_thread.run_sync(os.stat, cfg.mountpoint)
     _set_read_ahead(st.st_dev, cfg.read_ahead_kb)
+    _raise_background_limit(st.st_dev)
     log.info("mounted s3://%s/%s at %s", cfg.store.bucket, cfg.store.prefix, cfg.mountpoint)
     ready(None)
 
@@ -107,6 +109,25 @@ def _set_read_ahead(dev: int, kb: int) -> None:
     except OSError as exc:
         if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT):
             log.info("could not set %s: %s", path, exc)
+
+
+FUSECTL = "/sys/fs/fuse/connections"
+MAX_BACKGROUND = 64  # the kernel's default of 12 queued readahead requests starves several readers
+
+
+def _raise_background_limit(dev: int) -> None:
+    """Let the kernel keep more asynchronous (readahead) FUSE reads in flight (root only)."""
+    if os.major(dev) != 0:
+        return
+    conn = os.path.join(FUSECTL, str(os.minor(dev)))
+    if os.geteuid() == 0 and os.path.isdir(FUSECTL) and not os.path.ismount(FUSECTL):
+        subprocess.run(["mount", "-t", "fusectl", "fusectl", FUSECTL], capture_output=True)
+    for name, value in (("max_background", MAX_BACKGROUND), ("congestion_threshold", MAX_BACKGROUND * 3 // 4)):
+        try:
+            with open(os.path.join(conn, name), "w") as f:
+                f.write(str(value))
+        except OSError:
+            return
 
 
 async def _terminate_on_signal() -> None:
