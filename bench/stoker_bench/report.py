@@ -102,18 +102,24 @@ def chart(cells: list[Cell], path: str) -> None:
 
     systems = list(dict.fromkeys(c.system for c in cells))
     workloads = list(dict.fromkeys(c.workload for c in cells))
-    fig, axes = plt.subplots(1, len(workloads), figsize=(3.2 * len(workloads), 3.6), squeeze=False)
-    for ax, w in zip(axes[0], workloads):
+    cols = min(4, len(workloads))
+    rows = (len(workloads) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.4 * rows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[len(workloads):]:
+        ax.axis("off")
+    for ax, w in zip(flat, workloads):
         for i, run in enumerate(("cold", "warm")):
             values = []
             for s in systems:
                 c = next((c for c in cells if c.workload == w and c.system == s and c.run == run), None)
-                values.append(c.value if c is not None and c.value is not None else 0)
+                values.append(c.value if c is not None and c.value else float("nan"))
             ax.bar([x + i * 0.4 for x in range(len(systems))], values, width=0.4, label=run)
         ax.set_xticks([x + 0.2 for x in range(len(systems))])
         ax.set_xticklabels(systems, rotation=45, fontsize=8)
         ax.set_title(WORKLOADS[w][0], fontsize=8)
-    axes[0][0].legend(fontsize=8)
+        ax.set_yscale("log")  # warm runs are orders of magnitude above cold ones
+    flat[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
