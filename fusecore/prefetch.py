@@ -15,7 +15,8 @@ class ReadAhead:
     and the end of the current window (the kernel issues readahead requests concurrently, so they
     may arrive slightly out of order, and a reader may skip ahead inside what was prefetched).
     After a seek, only a read that continues exactly where the previous one ended starts a new
-    sequential run, so random readers landing near each other do not trigger prefetch. Each time a sequential reader enters a new block the window doubles, up to
+    sequential run, so random readers landing near each other do not trigger prefetch. On every
+    read that continues the previous one or enters a new block the window doubles, up to
     `max_window_blocks`; any other read is a seek and resets the window to zero, so random access
     fetches only what it asks for.
     """
@@ -53,9 +54,9 @@ class ReadAhead:
             self._issued_until = last
         elif self._frontier - 1 <= first <= self._frontier + max(1, self.window):
             self.random = False
-            if last > self._frontier:
+            if last > self._frontier or offset == last_end:
                 self.window = min(self.max_window, max(1, self.window * 2))
-                self._frontier = last
+            self._frontier = max(self._frontier, last)
         else:
             self.window = 0
             self.random = True
