@@ -202,11 +202,18 @@ def _socket(args: argparse.Namespace) -> str:
     return args.control_socket or control.default_control_socket(args.mountpoint)
 
 
-def cmd_stats(args: argparse.Namespace) -> int:
+def _ask(args: argparse.Namespace, op: str) -> dict | None:
+    """One request to the mount's control API; None (after saying why) if it did not answer."""
     try:
-        stats = control.call(_socket(args), {"op": "stats"})
+        return control.call(_socket(args), {"op": op})
     except control.ControlError as exc:
-        print(f"stoker stats: {exc}", file=sys.stderr)
+        print(f"stoker {op}: {exc}", file=sys.stderr)
+        return None
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    stats = _ask(args, "stats")
+    if stats is None:
         return 1
     if args.json:
         print(json.dumps(stats, indent=2))
@@ -252,10 +259,8 @@ def _progress_bar(p: dict) -> None:
 
 
 def cmd_drop(args: argparse.Namespace) -> int:
-    try:
-        result = control.call(_socket(args), {"op": "drop"})
-    except control.ControlError as exc:
-        print(f"stoker drop: {exc}", file=sys.stderr)
+    result = _ask(args, "drop")
+    if result is None:
         return 1
     print(f"dropped {_human(result['dropped_bytes'])}")
     return 0
