@@ -13,6 +13,7 @@ import time
 
 from . import control
 from .config import ConfigError, MountConfig, StoreConfig, parse_s3_url, parse_size, parse_ttl
+from .mounts import is_mounted
 
 DEFAULT_READY_TIMEOUT = 120.0
 
@@ -186,15 +187,18 @@ def _read_ready(fd: int, timeout: float) -> str | None:
 
 def cmd_unmount(args: argparse.Namespace) -> int:
     mp = os.path.abspath(args.mountpoint)
-    if not os.path.ismount(mp):
+    if not is_mounted(mp):
         print(f"stoker unmount: {mp} is not mounted", file=sys.stderr)
         return 1
     tool = shutil.which("fusermount3") or shutil.which("fusermount")
     cmd = [tool, "-u", mp] if tool else ["umount", mp]
     result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        print(f"stoker unmount: {result.stderr.strip() or 'failed'}", file=sys.stderr)
-        return 1
+    if result.returncode != 0 and is_mounted(mp):
+        # A mount whose process died ("transport endpoint is not connected") needs a lazy unmount.
+        lazy = subprocess.run([tool, "-uz", mp] if tool else ["umount", "-l", mp], capture_output=True, text=True)
+        if lazy.returncode != 0 and is_mounted(mp):
+            print(f"stoker unmount: {result.stderr.strip() or 'failed'}", file=sys.stderr)
+            return 1
     return 0
 
 

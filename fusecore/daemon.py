@@ -17,6 +17,7 @@ from . import control
 from .config import MountConfig
 from .datapath import DataPath
 from .fs import StokerFS
+from .mounts import is_mounted
 from .store import S3Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ def tune_malloc() -> None:
 def check_mountpoint(path: str) -> None:
     if not os.path.isdir(path):
         raise MountError(f"mountpoint {path} is not an existing directory")
-    if os.path.ismount(path):
+    if is_mounted(path):
         raise MountError(f"{path} is already a mount point")
 
 

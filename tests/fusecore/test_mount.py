@@ -262,3 +262,22 @@ def test_foreground_mount_unmounts_cleanly_on_sigterm(s3, bucket, tmp_path, moto
         if proc.poll() is None:
             proc.kill()
             subprocess.run(["fusermount3", "-uz", str(mp)])
+
+
+def test_a_mount_whose_process_was_killed_can_be_unmounted_and_mounted_again(s3, bucket, mounts):
+    from fusecore.mounts import fs_type, is_mounted
+
+    put(s3, bucket, "f", b"still here")
+    mp = mounts.mount(f"s3://{bucket}")
+    assert fs_type(mp) == "fuse.stoker"
+    os.kill(mounts.stats(mp)["pid"], signal.SIGKILL)
+    time.sleep(0.5)
+    with pytest.raises(OSError) as err:
+        os.listdir(mp)
+    assert err.value.errno == errno.ENOTCONN
+    assert is_mounted(mp), "the broken mount is still in mountinfo"
+    result = subprocess.run([sys.executable, "-m", "stoker", "unmount", mp], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert not is_mounted(mp)
+    mp2 = mounts.mount(f"s3://{bucket}", mountpoint=mp)
+    assert read_whole(os.path.join(mp2, "f")) == b"still here"
