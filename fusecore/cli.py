@@ -41,6 +41,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--metrics-addr", default="127.0.0.1", help="address for --metrics-port (default 127.0.0.1)")
     m.add_argument("--control-socket", help="unix socket of the control API (default: derived from MOUNTPOINT)")
     m.add_argument("--allow-other", action="store_true", help="let other users read the mount")
+    m.add_argument("--uid", type=int, help="owner shown for files (default: the mounting user)")
+    m.add_argument("--gid", type=int, help="group shown for files (default: the mounting user's group)")
     m.add_argument("--foreground", action="store_true", help="stay attached; unmount on SIGINT/SIGTERM")
     m.add_argument("--log-file", help="log file of a background mount")
     m.add_argument("--log-level", default="INFO")
@@ -92,6 +94,8 @@ def config_from_args(args: argparse.Namespace) -> MountConfig:
         control_socket=args.control_socket,
         allow_other=args.allow_other,
         read_deadline=args.read_deadline,
+        uid=args.uid,
+        gid=args.gid,
     )
 
 

@@ -105,9 +105,11 @@ def test_kernel_page_cache_serves_a_reopened_unchanged_file(s3, bucket, mounts):
     assert mounts.stats(mp)["bytes_served"] == served, "keep_cache: no FUSE read for the second open"
 
 
-def test_writes_are_refused_with_erofs(s3, bucket, mounts):
+def test_writes_are_refused_with_erofs_and_ownership_is_configurable(s3, bucket, mounts):
     put(s3, bucket, "f", b"data")
-    mp = mounts.mount(f"s3://{bucket}")
+    mp = mounts.mount(f"s3://{bucket}", "--uid", "1234", "--gid", "4321")
+    st = os.stat(os.path.join(mp, "f"))
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (1234, 4321, 0o444)
     for action in (lambda: open(os.path.join(mp, "f"), "wb"), lambda: open(os.path.join(mp, "new"), "wb"),
                    lambda: os.mkdir(os.path.join(mp, "d")), lambda: os.unlink(os.path.join(mp, "f"))):
         with pytest.raises(OSError) as err:
