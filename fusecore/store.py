@@ -108,6 +108,8 @@ _DENIED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch",
            "InvalidToken", "ExpiredToken", "AllAccessDisabled"}
 _CHANGED = {"PreconditionFailed", "412", "InvalidRange", "416"}
 _NO_BUCKET = {"NoSuchBucket"}
+_RETRYABLE_STATUS = {429, 500, 502, 503, 504}
+_RETRYABLE_CODES = {"SlowDown", "Throttling", "ServiceUnavailable", "InternalError"}
 
 
 def _translate(exc: Exception, what: str) -> StoreError:
@@ -115,15 +117,7 @@ def _translate(exc: Exception, what: str) -> StoreError:
     if isinstance(exc, botocore.exceptions.ClientError):
         code = str(exc.response.get("Error", {}).get("Code", ""))
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if code in _NO_BUCKET:
-            return BucketNotFound(f"{what}: bucket does not exist")
-        if code in _NOT_FOUND or status == 404:
-            return NotFound(f"{what}: not found")
-        if code in _DENIED or status == 403:
-            return AccessDenied(f"{what}: access denied ({code or status}); check the credentials and policy")
-        if code in _CHANGED or status in (412, 416):
-            return PreconditionFailed(f"{what}: object changed since it was listed")
-        return Unavailable(f"{what}: store error {code or status}")
+        return _answer_error(status, code, what, retried=True)  # botocore's retry mode already ran
     if isinstance(exc, botocore.exceptions.NoCredentialsError):
         return AccessDenied(f"{what}: no credentials found (environment, shared files or --profile)")
     if isinstance(exc, botocore.exceptions.ProfileNotFound):
@@ -265,7 +259,6 @@ def _direct_gets_possible() -> bool:
 
 
 _CODE_RE = re.compile(rb"<Code>([^<]+)</Code>")
-_RETRYABLE_STATUS = {429, 500, 502, 503, 504}
 
 
 class _PresignedGets:
@@ -329,7 +322,7 @@ class _PresignedGets:
             code = _error_code(resp)
             if resp.status == 403 and not fresh and code in ("AccessDenied", "ExpiredToken", "RequestExpired"):
                 continue  # an expired URL (or rotated credentials): sign again once
-            raise _status_error(resp.status, code, what)
+            raise _answer_error(resp.status, code, what, retried=False)
         if resp.headers.get("ETag") not in (None, etag):
             resp.release_conn()
             raise PreconditionFailed(f"{what}: object changed since it was listed")
@@ -377,16 +370,21 @@ def _error_code(resp) -> str:
     return match.group(1).decode(errors="replace") if match else str(resp.status)
 
 
-def _status_error(status: int, code: str, what: str) -> StoreError:
-    if status in _RETRYABLE_STATUS or code in ("SlowDown", "Throttling", "ServiceUnavailable", "InternalError"):
+def _answer_error(status: int | None, code: str, what: str, *, retried: bool) -> StoreError:
+    """The one table from a store's error answer (HTTP status, S3 error code) to StoreError.
+
+    Throttling and 5xx are TransientError, for the fetcher to retry, unless they were `retried`
+    already (botocore's retry mode), when they are Unavailable.
+    """
+    if not retried and (status in _RETRYABLE_STATUS or code in _RETRYABLE_CODES):
         return TransientError(f"{what}: store answered {status} {code}")
     if code in _NO_BUCKET:
         return BucketNotFound(f"{what}: bucket does not exist")
-    if status == 404 or code in _NOT_FOUND:
+    if code in _NOT_FOUND or status == 404:
         return NotFound(f"{what}: not found")
-    if status == 403 or code in _DENIED:
-        return AccessDenied(f"{what}: access denied ({code}); check the credentials and policy")
-    if status in (412, 416) or code in _CHANGED:
+    if code in _DENIED or status == 403:
+        return AccessDenied(f"{what}: access denied ({code or status}); check the credentials and policy")
+    if code in _CHANGED or status in (412, 416):
         return PreconditionFailed(f"{what}: object changed since it was listed")
     return Unavailable(f"{what}: store answered {status} {code}")
 
