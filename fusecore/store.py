@@ -227,29 +227,18 @@ class S3Store:
     def _read_range_botocore(self, key: str, start: int, end: int, etag: str, into: memoryview,
                              progress: Progress) -> None:
         what = f"get {key!r}"
-        length = end - start
-        pos = 0
         try:
             resp = self._client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=etag)
             if resp.get("ETag") not in (None, etag):
                 raise PreconditionFailed(f"{what}: object changed since it was listed")
-            body = resp["Body"]
-            readinto, release = _body_reader(body)
-            try:
-                pos = _fill(readinto, into, progress)
-            finally:
-                if pos == length:
-                    release()
-                else:
-                    body.close()
+            readinto, release = _body_reader(resp["Body"])
+            _read_body(readinto, into, progress, release, resp["Body"].close, what)
         except StoreError:
             raise
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
             raise _translate(exc, what) from None
         except (OSError, ValueError, http.client.HTTPException) as exc:
             raise TransientError(f"{what}: {type(exc).__name__} while reading the body") from None
-        if pos != length:
-            raise TransientError(f"{what}: short body ({pos} of {length} bytes)")
 
 
 def _direct_gets_possible() -> bool:
@@ -331,32 +320,29 @@ class _PresignedGets:
             raise Unavailable(f"{what}: the store ignored the Range header")
         fp = getattr(resp, "_fp", None)
         readinto = fp.readinto if fp is not None and hasattr(fp, "readinto") else resp.readinto
-        pos = 0
         try:
-            pos = _fill(readinto, into, progress)
+            _read_body(readinto, into, progress, resp.release_conn, resp.close, what)
         except urllib3.exceptions.ReadTimeoutError:
             raise Unavailable(f"{what}: store stopped sending") from None
         except (urllib3.exceptions.HTTPError, OSError, http.client.HTTPException, ValueError) as exc:
             raise TransientError(f"{what}: {type(exc).__name__} while reading the body") from None
-        finally:
-            if pos == length:
-                resp.release_conn()
-            else:
-                resp.close()
-        if pos != length:
-            raise TransientError(f"{what}: short body ({pos} of {length} bytes)")
 
 
-def _fill(readinto, into: memoryview, progress: Progress) -> int:
-    """Read a body into `into` piece by piece, publishing progress; returns the bytes read."""
+def _read_body(readinto, into: memoryview, progress: Progress, release, close, what: str) -> None:
+    """Fill `into` from a response body piece by piece, publishing progress; hand the connection
+    back to its pool only if the body was read to the end, else close it."""
     pos, length = 0, len(into)
-    while pos < length:
-        n = readinto(into[pos:pos + _PIECE])
-        if not n:
-            break
-        pos += n
-        progress.advance(n)
-    return pos
+    try:
+        while pos < length:
+            n = readinto(into[pos:pos + _PIECE])
+            if not n:
+                break
+            pos += n
+            progress.advance(n)
+    finally:
+        (release if pos == length else close)()
+    if pos != length:
+        raise TransientError(f"{what}: short body ({pos} of {length} bytes)")
 
 
 def _error_code(resp) -> str:
