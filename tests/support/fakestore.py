@@ -82,19 +82,6 @@ class FakeStore:
 
     def read_range(self, key: str, start: int, end: int, etag: str, into: memoryview, progress: Progress) -> None:
         """Like S3Store.read_range: pieces arrive one after another, `progress` advancing."""
-        data = self.get_range(key, start, end, etag, _partial_ok=True)
-        broken = isinstance(data, TransientError)
-        payload = data.args[1] if broken else data
-        for pos in range(0, len(payload), 64 * 1024):
-            piece = payload[pos:pos + 64 * 1024]
-            into[pos:pos + len(piece)] = piece
-            progress.advance(len(piece))
-            if self.faults.chunk_delay:
-                time.sleep(self.faults.chunk_delay)
-        if broken:
-            raise TransientError(data.args[0])
-
-    def get_range(self, key: str, start: int, end: int, etag: str, _partial_ok: bool = False) -> bytearray:
         with self._lock:
             self.calls["get"] += 1
             self.ranges.append((key, start, end))
@@ -114,7 +101,7 @@ class FakeStore:
                 time.sleep(faults.latency)
             if key in faults.denied_keys:
                 raise AccessDenied(f"get {key!r}: access denied")
-            if transient and not (_partial_ok and self.faults.break_after):
+            if transient and not faults.break_after:
                 raise TransientError(f"get {key!r}: connection reset")
             if unavailable:
                 raise Unavailable(f"get {key!r}: timed out")
@@ -123,9 +110,15 @@ class FakeStore:
             data, current, _ = self.objects[key]
             if current != etag:
                 raise PreconditionFailed(f"get {key!r}: changed")
-            if transient:  # the body breaks off after `break_after` bytes
-                return TransientError(f"get {key!r}: connection reset", data[start:min(end, start + self.faults.break_after)])
-            return bytearray(data[start:end])
+            payload = data[start:min(end, start + faults.break_after)] if transient else data[start:end]
+            for pos in range(0, len(payload), 64 * 1024):
+                piece = payload[pos:pos + 64 * 1024]
+                into[pos:pos + len(piece)] = piece
+                progress.advance(len(piece))
+                if faults.chunk_delay:
+                    time.sleep(faults.chunk_delay)
+            if transient:  # the body broke off after `break_after` bytes
+                raise TransientError(f"get {key!r}: connection reset")
         finally:
             with self._lock:
                 self.active -= 1
