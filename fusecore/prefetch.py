@@ -28,6 +28,7 @@ class ReadAhead:
         self.initial_window = min(initial_window, self.max_window)
         self.window = 0
         self.random = False  # the last read was a seek (or a first read past offset 0)
+        self.seeks = 0  # reads that broke the sequence; prefetches of an older run are not wanted
         self._last_end = -1
         self._frontier: int | None = None  # highest block index read so far in this run
         self._issued_until = -1  # highest block index already handed out for prefetch
@@ -50,7 +51,8 @@ class ReadAhead:
             self.random = offset != 0
             self._frontier = last
         elif self.random and offset != last_end:
-            self._frontier = last  # still random: only an exact continuation starts a sequential run
+            self.seeks += 1  # still random: only an exact continuation starts a sequential run
+            self._frontier = last
             self._issued_until = last
         elif self._frontier - 1 <= first <= self._frontier + max(1, self.window):
             self.random = False
@@ -60,6 +62,7 @@ class ReadAhead:
         else:
             self.window = 0
             self.random = True
+            self.seeks += 1
             self._frontier = last
             self._issued_until = last
         start = max(last + 1, self._issued_until + 1)

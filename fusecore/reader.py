@@ -17,17 +17,17 @@ from .store import ObjectInfo, StoreError
 class OpenFile:
     """One open() of one object version; reads of it always use the version seen at open."""
 
-    __slots__ = ("fh", "info", "readahead", "generation", "closed")
+    __slots__ = ("fh", "info", "readahead", "closed")
 
     def __init__(self, fh: int, info: ObjectInfo, readahead: ReadAhead):
         self.fh = fh
         self.info = info
         self.readahead = readahead
-        self.generation = 0  # bumped on every seek, so queued prefetches of the old run stop
         self.closed = False
 
-    def wants(self, generation: int) -> bool:
-        return not self.closed and self.generation == generation
+    def wants(self, seeks: int) -> bool:
+        """Is a prefetch issued after `seeks` seeks still useful? Not once the file seeks or closes."""
+        return not self.closed and self.readahead.seeks == seeks
 
 
 class Reader:
@@ -65,13 +65,10 @@ class Reader:
         span = block_span(offset, size, info.size, self.block_size)
         if not span:
             return b""
-        window_before = f.readahead.window
         ahead = f.readahead.on_read(offset, size)
-        if f.readahead.window == 0 and window_before:
-            f.generation += 1
-        generation = f.generation
+        seeks = f.readahead.seeks
         for index in ahead:
-            if not self.fetcher.prefetch(info, index, lambda: f.wants(generation)):
+            if not self.fetcher.prefetch(info, index, lambda: f.wants(seeks)):
                 f.readahead.unissue(index)
                 break
         unit = 0

@@ -61,3 +61,14 @@ def test_never_prefetches_past_the_end_or_what_is_being_read(reads, file_blocks,
             assert 0 <= index <= last
             assert index > (min(offset + size, file_size) - 1) // block
         assert len(ahead) <= max(window, 0)
+
+
+def test_every_break_in_the_sequence_counts_as_a_seek():
+    ra = ReadAhead(file_size=1024 * MiB, block_size=MiB, max_window_blocks=64)
+    sequential(ra, MiB, 8 * MiB)
+    assert ra.seeks == 0
+    ra.on_read(500 * MiB, MiB)
+    ra.on_read(100 * MiB, MiB)
+    assert ra.seeks == 2
+    ra.on_read(101 * MiB, MiB)  # an exact continuation starts a new sequential run
+    assert ra.seeks == 2 and not ra.random

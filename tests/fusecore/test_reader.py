@@ -153,3 +153,27 @@ def test_random_reads_fetch_small_pages_not_whole_blocks():
 
     run(dp, go)
     assert fetched[0] <= 2 * 50 * 256 * KiB, "read amplification of random reads stays below 2x"
+
+
+def test_a_seek_abandons_the_prefetches_still_queued_for_the_old_position():
+    store = FakeStore()
+    data = random.Random(8).randbytes(32 * MiB)
+    info = store.put("big", data)
+    store.faults.latency = 0.05
+    cfg = MountConfig(store=StoreConfig(bucket="b", max_concurrency=1), cache_size=256 * MiB,
+                      block_size=256 * KiB, max_prefetch=8 * MiB)
+    dp = DataPath(cfg, store)
+
+    async def go():
+        fh = dp.reader.open(info)
+        for off in range(0, 2 * MiB, 256 * KiB):  # sequential: a window of prefetches gets queued
+            await dp.reader.read(fh, off, 256 * KiB)
+        queued = dp.fetcher.inflight
+        assert queued > 2
+        await dp.reader.read(fh, 30 * MiB, 4096)  # seek far away
+        await trio.sleep(0.5)  # one connection: room for few GETs if the old queue were still wanted
+        return queued
+
+    run(dp, go)
+    far_ahead = [r for r in store.ranges if 2 * MiB + 256 * KiB < r[1] < 30 * MiB]
+    assert len(far_ahead) <= 2, "queued read-ahead of the abandoned position was not fetched"
