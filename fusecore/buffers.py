@@ -2,8 +2,9 @@
 
 Large buffers are anonymous mmaps populated up front (MAP_POPULATE): receiving a body into
 never-touched pages costs a page fault per 4 KiB inside the kernel's socket copy, which measured
-2-3x more system time per GiB than populating the mapping in one call. Unmapped as soon as the
-cache drops the block, so freed memory goes back to the system at once.
+2-3x more system time per GiB than populating the mapping in one call. A dropped block's buffer
+is either kept for the next GET (BlockCache.take_buffer, a few at most) or unmapped at once, so
+freed memory goes back to the system.
 """
 
 from __future__ import annotations

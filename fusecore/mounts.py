@@ -1,22 +1,17 @@
-"""What the kernel has mounted, from /proc/self/mountinfo (works for broken FUSE mounts too,
-where stat() fails with ENOTCONN and os.path.ismount() says False)."""
+"""What the kernel has mounted, from /proc/self/mountinfo: also right for a FUSE mount whose
+process died, where every access fails with ENOTCONN."""
 
 from __future__ import annotations
 
 import os
+import re
+
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
 
 
 def _unescape(field: str) -> str:
     """mountinfo escapes space, tab, newline and backslash as \\ooo octal."""
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and field[i + 1:i + 4].isdigit() and len(field[i + 1:i + 4]) == 3:
-            out.append(chr(int(field[i + 1:i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
+    return _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), field)
 
 
 def mount_entries(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, str]]:
