@@ -43,6 +43,14 @@ def _proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def _cpu_seconds(system) -> float:
+    """CPU time of the process doing the reads: the FUSE daemon, or this process for boto3."""
+    if system.is_mount:
+        return _proc_cpu(system.pid)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _proc_rss_kib(pid: int, field_name: str = "VmRSS") -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -86,16 +94,14 @@ def measure(system, store: StoreProcess, workload: str, d: Dataset, run_index: i
     fn = WORKLOADS[workload][1]
     cell = Cell(workload, system.name, "cold" if run_index == 0 else "warm")
     own = not system.is_mount
-    before_cpu = (resource.getrusage(resource.RUSAGE_SELF).ru_utime + resource.getrusage(resource.RUSAGE_SELF).ru_stime
-                  if own else _proc_cpu(system.pid))
+    before_cpu = _cpu_seconds(system)
     sampler = None if own else RssSampler(system.pid)
     if sampler:
         sampler.start()
     before = store.stats()
     outcome = fn(system, d, run_index)
     after = store.stats()
-    after_cpu = (resource.getrusage(resource.RUSAGE_SELF).ru_utime + resource.getrusage(resource.RUSAGE_SELF).ru_stime
-                 if own else _proc_cpu(system.pid))
+    after_cpu = _cpu_seconds(system)
     cell.value, cell.unit = headline(workload, outcome)
     cell.seconds, cell.bytes, cell.wrong, cell.extra = outcome.seconds, outcome.bytes, outcome.wrong, outcome.extra
     cell.cpu_seconds = round(after_cpu - before_cpu, 3)
