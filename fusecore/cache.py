@@ -110,9 +110,14 @@ class BlockCache:
         return self._window_bytes + self._main_bytes + self._staged_bytes + self._reserved
 
     @property
+    def transient_bytes(self) -> int:
+        """Prefetched-but-unread plus in-flight bytes."""
+        return self._staged_bytes + self._reserved
+
+    @property
     def transient_room(self) -> int:
         """Bytes prefetches may still claim (staged plus in flight stay under the staging cap)."""
-        return self._staged_cap - self._staged_bytes - self._reserved
+        return self._staged_cap - self.transient_bytes
 
     @property
     def resident_bytes(self) -> int:

@@ -61,8 +61,7 @@ class DirectoryPrefetcher:
 
     def _issue(self, state: _DirState) -> None:
         while state.next < len(state.files):
-            stats = self.cache.stats()
-            if stats.staged + stats.reserved >= self.budget:
+            if self.cache.transient_bytes >= self.budget:
                 return
             info = state.files[state.next]
             if not self.fetcher.prefetch(info, 0):
