@@ -80,6 +80,17 @@ def test_many_small_files_read_concurrently_and_listing_sends_no_head(s3, bucket
     assert mounts.stats(mp)["requests"]["get"] == len(files), "each small file is fetched whole in one GET"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the kernel limits are tuned only by root")
+def test_the_kernel_may_queue_more_readahead_for_the_mount(s3, bucket, mounts):
+    put(s3, bucket, "f", b"x")
+    mp = mounts.mount(f"s3://{bucket}", "--read-ahead-kb", "8192")
+    dev = os.stat(mp).st_dev
+    with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb") as f:
+        assert int(f.read()) == 8192
+    with open(f"/sys/fs/fuse/connections/{os.minor(dev)}/max_background") as f:
+        assert int(f.read()) == 64
+
+
 def test_second_epoch_is_served_without_new_gets(s3, bucket, mounts):
     data = {f"d/{i}": random.Random(i).randbytes(3 * MiB + i) for i in range(4)}
     for k, v in data.items():

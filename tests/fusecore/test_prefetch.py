@@ -72,3 +72,11 @@ def test_every_break_in_the_sequence_counts_as_a_seek():
     assert ra.seeks == 2
     ra.on_read(101 * MiB, MiB)  # an exact continuation starts a new sequential run
     assert ra.seeks == 2 and not ra.random
+
+
+def test_the_window_grows_on_continuing_reads_inside_the_first_block():
+    """A cold reader reaches full parallelism after a few small reads, not after many blocks."""
+    ra = ReadAhead(file_size=1024 * MiB, block_size=4 * MiB, max_window_blocks=64)
+    for off in range(0, 2 * MiB, 256 * 1024):  # 8 reads, all inside block 0
+        ra.on_read(off, 256 * 1024)
+    assert ra.window >= 64
