@@ -88,11 +88,8 @@ class BlockCache:
 
     def __init__(self, budget: int, *, window_fraction: float = 0.1, staged_fraction: float = 0.125,
                  min_sample: int = 10_000):
-        if budget <= 0:
-            raise ValueError("budget must be positive")
-        self.budget = budget
-        self._window_cap = max(1, int(budget * window_fraction))
-        self._staged_cap = max(1, int(budget * staged_fraction))
+        self._window_fraction, self._staged_fraction = window_fraction, staged_fraction
+        self._set_budget(budget)
         self._window: OrderedDict[BlockKey, _Entry] = OrderedDict()
         self._main: OrderedDict[BlockKey, _Entry] = OrderedDict()
         self._staged: OrderedDict[BlockKey, _Entry] = OrderedDict()
@@ -103,6 +100,18 @@ class BlockCache:
         self._free: list[Buffer] = []  # evicted block buffers nobody references, for reuse
         self.recycled = 0
         self.hits = self.misses = self.evictions = self.rejections = self.prefetch_dropped = 0
+
+    def _set_budget(self, budget: int) -> None:
+        if budget <= 0:
+            raise ValueError("budget must be positive")
+        self.budget = budget
+        self._window_cap = max(1, int(budget * self._window_fraction))
+        self._staged_cap = max(1, int(budget * self._staged_fraction))
+
+    def resize(self, budget: int) -> None:
+        """Change the budget of a live cache (the operator sizes node caches); evicts if it shrank."""
+        self._set_budget(budget)
+        self._enforce()
 
     # ---- queries -------------------------------------------------------------------------
     @property

@@ -6,14 +6,13 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import time
 
 from . import control
 from .config import ConfigError, MountConfig, StoreConfig, parse_s3_url, parse_size, parse_ttl
-from .mounts import is_mounted
+from .mounts import NOT_READY_STATUS, is_mounted, unmount
 
 DEFAULT_READY_TIMEOUT = 120.0
 
@@ -143,16 +142,20 @@ def _mount_in_background(args: argparse.Namespace, cfg: MountConfig) -> int:
     answer = _read_ready(read_fd, args.ready_timeout)
     if answer == "OK":
         return 0
+    status = 1
     if answer is None:
         child.kill()
         reason = f"the mount did not become ready within {args.ready_timeout:g}s"
+        status = NOT_READY_STATUS
     elif answer.startswith("ERR "):
         reason = answer[4:]
     else:
         reason = f"the mount process exited (status {child.wait()}); see {log_file}"
     child.wait()
+    if answer in (None, "") and is_mounted(cfg.mountpoint):
+        unmount(cfg.mountpoint)  # our child got as far as mounting: never leave that dead mount behind
     print(f"stoker mount: {reason}", file=sys.stderr)
-    return 1
+    return status
 
 
 def _child_argv(argv: list[str]) -> list[str]:
@@ -194,15 +197,10 @@ def cmd_unmount(args: argparse.Namespace) -> int:
     if not is_mounted(mp):
         print(f"stoker unmount: {mp} is not mounted", file=sys.stderr)
         return 1
-    tool = shutil.which("fusermount3") or shutil.which("fusermount")
-    cmd = [tool, "-u", mp] if tool else ["umount", mp]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0 and is_mounted(mp):
-        # A mount whose process died ("transport endpoint is not connected") needs a lazy unmount.
-        lazy = subprocess.run([tool, "-uz", mp] if tool else ["umount", "-l", mp], capture_output=True, text=True)
-        if lazy.returncode != 0 and is_mounted(mp):
-            print(f"stoker unmount: {result.stderr.strip() or 'failed'}", file=sys.stderr)
-            return 1
+    problem = unmount(mp)
+    if problem:
+        print(f"stoker unmount: {problem}", file=sys.stderr)
+        return 1
     return 0
 
 

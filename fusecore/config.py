@@ -63,6 +63,15 @@ def parse_s3_url(url: str) -> tuple[str, str]:
 
 
 @dataclass(frozen=True)
+class Credentials:
+    """Static S3 keys handed over by a caller (the CSI plugin's secrets); never printed."""
+
+    access_key_id: str
+    secret_access_key: str = field(repr=False)
+    session_token: str | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
 class StoreConfig:
     """Where the objects live and how to talk to the store."""
 
@@ -75,6 +84,7 @@ class StoreConfig:
     connect_timeout: float = 5.0
     request_timeout: float = 10.0  # per socket read; bounds a silent store
     max_attempts: int = 5  # botocore 'standard' retry mode (503 SlowDown, resets, ...)
+    credentials: Credentials | None = None  # None: boto3's default chain (environment, files, roles)
 
 
 @dataclass(frozen=True)

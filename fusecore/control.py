@@ -1,4 +1,4 @@
-"""A mount's local control API: JSON lines over a unix socket (stats, warm, drop).
+"""A mount's local control API: JSON lines over a unix socket (stats, warm, drop, resize).
 
 The CLI (`stoker stats|warm|drop`) and the CSI plugin talk to a running mount through it.
 """
@@ -74,6 +74,8 @@ async def _handle(datapath: DataPath, stream: trio.SocketStream) -> None:
                 await _send(stream, datapath.stats())
             elif op == "drop":
                 await _send(stream, datapath.drop())
+            elif op == "resize":
+                await _send(stream, datapath.resize(int(request["cache_size"])))
             elif op == "warm":
                 paths = [str(p) for p in request.get("paths", [])]
                 result = await datapath.warm(paths, lambda progress: _send(stream, progress))

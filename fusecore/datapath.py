@@ -81,6 +81,14 @@ class DataPath:
             "skipped_names": self.namespace.skipped_names,
         }
 
+    def resize(self, cache_size: int) -> dict:
+        """New cache budget; never below what in-flight GETs may reserve, nor below two blocks."""
+        floor = max(2 * self.cfg.block_size, self.fetcher.inflight_bytes_limit)
+        if cache_size < floor:
+            raise ValueError(f"cache size must be at least {floor} bytes")
+        self.cache.resize(cache_size)
+        return {"budget": self.cache.budget, "bytes": self.cache.stats().bytes}
+
     def drop(self) -> dict:
         before = self.cache.stats().bytes
         self.cache.clear()

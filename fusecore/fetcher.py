@@ -77,6 +77,10 @@ class Fetcher:
         self._queued = 0  # bytes of prefetches launched but not yet reserved in the cache
         self._nursery: trio.Nursery | None = None
 
+    @property
+    def inflight_bytes_limit(self) -> int:
+        return self._bytes.limit
+
     def start(self, nursery: trio.Nursery) -> None:
         """Background GETs run in `nursery`, so a cancelled reader never cancels a shared GET."""
         self._nursery = nursery

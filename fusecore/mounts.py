@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
+import time
+
+NOT_READY_STATUS = 124  # exit status of `stoker mount` whose mount did not become ready (like timeout(1))
 
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
 
@@ -39,3 +44,29 @@ def fs_type(path: str) -> str | None:
         if point == target:
             found = kind
     return found
+
+
+def unmount(path: str, *, fuse: bool = True) -> str | None:
+    """Unmount `path`; falls back to a lazy unmount for a dead FUSE mount or a busy bind mount.
+
+    Returns None once mountinfo no longer shows the path, else the reason it is still mounted.
+    """
+    mp = os.path.abspath(path)
+    tool = (shutil.which("fusermount3") or shutil.which("fusermount")) if fuse else None
+    first = subprocess.run([tool, "-u", mp] if tool else ["umount", mp], capture_output=True, text=True)
+    if first.returncode != 0 and is_mounted(mp):
+        # A mount whose process died ("transport endpoint is not connected") needs a lazy unmount.
+        subprocess.run([tool, "-uz", mp] if tool else ["umount", "-l", mp], capture_output=True, text=True)
+    if is_mounted(mp):
+        return first.stderr.strip() or f"{mp} is still mounted"
+    return None
+
+
+def wait_unmounted(path: str, timeout: float) -> bool:
+    """True once mountinfo no longer lists `path` (a FUSE unmount completes asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while is_mounted(path):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True

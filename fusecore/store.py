@@ -137,16 +137,25 @@ def _translate(exc: Exception, what: str) -> StoreError:
     return StoreError(f"{what}: {type(exc).__name__}")
 
 
+def _session(cfg: StoreConfig) -> boto3.session.Session:
+    creds = cfg.credentials
+    if creds is not None:
+        return boto3.session.Session(aws_access_key_id=creds.access_key_id,
+                                     aws_secret_access_key=creds.secret_access_key,
+                                     aws_session_token=creds.session_token)
+    try:
+        return boto3.session.Session(profile_name=cfg.profile) if cfg.profile else boto3.session.Session()
+    except botocore.exceptions.ProfileNotFound as exc:
+        raise AccessDenied(f"profile {cfg.profile!r} not found") from exc
+
+
 class S3Store:
     """ObjectStore over boto3; thread-safe (one client, a connection pool sized to concurrency)."""
 
     def __init__(self, cfg: StoreConfig):
         self.cfg = cfg
         self.bucket = cfg.bucket
-        try:
-            session = boto3.session.Session(profile_name=cfg.profile) if cfg.profile else boto3.session.Session()
-        except botocore.exceptions.ProfileNotFound as exc:
-            raise AccessDenied(f"profile {cfg.profile!r} not found") from exc
+        session = _session(cfg)
         config = botocore.config.Config(
             max_pool_connections=cfg.max_concurrency + 8,
             connect_timeout=cfg.connect_timeout,
@@ -391,3 +400,51 @@ def _body_reader(body) -> tuple:
 
 def _info(item: dict) -> ObjectInfo:
     return ObjectInfo(item["Key"], item["Size"], item.get("ETag", ""), item["LastModified"].timestamp())
+
+
+class S3Admin(S3Store):
+    """The few writes the CSI controller makes when it provisions a volume as a prefix.
+
+    Kept beside the read path so that every S3 error is translated by the same table; the mount
+    itself never writes.
+    """
+
+    def get_small(self, key: str) -> bytes | None:
+        """Body of a small object, or None if there is no such object."""
+        try:
+            return self._client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+        except Exception as exc:  # noqa: BLE001 - translated below
+            err = _translate(exc, f"get {key!r}")
+            if isinstance(err, NotFound):
+                return None
+            raise err from None
+
+    def put_small(self, key: str, body: bytes) -> None:
+        try:
+            self._client.put_object(Bucket=self.bucket, Key=key, Body=body)
+        except Exception as exc:  # noqa: BLE001 - translated below
+            raise _translate(exc, f"put {key!r}") from None
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object whose key starts with `prefix` (which must end in '/'); returns the count."""
+        if not prefix.endswith("/"):
+            raise ValueError("delete_prefix needs a prefix that ends in '/'")
+        deleted, batch = 0, []
+        for info in self.list_all(prefix):
+            batch.append(info.key)
+            if len(batch) == 1000:
+                deleted += self.delete_keys(batch)
+                batch = []
+        return deleted + (self.delete_keys(batch) if batch else 0)
+
+    def delete_keys(self, keys: list[str]) -> int:
+        """Delete up to 1000 objects in one request; returns the count."""
+        try:
+            answer = self._client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
+        except Exception as exc:  # noqa: BLE001 - translated below
+            raise _translate(exc, f"delete {len(keys)} objects") from None
+        if answer.get("Errors"):
+            first = answer["Errors"][0]
+            raise _answer_error(None, first.get("Code", ""), f"delete {first.get('Key')!r}", retried=True)
+        return len(keys)

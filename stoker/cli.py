@@ -18,6 +18,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo.add_command(sub)
     try:
+        from csi import server as csi_server
+    except ImportError:  # grpcio missing in a trimmed install
+        csi_server = None
+    if csi_server is not None:
+        csi_server.add_commands(sub)
+    try:
         from stoker_bench import cli as bench_cli
     except ImportError:  # the benchmark ships in the same package; tolerate trimmed installs
         bench_cli = None

@@ -166,3 +166,16 @@ def test_evicted_buffers_are_reused_only_when_nobody_holds_them():
     reused = cache.take_buffer(4 * KiB)
     assert reused is not None and reused is not held
     assert cache.take_buffer(123) is None
+
+
+def test_resize_shrinks_by_eviction_and_grows_the_room():
+    cache = BlockCache(10 * 100)
+    for i in range(10):
+        cache.put(BlockKey("k", "e", i, 100), memoryview(bytearray(100)))
+    assert cache.stats().bytes == 1000
+    cache.resize(400)
+    assert cache.budget == 400 and cache.stats().bytes <= 400
+    cache.resize(2000)
+    for i in range(10, 25):
+        cache.put(BlockKey("k", "e", i, 100), memoryview(bytearray(100)))
+    assert 1000 < cache.stats().bytes <= 2000

@@ -1,0 +1,1 @@
+"""Stoker CSI plugin: Identity, Node and Controller services over fusecore mounts."""

@@ -1,0 +1,204 @@
+"""Volume attributes and secrets → a validated mount specification (pure; parsed once, at the edge).
+
+Static PVs carry attributes in `volumeAttributes`, dynamic ones get them from StorageClass
+parameters through CreateVolume's volume_context; both land here. Every problem raises
+AttributeProblem naming the attribute (never a secret's value).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+from fusecore.config import ConfigError, Credentials, MountConfig, StoreConfig, parse_size, parse_ttl
+
+EPHEMERAL_KEY = "csi.storage.k8s.io/ephemeral"
+_KUBERNETES_PREFIXES = ("csi.storage.k8s.io/", "storage.kubernetes.io/")
+
+
+class AttributeProblem(ValueError):
+    """A volume attribute, parameter or secret key is missing, unknown or malformed."""
+
+
+def _boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("true", "yes", "1"):
+        return True
+    if value in ("false", "no", "0"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError("must not be negative")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError("must be > 0 seconds")
+    return value
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One tunable volume attribute and the `stoker mount` flag it becomes."""
+
+    flag: str
+    parse: Callable[[str], object]
+    config_name: str  # the name MountConfig/ConfigError uses for it
+
+
+KNOBS: dict[str, Knob] = {
+    "cacheSize": Knob("--cache-size", lambda v: parse_size(v, name="cacheSize"), "cache-size"),
+    "blockSize": Knob("--block-size", lambda v: parse_size(v, name="blockSize"), "block-size"),
+    "maxPrefetch": Knob("--max-prefetch", lambda v: parse_size(v, name="maxPrefetch"), "max-prefetch"),
+    "maxConcurrency": Knob("--max-concurrency", _positive_int, "max-concurrency"),
+    "metadataTTL": Knob("--metadata-ttl", lambda v: parse_ttl(v, name="metadataTTL"), "metadata-ttl"),
+    "requestTimeout": Knob("--request-timeout", _seconds, "timeouts"),
+    "connectTimeout": Knob("--connect-timeout", _seconds, "timeouts"),
+    "maxAttempts": Knob("--max-attempts", _positive_int, "max-attempts"),
+    "readDeadline": Knob("--read-deadline", _seconds, "read-deadline"),
+    "readAheadKb": Knob("--read-ahead-kb", _positive_int, "read-ahead-kb"),
+    "kernelCache": Knob("--no-kernel-cache", _boolean, "kernel-cache"),
+    "uid": Knob("--uid", _positive_int, "uid"),
+    "gid": Knob("--gid", _positive_int, "gid"),
+}
+STORE_ATTRIBUTES = ("bucket", "prefix", "endpointUrl", "region")
+SECRET_KEYS = {"accessKeyId", "secretAccessKey", "sessionToken"}
+CONTROLLER_SECRET_KEYS = SECRET_KEYS | {"endpointUrl", "region"}
+_CREDENTIAL_LOOKALIKES = {"accesskeyid", "secretaccesskey", "sessiontoken", "aws_access_key_id",
+                          "aws_secret_access_key", "aws_session_token", "password", "secret", "token"}
+
+
+@dataclass(frozen=True)
+class VolumeSpec:
+    """What one volume mounts: the store location and the tuning knobs, all validated."""
+
+    bucket: str
+    prefix: str = ""
+    endpoint_url: str | None = None
+    region: str | None = None
+    knobs: tuple[tuple[str, object], ...] = ()  # (attribute, parsed value), sorted
+    ephemeral: bool = False
+
+    @property
+    def source(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+    def mount_argv(self, mountpoint: str, control_socket: str, log_file: str, *,
+                   cache_size: int | None = None) -> list[str]:
+        """Arguments of `stoker mount` for this volume (no credentials: those travel in the environment);
+        `cache_size` overrides the volume's own cacheSize (a DatasetCache's plan)."""
+        argv = ["mount", self.source, mountpoint, "--allow-other", "--control-socket", control_socket,
+                "--log-file", log_file]
+        if self.endpoint_url:
+            argv += ["--endpoint-url", self.endpoint_url]
+        if self.region:
+            argv += ["--region", self.region]
+        knobs = dict(self.knobs)
+        if cache_size is not None:
+            knobs["cacheSize"] = cache_size
+        for name, value in sorted(knobs.items()):
+            knob = KNOBS[name]
+            if name == "kernelCache":
+                if not value:
+                    argv.append(knob.flag)
+            else:
+                argv += [knob.flag, str(value)]
+        return argv
+
+    def identity(self) -> str:
+        """A stable text of everything that shapes the mount, to detect a conflicting re-stage."""
+        return json.dumps([self.bucket, self.prefix, self.endpoint_url, self.region, list(self.knobs)])
+
+
+def parse_volume_context(context: dict[str, str]) -> VolumeSpec:
+    """Validate a volume's attributes; raises AttributeProblem naming the first bad one."""
+    values: dict[str, object] = {}
+    ephemeral = False
+    for key, raw in sorted(context.items()):
+        if key == EPHEMERAL_KEY:
+            ephemeral = _parse(key, raw, _boolean)
+        elif key.startswith(_KUBERNETES_PREFIXES):
+            continue  # pod info and provisioner bookkeeping added by Kubernetes
+        elif key.lower() in _CREDENTIAL_LOOKALIKES:
+            raise AttributeProblem(f"volume attribute {key!r}: credentials are read only from the secret "
+                                   "(nodeStageSecretRef / nodePublishSecretRef), never from attributes")
+        elif key in STORE_ATTRIBUTES:
+            values[key] = raw.strip()
+        elif key in KNOBS:
+            values[key] = _parse(key, raw, KNOBS[key].parse)
+        else:
+            known = ", ".join([*STORE_ATTRIBUTES, *KNOBS])
+            raise AttributeProblem(f"unknown volume attribute {key!r} (known: {known})")
+    bucket = str(values.pop("bucket", "") or "")
+    if not bucket:
+        raise AttributeProblem("volume attribute 'bucket' is required")
+    prefix = str(values.pop("prefix", "") or "").strip("/")
+    spec = VolumeSpec(
+        bucket=bucket,
+        prefix=f"{prefix}/" if prefix else "",
+        endpoint_url=str(values.pop("endpointUrl", "")) or None,
+        region=str(values.pop("region", "")) or None,
+        knobs=tuple(sorted(values.items())),
+        ephemeral=ephemeral,
+    )
+    check_ranges(spec)
+    return spec
+
+
+def check_ranges(spec: VolumeSpec) -> MountConfig:
+    """Build the MountConfig the mount will build, so that range errors surface here, named."""
+    knobs = dict(spec.knobs)
+    store = StoreConfig(bucket=spec.bucket, prefix=spec.prefix, endpoint_url=spec.endpoint_url, region=spec.region,
+                        max_concurrency=int(knobs.get("maxConcurrency", 64)),
+                        connect_timeout=float(knobs.get("connectTimeout", 5.0)),
+                        request_timeout=float(knobs.get("requestTimeout", 10.0)))
+    try:
+        return MountConfig(store=store, cache_size=int(knobs.get("cacheSize", 4 * 1024**3)),
+                           block_size=int(knobs.get("blockSize", 4 * 1024**2)))
+    except ConfigError as exc:
+        text = str(exc)
+        for name, knob in KNOBS.items():
+            if text.startswith(knob.config_name + ":"):
+                text = name + text[len(knob.config_name):]
+                break
+        raise AttributeProblem(f"volume attribute {text}") from None
+
+
+def parse_secrets(secrets: dict[str, str], *, allowed: set[str] = SECRET_KEYS) -> Credentials | None:
+    """Credentials from a CSI secrets map; None when empty (the node's own identity is used)."""
+    unknown = sorted(set(secrets) - allowed)
+    if unknown:
+        raise AttributeProblem(f"unknown secret key {unknown[0]!r} (known: {', '.join(sorted(allowed))})")
+    key_id, secret = secrets.get("accessKeyId", ""), secrets.get("secretAccessKey", "")
+    if not key_id and not secret:
+        return None
+    if not key_id or not secret:
+        raise AttributeProblem("secret needs both 'accessKeyId' and 'secretAccessKey'")
+    return Credentials(key_id, secret, secrets.get("sessionToken") or None)
+
+
+def credentials_env(creds: Credentials | None) -> dict[str, str]:
+    """Environment for a mount process: keys from the secret, or nothing (default credential chain)."""
+    if creds is None:
+        return {}
+    env = {"AWS_ACCESS_KEY_ID": creds.access_key_id, "AWS_SECRET_ACCESS_KEY": creds.secret_access_key}
+    if creds.session_token:
+        env["AWS_SESSION_TOKEN"] = creds.session_token
+    return env
+
+
+def _parse(key: str, raw: str, parse: Callable[[str], object]):
+    try:
+        return parse(raw)
+    except ConfigError as exc:
+        raise AttributeProblem(f"volume attribute {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise AttributeProblem(f"volume attribute {key!r}: cannot use {raw!r} ({exc})") from None
+

@@ -1,0 +1,155 @@
+"""`stoker csi` and `stoker csi-mounter`: assemble the gRPC server, the repair loop and the mounter."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from google.protobuf import text_format
+
+from . import csi_pb2_grpc as rpc
+from .controller import ControllerService
+from .mounter import Mounter, ProcessMounter, RemoteMounter, serve_mounter
+from .node import IdentityService, NodeService
+from .state import StateDir
+from .volumes import VolumeManager
+
+log = logging.getLogger("stoker.csi")
+
+_SENSITIVE_FIELDS = ("secrets",)
+
+
+def redacted(request) -> str:
+    """A request as text for the log, without secrets or mount flags (which may hold them)."""
+    copy = type(request)()
+    copy.CopyFrom(request)
+    for name in _SENSITIVE_FIELDS:
+        if name in copy.DESCRIPTOR.fields_by_name:
+            copy.ClearField(name)
+    for name in ("volume_capability",):
+        if name in copy.DESCRIPTOR.fields_by_name and copy.HasField(name):
+            getattr(copy, name).mount.ClearField("mount_flags")
+    return text_format.MessageToString(copy, as_one_line=True)
+
+
+class LoggingInterceptor(grpc.ServerInterceptor):
+    """One log line per call and per outcome; secrets never reach the log."""
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        method = details.method.rsplit("/", 1)[-1]
+        inner = handler.unary_unary
+
+        def logged(request, context):
+            started = time.monotonic()
+            log.info("%s %s", method, redacted(request))
+            try:
+                response = inner(request, context)
+            except Exception:
+                log.info("%s -> %s: %s (%.2fs)", method, context.code(), context.details(),
+                         time.monotonic() - started)
+                raise
+            log.info("%s -> OK (%.2fs)", method, time.monotonic() - started)
+            return response
+
+        return grpc.unary_unary_rpc_method_handler(logged, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
+
+
+def socket_path(endpoint: str) -> str:
+    if endpoint.startswith("unix://"):
+        return endpoint[len("unix://"):]
+    if endpoint.startswith("/"):
+        return endpoint
+    raise SystemExit(f"stoker csi: --endpoint must be unix:///PATH, got {endpoint!r}")
+
+
+def build_server(args: argparse.Namespace, mounter: Mounter, volumes: VolumeManager | None) -> grpc.Server:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), interceptors=[LoggingInterceptor()])
+    node = args.mode in ("node", "all")
+    controller = args.mode in ("controller", "all")
+    rpc.add_IdentityServicer_to_server(IdentityService(mounter if node else None, controller), server)
+    if node and volumes is not None:
+        rpc.add_NodeServicer_to_server(NodeService(volumes, args.node_id), server)
+    if controller:
+        rpc.add_ControllerServicer_to_server(ControllerService(), server)
+    return server
+
+
+def _watch(volumes: VolumeManager, interval: float, stop: threading.Event) -> None:
+    while not stop.wait(interval):
+        volumes.check_all()
+
+
+def cmd_csi(args: argparse.Namespace) -> int:
+    _logging(args.log_level)
+    path = socket_path(args.endpoint)
+    mounter: Mounter = RemoteMounter(args.mounter_socket) if args.mounter_socket else ProcessMounter()
+    volumes = None
+    if args.mode in ("node", "all"):
+        if not args.node_id:
+            raise SystemExit("stoker csi: --node-id is required for the node service")
+        volumes = VolumeManager(StateDir(args.state_dir), mounter, ready_timeout=args.mount_timeout)
+        repaired = volumes.check_all()  # start-up: find staged volumes, repair broken ones, drop stale ones
+        log.info("found %d volume(s) in %s; repaired %d", len(volumes.state.records()), args.state_dir, len(repaired))
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    if os.path.exists(path):
+        os.unlink(path)
+    server = build_server(args, mounter, volumes)
+    server.add_insecure_port(f"unix://{path}")
+    server.start()
+    log.info("serving CSI %s services on %s (node id %s)", args.mode, path, args.node_id)
+    stop = threading.Event()
+    if volumes is not None:
+        threading.Thread(target=_watch, args=(volumes, args.health_interval, stop), daemon=True,
+                         name="repair").start()
+
+    def terminate(signum, frame):
+        log.info("signal %d: stopping the gRPC server; mounts keep serving", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGINT, terminate)
+    stop.wait()
+    server.stop(grace=5).wait()
+    return 0
+
+
+def cmd_mounter(args: argparse.Namespace) -> int:
+    _logging(args.log_level)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    serve_mounter(args.socket)
+    return 0
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("botocore", "boto3", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("csi", help="serve the Kubernetes CSI driver csi.stoker.dev on a unix socket")
+    c.add_argument("--endpoint", default="unix:///csi/csi.sock", help="unix:///PATH of the gRPC socket")
+    c.add_argument("--node-id", default=os.environ.get("NODE_ID", ""), help="this node's name (node mode)")
+    c.add_argument("--mode", choices=("node", "controller", "all"), default="node")
+    c.add_argument("--state-dir", default="/var/lib/stoker-csi", help="where volume records survive restarts")
+    c.add_argument("--mounter-socket", help="ask `stoker csi-mounter` on this socket to start mounts "
+                                            "(default: start them from this process, detached)")
+    c.add_argument("--mount-timeout", type=float, default=60.0, help="seconds for a mount to become ready")
+    c.add_argument("--health-interval", type=float, default=2.0, help="seconds between mount health checks")
+    c.add_argument("--log-level", default="INFO")
+    c.set_defaults(func=cmd_csi)
+
+    m = sub.add_parser("csi-mounter", help="own the mount processes of the CSI node plugin (own container)")
+    m.add_argument("--socket", default="/run/stoker-mounter/mounter.sock")
+    m.add_argument("--log-level", default="INFO")
+    m.set_defaults(func=cmd_mounter)

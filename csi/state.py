@@ -1,0 +1,99 @@
+"""The node plugin's memory across restarts: one JSON record per volume in the state directory.
+
+A record holds what is needed to mount the volume again without kubelet's help (the volume
+context and the secret it was staged with) and where it is published. Files are 0600 in a 0700
+directory on the node, like kubelet's own pod secrets; nothing here is ever logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class VolumeRecord:
+    """One volume on this node: its FUSE mount lives at `mount_path` (in the state directory);
+    kubelet's staging path and every published target are read-only bind mounts of it."""
+
+    volume_id: str
+    mount_path: str
+    context: dict[str, str]
+    secrets: dict[str, str] = field(repr=False)
+    ephemeral: bool = False
+    staging_path: str | None = None
+    targets: dict[str, str] = field(default_factory=dict)  # bind target -> how it was published
+    holders: list[str] = field(default_factory=list)  # DatasetCaches keeping this cache warm
+    cache_size: int | None = None  # budget set by a DatasetCache plan, else the volume's own
+
+    def binds(self) -> list[str]:
+        return ([self.staging_path] if self.staging_path else []) + list(self.targets)
+
+    def in_use(self) -> bool:
+        return bool(self.staging_path or self.targets or self.holders)
+
+    @property
+    def key(self) -> str:
+        return volume_key(self.volume_id)
+
+
+def volume_key(volume_id: str) -> str:
+    """Short, file-name-safe key of a volume (volume ids may hold any character)."""
+    return hashlib.sha256(volume_id.encode()).hexdigest()[:16]
+
+
+class StateDir:
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+        for sub in ("volumes", "run", "logs", "mounts"):
+            os.makedirs(os.path.join(self.root, sub), mode=0o700, exist_ok=True)
+        os.chmod(self.root, 0o700)
+
+    def _path(self, volume_id: str) -> str:
+        return os.path.join(self.root, "volumes", volume_key(volume_id) + ".json")
+
+    def control_socket(self, volume_id: str) -> str:
+        return os.path.join(self.root, "run", volume_key(volume_id) + ".sock")
+
+    def mount_path(self, volume_id: str) -> str:
+        return os.path.join(self.root, "mounts", volume_key(volume_id))
+
+    def log_file(self, volume_id: str) -> str:
+        return os.path.join(self.root, "logs", volume_key(volume_id) + ".log")
+
+    def load(self, volume_id: str) -> VolumeRecord | None:
+        try:
+            with open(self._path(volume_id)) as f:
+                return VolumeRecord(**json.load(f))
+        except FileNotFoundError:
+            return None
+
+    def save(self, record: VolumeRecord) -> None:
+        path = self._path(record.volume_id)
+        tmp = path + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(record), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def delete(self, volume_id: str) -> None:
+        try:
+            os.unlink(self._path(volume_id))
+        except FileNotFoundError:
+            pass
+
+    def records(self) -> list[VolumeRecord]:
+        out = []
+        folder = os.path.join(self.root, "volumes")
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".json"):
+                try:
+                    with open(os.path.join(folder, name)) as f:
+                        out.append(VolumeRecord(**json.load(f)))
+                except (OSError, ValueError, TypeError):
+                    continue  # a torn or foreign file: not ours to act on
+        return out

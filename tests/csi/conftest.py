@@ -1,0 +1,137 @@
+"""A real `stoker csi` node plugin (and its separate mounter) on a unix socket, and a gRPC client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from csi import csi_pb2 as pb
+from csi import csi_pb2_grpc as rpc
+from fusecore.mounts import is_mounted, unmount
+from tests.conftest import requires_fuse
+
+SECRETS = {"accessKeyId": "testing-key", "secretAccessKey": "testing-secret-DO-NOT-LOG"}
+READ_ONLY_MANY = pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume(),
+                                     access_mode=pb.VolumeCapability.AccessMode(mode=3))
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+class Plugin:
+    """`stoker csi-mounter` + `stoker csi --mounter-socket`, as the DaemonSet runs them."""
+
+    def __init__(self, tmp_path, *, mode: str = "node", separate_mounter: bool = True):
+        self.tmp_path = tmp_path
+        self.mode = mode
+        self.separate_mounter = separate_mounter
+        self.state_dir = str(tmp_path / "state")
+        self.socket = str(tmp_path / "csi.sock")
+        self.mounter_socket = str(tmp_path / "mounter.sock")
+        self.log_path = tmp_path / "csi.log"
+        self.mounter = None
+        self.server = None
+        self.channel = None
+
+    def start_mounter(self) -> None:
+        log = open(self.tmp_path / "mounter.log", "ab")
+        self.mounter = subprocess.Popen([sys.executable, "-m", "stoker", "csi-mounter", "--socket",
+                                         self.mounter_socket], stdout=log, stderr=log)
+        assert wait_until(lambda: os.path.exists(self.mounter_socket), 30), "mounter did not start"
+
+    def start(self) -> None:
+        if self.mode != "controller" and self.separate_mounter and self.mounter is None:
+            self.start_mounter()
+        if os.path.exists(self.socket):
+            os.unlink(self.socket)
+        log = open(self.log_path, "ab")
+        argv = [sys.executable, "-m", "stoker", "csi", "--endpoint", f"unix://{self.socket}", "--node-id",
+                "node-a", "--mode", self.mode, "--state-dir", self.state_dir, "--health-interval", "0.5",
+                "--mount-timeout", "60"]
+        if self.mode != "controller" and self.separate_mounter:
+            argv += ["--mounter-socket", self.mounter_socket]
+        self.server = subprocess.Popen(argv, stdout=log, stderr=log)
+        assert wait_until(lambda: os.path.exists(self.socket), 30), self.log()
+        self.channel = grpc.insecure_channel(f"unix://{self.socket}")
+        grpc.channel_ready_future(self.channel).result(timeout=30)
+
+    def kill_server(self) -> None:
+        self.server.send_signal(signal.SIGKILL)
+        self.server.wait()
+        self.channel.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    @property
+    def identity(self):
+        return rpc.IdentityStub(self.channel)
+
+    @property
+    def node(self):
+        return rpc.NodeStub(self.channel)
+
+    @property
+    def controller(self):
+        return rpc.ControllerStub(self.channel)
+
+    def stop(self) -> None:
+        for proc in (self.server, self.mounter):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        if self.channel is not None:
+            self.channel.close()
+        # Unmount whatever the tests left behind: binds first (deepest paths), then the FUSE mounts.
+        with open("/proc/self/mountinfo") as f:
+            points = [line.split()[4] for line in f]
+        for point in sorted((p for p in points if p.startswith(str(self.tmp_path))), key=len, reverse=True):
+            if is_mounted(point):
+                unmount(point, fuse=False)
+
+
+@pytest.fixture
+def plugin(tmp_path, moto_server):
+    p = Plugin(tmp_path)
+    p.start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def local_plugin(tmp_path, moto_server):
+    """The plain-host arrangement: `stoker csi` starts the (detached) mount processes itself."""
+    p = Plugin(tmp_path, separate_mounter=False)
+    p.start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def controller_plugin(tmp_path, moto_server):
+    p = Plugin(tmp_path, mode="controller")
+    p.start()
+    yield p
+    p.stop()
+
+
+def volume_context(bucket: str, endpoint: str, **extra: str) -> dict[str, str]:
+    return {"bucket": bucket, "endpointUrl": endpoint, "region": "us-east-1", **extra}
+
+
+__all__ = ["Plugin", "READ_ONLY_MANY", "SECRETS", "requires_fuse", "volume_context", "wait_until"]

@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import pytest
+
+from csi.attributes import AttributeProblem, credentials_env, parse_secrets, parse_volume_context
+
+
+def test_parses_store_location_and_knobs():
+    spec = parse_volume_context({"bucket": "b", "prefix": "/data/train/", "endpointUrl": "http://s3:9000",
+                                 "region": "eu", "cacheSize": "2GiB", "blockSize": "8MiB", "metadataTTL": "forever",
+                                 "kernelCache": "false", "maxConcurrency": "32",
+                                 "csi.storage.k8s.io/pod.name": "p", "storage.kubernetes.io/csiProvisionerIdentity": "x"})
+    assert (spec.bucket, spec.prefix, spec.endpoint_url, spec.region) == ("b", "data/train/", "http://s3:9000", "eu")
+    argv = spec.mount_argv("/mnt/x", "/run/x.sock", "/log")
+    assert argv[:3] == ["mount", "s3://b/data/train/", "/mnt/x"]
+    assert "--no-kernel-cache" in argv and argv[argv.index("--cache-size") + 1] == str(2 * 1024**3)
+    assert argv[argv.index("--metadata-ttl") + 1] == "inf"
+    assert "--allow-other" in argv and not spec.ephemeral
+
+
+@pytest.mark.parametrize("attrs, named", [
+    ({}, "bucket"),
+    ({"bucket": "b", "cacheSize": "huge"}, "cacheSize"),
+    ({"bucket": "b", "blockSize": "1KiB"}, "blockSize"),
+    ({"bucket": "b", "cacheSize": "1MiB"}, "cacheSize"),
+    ({"bucket": "b", "maxConcurrency": "many"}, "maxConcurrency"),
+    ({"bucket": "b", "maxConcurrency": "5000"}, "maxConcurrency: must be between"),
+    ({"bucket": "b", "kernelCache": "perhaps"}, "kernelCache"),
+    ({"bucket": "b", "requestTimeout": "0"}, "requestTimeout"),
+    ({"bucket": "b", "cachesize": "1GiB"}, "cachesize"),
+    ({"bucket": "b", "accessKeyId": "AKIA"}, "accessKeyId"),
+    ({"bucket": "b", "csi.storage.k8s.io/ephemeral": "maybe"}, "ephemeral"),
+])
+def test_bad_attributes_are_named(attrs, named):
+    with pytest.raises(AttributeProblem, match=named):
+        parse_volume_context(attrs)
+
+
+def test_secrets():
+    assert parse_secrets({}) is None
+    creds = parse_secrets({"accessKeyId": "id", "secretAccessKey": "s3cr3t", "sessionToken": "tok"})
+    assert "s3cr3t" not in repr(creds) and "tok" not in repr(creds)
+    assert credentials_env(creds) == {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "s3cr3t",
+                                      "AWS_SESSION_TOKEN": "tok"}
+    with pytest.raises(AttributeProblem, match="secretAccessKey"):
+        parse_secrets({"accessKeyId": "id"})
+    with pytest.raises(AttributeProblem, match="'pass'") as info:
+        parse_secrets({"pass": "hunter2"})
+    assert "hunter2" not in str(info.value)

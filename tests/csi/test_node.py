@@ -1,0 +1,333 @@
+"""The node plugin through a real gRPC client on its unix socket, with real FUSE mounts of a moto bucket."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import threading
+
+import grpc
+import pytest
+
+from csi import csi_pb2 as pb
+from fusecore import control
+from fusecore.mounts import fs_type, is_mounted
+
+from .conftest import READ_ONLY_MANY, SECRETS, requires_fuse, volume_context, wait_until
+
+pytestmark = [pytest.mark.integration, requires_fuse]
+
+
+def fill(s3, bucket: str, files: dict[str, bytes]) -> None:
+    for key, body in files.items():
+        s3.put_object(Bucket=bucket, Key=key, Body=body)
+
+
+def stage(plugin, volume_id, staging, context, secrets=SECRETS, capability=READ_ONLY_MANY):
+    return plugin.node.NodeStageVolume(pb.NodeStageVolumeRequest(
+        volume_id=volume_id, staging_target_path=staging, volume_capability=capability,
+        volume_context=context, secrets=secrets), timeout=120)
+
+
+def publish(plugin, volume_id, staging, target, context, *, readonly=True, capability=READ_ONLY_MANY, secrets=None):
+    return plugin.node.NodePublishVolume(pb.NodePublishVolumeRequest(
+        volume_id=volume_id, staging_target_path=staging, target_path=target, volume_capability=capability,
+        readonly=readonly, volume_context=context, secrets=secrets or {}), timeout=120)
+
+
+def unpublish(plugin, volume_id, target):
+    return plugin.node.NodeUnpublishVolume(pb.NodeUnpublishVolumeRequest(volume_id=volume_id, target_path=target),
+                                           timeout=60)
+
+
+def unstage(plugin, volume_id, staging):
+    return plugin.node.NodeUnstageVolume(pb.NodeUnstageVolumeRequest(volume_id=volume_id,
+                                                                    staging_target_path=staging), timeout=60)
+
+
+def code_of(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code(), info.value.details()
+
+
+def read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def control_stats(plugin, volume_id: str) -> dict:
+    from csi.state import StateDir
+
+    return control.call(StateDir(plugin.state_dir).control_socket(volume_id), {"op": "stats"})
+
+
+@pytest.fixture
+def dataset(s3, bucket):
+    files = {f"train/part-{i}.bin": os.urandom(300_000 + i) for i in range(3)}
+    files["train/big.bin"] = os.urandom(24 * 1024 * 1024)
+    fill(s3, bucket, files)
+    return files
+
+
+def test_identity_and_capabilities(plugin):
+    info = plugin.identity.GetPluginInfo(pb.GetPluginInfoRequest())
+    assert info.name == "csi.stoker.dev" and info.vendor_version
+    caps = plugin.identity.GetPluginCapabilities(pb.GetPluginCapabilitiesRequest())
+    assert not [c for c in caps.capabilities if c.service.type == pb.PluginCapability.Service.CONTROLLER_SERVICE]
+    assert plugin.identity.Probe(pb.ProbeRequest()).ready.value is True
+    node_caps = {c.rpc.type for c in plugin.node.NodeGetCapabilities(pb.NodeGetCapabilitiesRequest()).capabilities}
+    assert node_caps == {pb.NodeServiceCapability.RPC.STAGE_UNSTAGE_VOLUME,
+                         pb.NodeServiceCapability.RPC.GET_VOLUME_STATS, pb.NodeServiceCapability.RPC.VOLUME_CONDITION}
+    assert plugin.node.NodeGetInfo(pb.NodeGetInfoRequest()).node_id == "node-a"
+
+
+def test_probe_fails_while_the_mounter_is_down(plugin):
+    plugin.mounter.kill()
+    plugin.mounter.wait()
+    code, details = code_of(lambda: plugin.identity.Probe(pb.ProbeRequest()))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "mounter" in details
+
+
+def test_stage_publish_read_unpublish_unstage(plugin, moto_server, bucket, dataset, tmp_path):
+    ctx = volume_context(bucket, moto_server.endpoint, prefix="train", cacheSize="256MiB")
+    staging, target = str(tmp_path / "staging"), str(tmp_path / "pod" / "mount")
+    os.makedirs(staging)
+    stage(plugin, "vol-1", staging, ctx)
+    assert fs_type(staging) == "fuse.stoker"
+    publish(plugin, "vol-1", staging, target, ctx)
+    assert is_mounted(target)
+    for key, body in dataset.items():
+        assert read(os.path.join(target, key.removeprefix("train/"))) == body
+    with pytest.raises(OSError):
+        open(os.path.join(target, "new-file"), "wb")  # read-only
+    stats = plugin.node.NodeGetVolumeStats(pb.NodeGetVolumeStatsRequest(volume_id="vol-1", volume_path=target))
+    assert not stats.volume_condition.abnormal
+    usage = stats.usage[0]
+    assert usage.unit == pb.VolumeUsage.BYTES and usage.total == 256 * 1024**2 and usage.used > 0
+    unpublish(plugin, "vol-1", target)
+    assert not is_mounted(target) and not os.path.exists(target)
+    unstage(plugin, "vol-1", staging)
+    assert not is_mounted(staging)  # confirmed in mountinfo before the call returned
+
+
+def test_repeated_calls_are_idempotent(plugin, moto_server, bucket, dataset, tmp_path):
+    ctx = volume_context(bucket, moto_server.endpoint)
+    staging, target = str(tmp_path / "staging"), str(tmp_path / "target")
+    os.makedirs(staging)
+    for _ in range(2):
+        stage(plugin, "vol-2", staging, ctx)
+    pid = control_stats(plugin, "vol-2")["pid"]
+    for _ in range(2):
+        publish(plugin, "vol-2", staging, target, ctx)
+    assert control_stats(plugin, "vol-2")["pid"] == pid  # one mount process, not two
+    assert read(os.path.join(target, "train/part-0.bin")) == dataset["train/part-0.bin"]
+    for _ in range(2):
+        unpublish(plugin, "vol-2", target)
+    for _ in range(2):
+        unstage(plugin, "vol-2", staging)
+    assert not is_mounted(staging) and not is_mounted(target)
+
+
+def test_error_codes(plugin, moto_server, bucket, dataset, tmp_path):
+    ctx = volume_context(bucket, moto_server.endpoint)
+    staging, target = str(tmp_path / "staging"), str(tmp_path / "target")
+    os.makedirs(staging)
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: stage(plugin, "", staging, ctx))[0] == invalid
+    assert code_of(lambda: stage(plugin, "v", "", ctx))[0] == invalid
+    assert code_of(lambda: plugin.node.NodeStageVolume(pb.NodeStageVolumeRequest(
+        volume_id="v", staging_target_path=staging, volume_context=ctx)))[0] == invalid
+    block = pb.VolumeCapability(block=pb.VolumeCapability.BlockVolume(),
+                                access_mode=pb.VolumeCapability.AccessMode(mode=3))
+    assert code_of(lambda: stage(plugin, "v", staging, ctx, capability=block))[0] == grpc.StatusCode.UNIMPLEMENTED
+    code, details = code_of(lambda: stage(plugin, "v", staging, dict(ctx, cacheSize="lots")))
+    assert code == invalid and "cacheSize" in details
+    code, details = code_of(lambda: stage(plugin, "v", staging, dict(ctx, colour="blue")))
+    assert code == invalid and "colour" in details
+    code, details = code_of(lambda: stage(plugin, "v", staging, dict(ctx, secretAccessKey="abc")))
+    assert code == invalid and "secret" in details
+    code, details = code_of(lambda: stage(plugin, "v", staging, ctx, secrets={"password": "x"}))
+    assert code == invalid and "password" in details and "x'" not in details
+    code, details = code_of(lambda: stage(plugin, "v", staging, dict(ctx, bucket="no-such-bucket-here")))
+    assert code == grpc.StatusCode.NOT_FOUND and "no-such-bucket-here" in details
+    assert not is_mounted(staging)
+    # publish before stage
+    assert code_of(lambda: publish(plugin, "v", staging, target, ctx))[0] == grpc.StatusCode.FAILED_PRECONDITION
+    assert code_of(lambda: publish(plugin, "v", "", target, ctx))[0] == invalid
+    assert code_of(lambda: publish(plugin, "v", staging, "", ctx))[0] == invalid
+    # conflicting re-publish and re-stage
+    stage(plugin, "v", staging, ctx)
+    publish(plugin, "v", staging, target, ctx)
+    writer = pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume(),
+                                 access_mode=pb.VolumeCapability.AccessMode(mode=1))
+    assert code_of(lambda: publish(plugin, "v", staging, target, ctx, capability=writer))[0] == \
+        grpc.StatusCode.ALREADY_EXISTS
+    assert code_of(lambda: stage(plugin, "v", staging, dict(ctx, prefix="other")))[0] == grpc.StatusCode.ALREADY_EXISTS
+    # unstage while published, stats of unknown volumes, what is not offered
+    assert code_of(lambda: unstage(plugin, "v", staging))[0] == grpc.StatusCode.FAILED_PRECONDITION
+    assert code_of(lambda: plugin.node.NodeGetVolumeStats(pb.NodeGetVolumeStatsRequest(
+        volume_id="nope", volume_path=target)))[0] == grpc.StatusCode.NOT_FOUND
+    assert code_of(lambda: plugin.node.NodeGetVolumeStats(pb.NodeGetVolumeStatsRequest(
+        volume_id="v", volume_path="")))[0] == invalid
+    expand = plugin.channel.unary_unary("/csi.v1.Node/NodeExpandVolume")
+    assert code_of(lambda: expand(b""))[0] == grpc.StatusCode.UNIMPLEMENTED
+    unpublish(plugin, "v", target)
+    unstage(plugin, "v", staging)
+    assert SECRETS["secretAccessKey"] not in plugin.log()
+    assert "x'" not in plugin.log()
+
+
+def test_two_targets_share_one_mount_and_one_cache(plugin, moto_server, bucket, dataset, tmp_path):
+    ctx = volume_context(bucket, moto_server.endpoint)
+    staging = str(tmp_path / "staging")
+    targets = [str(tmp_path / f"pod{i}" / "mount") for i in range(2)]
+    os.makedirs(staging)
+    stage(plugin, "shared", staging, ctx)
+    for target in targets:
+        publish(plugin, "shared", staging, target, ctx)
+    body = dataset["train/big.bin"]
+    assert read(os.path.join(targets[0], "train/big.bin")) == body
+    gets_after_first = control_stats(plugin, "shared")["requests"]["get"]
+    assert read(os.path.join(targets[1], "train/big.bin")) == body
+    assert control_stats(plugin, "shared")["requests"]["get"] == gets_after_first  # no new GET: one shared cache
+    assert os.stat(targets[0]).st_dev == os.stat(targets[1]).st_dev == os.stat(staging).st_dev  # one mount
+    for target in targets:
+        unpublish(plugin, "shared", target)
+    unstage(plugin, "shared", staging)
+
+
+def test_ephemeral_inline_volume(plugin, moto_server, bucket, dataset, tmp_path):
+    ctx = volume_context(bucket, moto_server.endpoint, prefix="train", **{"csi.storage.k8s.io/ephemeral": "true",
+                                                                        "csi.storage.k8s.io/pod.name": "trainer-0"})
+    target = str(tmp_path / "pod" / "inline")
+    cap = pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume(),
+                              access_mode=pb.VolumeCapability.AccessMode(mode=1))
+    for _ in range(2):
+        publish(plugin, "csi-inline-1", "", target, ctx, capability=cap, readonly=False, secrets=SECRETS)
+    assert fs_type(target) == "fuse.stoker"
+    assert read(os.path.join(target, "part-1.bin")) == dataset["train/part-1.bin"]
+    unpublish(plugin, "csi-inline-1", target)
+    assert not is_mounted(target) and not os.path.exists(target)
+
+
+def test_server_killed_while_reading_leaves_the_mount_serving(plugin, moto_server, bucket, dataset, tmp_path):
+    ctx = volume_context(bucket, moto_server.endpoint, blockSize="1MiB")
+    staging, target = str(tmp_path / "staging"), str(tmp_path / "target")
+    os.makedirs(staging)
+    stage(plugin, "survivor", staging, ctx)
+    publish(plugin, "survivor", staging, target, ctx)
+    result, started = {}, threading.Event()
+
+    def reader():
+        digest = hashlib.sha256()
+        with open(os.path.join(target, "train/big.bin"), "rb", buffering=0) as f:
+            while chunk := f.read(256 * 1024):
+                digest.update(chunk)
+                started.set()
+        result["sha"] = digest.hexdigest()
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    assert started.wait(60)
+    plugin.kill_server()
+    thread.join(120)
+    assert result["sha"] == hashlib.sha256(dataset["train/big.bin"]).hexdigest()
+    assert read(os.path.join(target, "train/part-2.bin")) == dataset["train/part-2.bin"]
+    # A new server finds the volume in its state directory and serves it.
+    plugin.start()
+    stats = plugin.node.NodeGetVolumeStats(pb.NodeGetVolumeStatsRequest(volume_id="survivor", volume_path=target))
+    assert not stats.volume_condition.abnormal
+    unpublish(plugin, "survivor", target)
+    unstage(plugin, "survivor", staging)
+    assert not is_mounted(staging)
+
+
+def test_killed_mount_process_is_replaced_and_targets_rebound(plugin, moto_server, bucket, dataset, tmp_path):
+    ctx = volume_context(bucket, moto_server.endpoint)
+    staging, target = str(tmp_path / "staging"), str(tmp_path / "target")
+    os.makedirs(staging)
+    stage(plugin, "phoenix", staging, ctx)
+    publish(plugin, "phoenix", staging, target, ctx)
+    path = os.path.join(target, "train/part-0.bin")
+    assert read(path) == dataset["train/part-0.bin"]
+    old_pid = control_stats(plugin, "phoenix")["pid"]
+    os.kill(old_pid, signal.SIGKILL)
+
+    def serves_again() -> bool:
+        try:
+            return read(path) == dataset["train/part-0.bin"]
+        except OSError:
+            return False
+
+    assert wait_until(serves_again, 60, 0.2), plugin.log()
+    assert control_stats(plugin, "phoenix")["pid"] != old_pid
+    assert "recovered" in plugin.log()
+    stats = plugin.node.NodeGetVolumeStats(pb.NodeGetVolumeStatsRequest(volume_id="phoenix", volume_path=target))
+    assert not stats.volume_condition.abnormal
+    unpublish(plugin, "phoenix", target)
+    unstage(plugin, "phoenix", staging)
+
+
+def test_start_up_repairs_a_mount_that_died_while_the_plugin_was_down(plugin, moto_server, bucket, dataset,
+                                                                       tmp_path):
+    ctx = volume_context(bucket, moto_server.endpoint)
+    staging, target = str(tmp_path / "staging"), str(tmp_path / "target")
+    os.makedirs(staging)
+    stage(plugin, "lazarus", staging, ctx)
+    publish(plugin, "lazarus", staging, target, ctx)
+    plugin.kill_server()
+    os.kill(control_stats(plugin, "lazarus")["pid"], signal.SIGKILL)
+    with pytest.raises(OSError):
+        read(os.path.join(target, "train/part-0.bin"))  # transport endpoint is not connected
+    plugin.start()  # repairs before it serves
+    assert read(os.path.join(target, "train/part-0.bin")) == dataset["train/part-0.bin"]
+    unpublish(plugin, "lazarus", target)
+    unstage(plugin, "lazarus", staging)
+
+
+def test_without_a_separate_mounter_mounts_outlive_the_server(local_plugin, moto_server, bucket, dataset, tmp_path):
+    ctx = volume_context(bucket, moto_server.endpoint)
+    staging, target = str(tmp_path / "staging"), str(tmp_path / "target")
+    os.makedirs(staging)
+    stage(local_plugin, "local", staging, ctx)
+    publish(local_plugin, "local", staging, target, ctx)
+    local_plugin.kill_server()
+    assert read(os.path.join(target, "train/part-1.bin")) == dataset["train/part-1.bin"]
+    local_plugin.start()
+    unpublish(local_plugin, "local", target)
+    unstage(local_plugin, "local", staging)
+    assert not is_mounted(staging)
+
+
+def test_a_held_volume_is_warmed_before_stage_and_kept_after_unstage(moto_server, bucket, dataset, tmp_path):
+    from csi.mounter import ProcessMounter
+    from csi.state import StateDir
+    from csi.volumes import VolumeManager
+
+    volumes = VolumeManager(StateDir(str(tmp_path / "state")), ProcessMounter())
+    ctx = volume_context(bucket, moto_server.endpoint, prefix="train")
+    staging = str(tmp_path / "staging")
+    os.makedirs(staging)
+    sock = volumes.hold("held", ctx, SECRETS, "ml/imagenet", 96 * 1024**2)
+    try:
+        final = list(control.request(sock, {"op": "warm", "paths": []}, timeout=120))[-1]
+        assert final["bytes_done"] == sum(len(b) for b in dataset.values()) and final["errors"] == 0
+        stats = control.call(sock, {"op": "stats"})
+        assert stats["cache"]["budget"] == 96 * 1024**2
+        gets = stats["requests"]["get"]
+        volumes.stage("held", staging, ctx, SECRETS)
+        for key, body in dataset.items():
+            assert read(os.path.join(staging, key.removeprefix("train/"))) == body
+        assert control.call(sock, {"op": "stats"})["requests"]["get"] == gets  # served by the warmed cache
+        volumes.unstage("held", staging)
+        assert not is_mounted(staging) and control.call(sock, {"op": "stats"})["pid"] == stats["pid"]
+        volumes.release("held", "ml/imagenet")
+        assert not is_mounted(volumes.state.mount_path("held")) and volumes.state.records() == []
+    finally:
+        for path in (staging, volumes.state.mount_path("held")):
+            if is_mounted(path):
+                from fusecore.mounts import unmount
+
+                unmount(path)

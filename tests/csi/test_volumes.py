@@ -1,0 +1,80 @@
+"""Per-volume locking through a real gRPC server (in this process) with a mounter that can be held."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+
+import grpc
+import pytest
+
+from csi import csi_pb2 as pb
+from csi import csi_pb2_grpc as rpc
+from csi.errors import VolumeBusy
+from csi.mounter import MountFailed
+from csi.server import build_server
+from csi.state import StateDir
+from csi.volumes import VolumeLocks, VolumeManager
+
+from .conftest import READ_ONLY_MANY
+
+
+class HeldMounter:
+    """Blocks in start() until released, then fails: enough to observe overlapping calls."""
+
+    def __init__(self):
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def start(self, argv, env, timeout):
+        self.entered.set()
+        self.release.wait(30)
+        raise MountFailed("held mounter does not mount")
+
+    def healthy(self):
+        return None
+
+
+def test_locks_refuse_a_second_holder_and_free_on_exit():
+    locks = VolumeLocks()
+    with locks.hold("a"):
+        with pytest.raises(VolumeBusy):
+            with locks.hold("a"):
+                pass
+        with locks.hold("b"):
+            pass
+    with locks.hold("a"):
+        pass
+
+
+def test_overlapping_calls_on_one_volume_get_aborted(tmp_path):
+    mounter = HeldMounter()
+    volumes = VolumeManager(StateDir(str(tmp_path / "state")), mounter, check_store=False)
+    args = argparse.Namespace(mode="node", node_id="n1")
+    server = build_server(args, mounter, volumes)
+    sock = tmp_path / "csi.sock"
+    server.add_insecure_port(f"unix://{sock}")
+    server.start()
+    try:
+        stub = rpc.NodeStub(grpc.insecure_channel(f"unix://{sock}"))
+        staging = tmp_path / "staging"
+        staging.mkdir()
+        request = pb.NodeStageVolumeRequest(volume_id="v", staging_target_path=str(staging),
+                                            volume_capability=READ_ONLY_MANY, volume_context={"bucket": "b"})
+        first = stub.NodeStageVolume.future(request)
+        assert mounter.entered.wait(10)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.NodeStageVolume(request, timeout=10)
+        assert info.value.code() == grpc.StatusCode.ABORTED
+        other = pb.NodeStageVolumeRequest(volume_id="w", staging_target_path=str(staging),
+                                          volume_capability=READ_ONLY_MANY, volume_context={"bucket": "b"})
+        mounter.release.set()
+        with pytest.raises(grpc.RpcError) as info:
+            first.result(timeout=10)
+        assert info.value.code() == grpc.StatusCode.INTERNAL and "held mounter" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            stub.NodeStageVolume(other, timeout=10)  # another volume is not blocked by the first
+        assert info.value.code() == grpc.StatusCode.INTERNAL
+        assert volumes.state.records() == []  # a failed stage leaves no record behind
+    finally:
+        server.stop(0)
