@@ -111,6 +111,8 @@ def cmd_csi(args: argparse.Namespace) -> int:
     if volumes is not None:
         threading.Thread(target=_watch, args=(volumes, args.health_interval, stop), daemon=True,
                          name="repair").start()
+        for start_extension in args.node_extensions:  # e.g. the DatasetCache warm agent
+            start_extension(args, volumes, stop)
 
     def terminate(signum, frame):
         log.info("signal %d: stopping the gRPC server; mounts keep serving", signum)
@@ -136,7 +138,9 @@ def _logging(level: str) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
+def add_commands(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `csi` and `csi-mounter`; returns the `csi` parser, which other components may extend
+    with flags and `node_extensions` (callables started beside the node service)."""
     c = sub.add_parser("csi", help="serve the Kubernetes CSI driver csi.stoker.dev on a unix socket")
     c.add_argument("--endpoint", default="unix:///csi/csi.sock", help="unix:///PATH of the gRPC socket")
     c.add_argument("--node-id", default=os.environ.get("NODE_ID", ""), help="this node's name (node mode)")
@@ -147,9 +151,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--mount-timeout", type=float, default=60.0, help="seconds for a mount to become ready")
     c.add_argument("--health-interval", type=float, default=2.0, help="seconds between mount health checks")
     c.add_argument("--log-level", default="INFO")
-    c.set_defaults(func=cmd_csi)
+    c.set_defaults(func=cmd_csi, node_extensions=[])
 
     m = sub.add_parser("csi-mounter", help="own the mount processes of the CSI node plugin (own container)")
     m.add_argument("--socket", default="/run/stoker-mounter/mounter.sock")
     m.add_argument("--log-level", default="INFO")
     m.set_defaults(func=cmd_mounter)
+    return c

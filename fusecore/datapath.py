@@ -5,6 +5,7 @@ Knows nothing of FUSE: the filesystem adapter and the control API both sit on to
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Awaitable, Callable
@@ -82,10 +83,11 @@ class DataPath:
         }
 
     def resize(self, cache_size: int) -> dict:
-        """New cache budget; never below what in-flight GETs may reserve, nor below two blocks."""
-        floor = max(2 * self.cfg.block_size, self.fetcher.inflight_bytes_limit)
-        if cache_size < floor:
-            raise ValueError(f"cache size must be at least {floor} bytes")
+        """New cache budget (the operator sizes node caches); in-flight GET bytes follow it as at start."""
+        if cache_size < 2 * self.cfg.block_size:
+            raise ValueError(f"cache size must hold at least two blocks ({2 * self.cfg.block_size} bytes)")
+        self.cfg = dataclasses.replace(self.cfg, cache_size=cache_size)
+        self.fetcher.set_inflight_limit(self.cfg.inflight_limit)
         self.cache.resize(cache_size)
         return {"budget": self.cache.budget, "bytes": self.cache.stats().bytes}
 

@@ -77,9 +77,9 @@ class Fetcher:
         self._queued = 0  # bytes of prefetches launched but not yet reserved in the cache
         self._nursery: trio.Nursery | None = None
 
-    @property
-    def inflight_bytes_limit(self) -> int:
-        return self._bytes.limit
+    def set_inflight_limit(self, nbytes: int) -> None:
+        """Bound in-flight GET bytes anew (after a cache resize); GETs already running finish."""
+        self._bytes.limit = nbytes
 
     def start(self, nursery: trio.Nursery) -> None:
         """Background GETs run in `nursery`, so a cancelled reader never cancels a shared GET."""

@@ -22,7 +22,14 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:  # grpcio missing in a trimmed install
         csi_server = None
     if csi_server is not None:
-        csi_server.add_commands(sub)
+        csi_parser = csi_server.add_commands(sub)
+        try:
+            from stoker_operator import agent as warm_agent, cli as operator_cli
+        except ImportError:  # kopf/kubernetes missing in a trimmed install
+            warm_agent = operator_cli = None
+        if operator_cli is not None:
+            warm_agent.extend_csi(csi_parser)
+            operator_cli.add_command(sub)
     try:
         from stoker_bench import cli as bench_cli
     except ImportError:  # the benchmark ships in the same package; tolerate trimmed installs

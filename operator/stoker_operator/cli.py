@@ -1,0 +1,37 @@
+"""`stoker operator`: run the DatasetCache operator (kopf) with kubeconfig or in-cluster credentials."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def add_command(sub: argparse._SubParsersAction) -> None:
+    o = sub.add_parser("operator", help="run the DatasetCache operator (kopf)")
+    scope = o.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", action="append", default=[], help="watch only this namespace (repeatable)")
+    scope.add_argument("--all-namespaces", action="store_true", help="watch the whole cluster (default)")
+    o.add_argument("--standalone", action="store_true",
+                   help="no peering: only safe with one replica (default: peer with other replicas)")
+    o.add_argument("--peering", default="stoker", help="kopf peering name for several replicas")
+    o.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL ('' to disable)")
+    o.add_argument("--log-level", default="INFO")
+    o.set_defaults(func=cmd_operator)
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    import kopf
+
+    from . import handlers  # noqa: F401 - registers the handlers
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("botocore", "boto3", "urllib3", "kubernetes"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    kopf.run(
+        standalone=args.standalone,
+        peering_name=None if args.standalone else args.peering,
+        namespaces=args.namespace or (),
+        clusterwide=not args.namespace,
+        liveness_endpoint=args.liveness or None,
+    )
+    return 0

@@ -1,0 +1,146 @@
+"""kopf handlers: thin adapters from DatasetCache and Pod events to plan.py's decisions.
+
+One writer per status field: the operator writes everything in status except `status.nodes`,
+whose entries each node's warm agent writes for its own node only (agent.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import kopf
+
+from . import CACHE_ANNOTATION, GATE, GROUP, PLURAL, VERSION
+from .kube import Kube, load_config
+from .plan import SpecProblem, aggregate, gate_release_patch, human, merge_conditions, size_cache, target_nodes
+from .source import measure, read_secrets, resolve
+
+log = logging.getLogger(__name__)
+FINALIZER = "stoker.dev/release-node-caches"
+RELEASE_WAIT_RETRIES = 60  # x 2 s: nodes that never answer do not block deletion forever
+
+_kube: Kube | None = None
+
+
+def kube() -> Kube:
+    global _kube
+    if _kube is None:
+        load_config()
+        _kube = Kube()
+    return _kube
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_) -> None:
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="stoker.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="stoker.dev")
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 60
+    kube()
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+def plan(spec, status, meta, namespace, name, body, patch, reason, **_) -> None:
+    """Resolve the source, list the dataset, size the per-node cache and pick the nodes."""
+    generation = meta.get("generation")
+    if reason == "resume" and status.get("observedGeneration") == generation and status.get("phase") not in (
+            None, "Pending", "Sizing", "Failed"):
+        return  # already planned for this generation: an operator restart re-warms nothing
+    conditions = list(status.get("conditions") or [])
+    try:
+        ref = resolve(dict(spec), namespace, kube())
+        secrets = read_secrets(ref, kube())
+        dataset_bytes, objects = measure(ref, secrets, list(spec.get("paths") or []))
+        nodes = target_nodes(dict(spec.get("nodeSelector") or {}), kube().nodes())
+        sizing = size_cache(dict(spec), dataset_bytes, objects, nodes)
+    except SpecProblem as exc:
+        patch.status.update(phase="Failed", observedGeneration=generation, conditions=merge_conditions(
+            conditions, {"Sized": ("False", "InvalidSource", str(exc)), "Ready": ("False", "Failed", str(exc))}))
+        kopf.warn(body, reason="Failed", message=str(exc))
+        return
+    patch.status.update(
+        phase="Warming", datasetBytes=dataset_bytes, datasetSize=human(dataset_bytes), objectCount=objects,
+        cacheBytesPerNode=sizing.cache_bytes_per_node, warmableBytes=sizing.warmable_bytes,
+        targetNodes=[n.name for n in nodes], volume=ref.as_status(), observedGeneration=generation,
+        conditions=merge_conditions(conditions, {
+            "Sized": ("True", "Sized", sizing.message),
+            "CacheTooSmall": ("False", "Fits", sizing.message) if sizing.fits
+            else ("True", "DatasetLargerThanCache", sizing.message),
+        }))
+    kopf.info(body, reason="Sized", message=f"{objects} objects, {human(dataset_bytes)}; {sizing.message}; "
+                                            f"nodes: {', '.join(n.name for n in nodes) or 'none'}")
+    if not sizing.fits:
+        kopf.warn(body, reason="CacheTooSmall", message=sizing.message)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def progress(type, body, **_) -> None:
+    """Fold the node agents' reports into phase, percentage and conditions; release gated pods."""
+    status = body.get("status") or {}
+    meta = body.get("metadata") or {}
+    if type == "DELETED" or meta.get("deletionTimestamp") or status.get("phase") in (None, "Failed", "Sizing"):
+        return
+    if status.get("observedGeneration") != meta.get("generation"):
+        return  # a re-plan is pending; its numbers are not in yet
+    result = aggregate(status)
+    changes = {"phase": result.phase, "cachedPercentage": result.cached_percentage,
+               "cached": f"{result.cached_percentage:g}%"}
+    new_conditions = merge_conditions(status.get("conditions") or [], result.conditions)
+    if any(status.get(k) != v for k, v in changes.items()) or new_conditions != status.get("conditions"):
+        kube().patch_cache_status(meta["namespace"], meta["name"], dict(changes, conditions=new_conditions))
+        if result.phase != status.get("phase"):
+            (kopf.info if result.phase == "Ready" else kopf.warn)(
+                body, reason=result.phase, message=f"{result.cached_percentage:g}% of the plan is cached")
+    if result.phase == "Ready":
+        release_pods(meta["namespace"], meta["name"], status.get("targetNodes") or [])
+
+
+def release_pods(namespace: str, cache: str, nodes: list[str]) -> int:
+    released = 0
+    for pod in kube().gated_pods(namespace, cache, GATE, CACHE_ANNOTATION):
+        patch = gate_release_patch(pod, GATE, nodes)
+        if patch is not None:
+            kube().patch_pod(namespace, pod["metadata"]["name"], patch)
+            log.info("released pod %s/%s onto %s", namespace, pod["metadata"]["name"], ", ".join(nodes))
+            released += 1
+    return released
+
+
+@kopf.on.create("", "v1", "pods", annotations={CACHE_ANNOTATION: kopf.PRESENT})
+def pod_created(namespace, annotations, **_) -> None:
+    """A gated pod that arrives after its cache is Ready is released at once."""
+    cache = kube().cache(namespace, annotations[CACHE_ANNOTATION])
+    if cache and (cache.get("status") or {}).get("phase") == "Ready":
+        release_pods(namespace, cache["metadata"]["name"], cache["status"].get("targetNodes") or [])
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=60, initial_delay=60, idle=30)
+def replan_on_node_changes(spec, status, meta, namespace, name, patch, **_) -> None:
+    """New or lost matching nodes: re-size and re-target without listing the dataset again."""
+    if status.get("phase") in (None, "Failed", "Sizing") or status.get("observedGeneration") != meta.get("generation"):
+        return
+    nodes = target_nodes(dict(spec.get("nodeSelector") or {}), kube().nodes())
+    if [n.name for n in nodes] == list(status.get("targetNodes") or []):
+        return
+    try:
+        sizing = size_cache(dict(spec), int(status.get("datasetBytes", 0)), int(status.get("objectCount", 0)), nodes)
+    except SpecProblem as exc:
+        patch.status.update(phase="Degraded", conditions=merge_conditions(
+            status.get("conditions") or [], {"Ready": ("False", "NoNodes", str(exc))}))
+        return
+    patch.status.update(targetNodes=[n.name for n in nodes], cacheBytesPerNode=sizing.cache_bytes_per_node,
+                        warmableBytes=sizing.warmable_bytes)
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL)
+def release(status, body, retry, **_) -> None:
+    """Wait until every node agent has given its memory back (each removes its entry from status.nodes)."""
+    holding = sorted((status.get("nodes") or {}).keys())
+    if holding and retry < RELEASE_WAIT_RETRIES:
+        raise kopf.TemporaryError(f"waiting for {', '.join(holding)} to release their caches", delay=2)
+    if holding:
+        kopf.warn(body, reason="ReleaseTimeout", message=f"nodes did not confirm the release: {', '.join(holding)}")
+

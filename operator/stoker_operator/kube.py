@@ -1,0 +1,102 @@
+"""The operator's and agent's few Kubernetes reads and writes, over the `kubernetes` client."""
+
+from __future__ import annotations
+
+import base64
+import logging
+
+from kubernetes import client, config, watch
+from kubernetes.client.rest import ApiException
+
+from . import GROUP, PLURAL, VERSION
+from .plan import NodeInfo, quantity_bytes
+
+log = logging.getLogger(__name__)
+MERGE_PATCH = "application/merge-patch+json"
+
+
+class NotFoundInCluster(LookupError):
+    pass
+
+
+def load_config() -> None:
+    """In-cluster service account, else KUBECONFIG / ~/.kube/config."""
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+
+
+class Kube:
+    def __init__(self, api: client.ApiClient | None = None):
+        self.api = api or client.ApiClient()
+        self.core = client.CoreV1Api(self.api)
+        self.custom = client.CustomObjectsApi(self.api)
+
+    def _get(self, call, what: str, *args):
+        try:
+            return call(*args)
+        except ApiException as exc:
+            if exc.status == 404:
+                raise NotFoundInCluster(f"{what} not found") from None
+            if exc.status == 403:
+                raise NotFoundInCluster(f"{what}: the operator may not read it (RBAC)") from None
+            raise
+
+    def pvc(self, namespace: str, name: str):
+        return self._get(self.core.read_namespaced_persistent_volume_claim, f"PVC {namespace}/{name}", name, namespace)
+
+    def pv(self, name: str):
+        return self._get(self.core.read_persistent_volume, f"PV {name}", name)
+
+    def secret_data(self, namespace: str, name: str) -> dict[str, str]:
+        secret = self._get(self.core.read_namespaced_secret, f"Secret {namespace}/{name}", name, namespace)
+        return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
+
+    def nodes(self) -> list[NodeInfo]:
+        out = []
+        for node in self.core.list_node().items:
+            ready = any(c.type == "Ready" and c.status == "True" for c in (node.status.conditions or []))
+            memory = (node.status.allocatable or {}).get("memory", "0")
+            out.append(NodeInfo(node.metadata.name, dict(node.metadata.labels or {}), quantity_bytes(memory, what="memory"),
+                                ready=ready, schedulable=not (node.spec and node.spec.unschedulable)))
+        return out
+
+    def node_labels(self, name: str) -> dict[str, str]:
+        return dict(self._get(self.core.read_node, f"Node {name}", name).metadata.labels or {})
+
+    def gated_pods(self, namespace: str, cache: str, gate: str, annotation: str) -> list[dict]:
+        pods = self.core.list_namespaced_pod(namespace).items
+        out = []
+        for pod in pods:
+            gates = [g.name for g in (pod.spec.scheduling_gates or [])]
+            if gate in gates and (pod.metadata.annotations or {}).get(annotation) == cache:
+                out.append(self.api.sanitize_for_serialization(pod))
+        return out
+
+    def patch_pod(self, namespace: str, name: str, patch: dict) -> None:
+        self.core.patch_namespaced_pod(name, namespace, patch, _content_type=MERGE_PATCH)
+
+    def cache(self, namespace: str, name: str) -> dict | None:
+        try:
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def caches(self) -> tuple[list[dict], str]:
+        answer = self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)
+        return answer.get("items", []), answer.get("metadata", {}).get("resourceVersion", "")
+
+    def watch_caches(self, resource_version: str, timeout: int = 60):
+        return watch.Watch().stream(self.custom.list_cluster_custom_object, GROUP, VERSION, PLURAL,
+                                    resource_version=resource_version, timeout_seconds=timeout)
+
+    def patch_cache_status(self, namespace: str, name: str, status: dict) -> None:
+        try:
+            self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name,
+                                                              {"status": status}, _content_type=MERGE_PATCH)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise

@@ -1,0 +1,178 @@
+"""Pure decisions of the operator: spec + observations → sizing, target nodes, phase, conditions.
+
+No Kubernetes client, no I/O: every function here is tested on its own (tests/operator/).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from kubernetes.utils.quantity import parse_quantity
+
+WARM_FRACTION = 0.9  # a mount warms at most this share of its cache budget (fusecore DataPath.warm)
+MIN_CACHE_BYTES = 64 * 1024**2
+READY_AT = 0.98  # a node whose cache holds this share of what it was asked to warm is Ready
+
+
+class SpecProblem(ValueError):
+    """A spec the schema let through but that cannot be acted on; the message is user-facing."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str
+    labels: dict[str, str]
+    allocatable_memory: int
+    ready: bool = True
+    schedulable: bool = True
+
+
+@dataclass(frozen=True)
+class Sizing:
+    dataset_bytes: int
+    object_count: int
+    cache_bytes_per_node: int
+    warmable_bytes: int  # what each node will hold once warm
+    fits: bool
+    message: str
+
+
+def quantity_bytes(text: str, *, what: str = "cacheSize") -> int:
+    try:
+        value = parse_quantity(text)
+    except ValueError:
+        raise SpecProblem(f"{what}: {text!r} is not a quantity (examples: 64Gi, 500M)") from None
+    if value <= 0:
+        raise SpecProblem(f"{what}: must be positive")
+    return int(math.ceil(value))
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def node_matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in (selector or {}).items())
+
+
+def target_nodes(selector: dict[str, str], nodes: list[NodeInfo]) -> list[NodeInfo]:
+    """Nodes that should hold the cache: matching the selector, Ready and schedulable."""
+    return sorted((n for n in nodes if n.ready and n.schedulable and node_matches(selector, n.labels)),
+                  key=lambda n: n.name)
+
+
+def size_cache(spec: dict, dataset_bytes: int, object_count: int, nodes: list[NodeInfo]) -> Sizing:
+    """Per-node cache budget: the explicit cacheSize, or auto (the dataset plus headroom, capped by
+    maxNodeMemoryFraction of the smallest target node's allocatable memory)."""
+    requested = str(spec.get("cacheSize", "auto"))
+    fraction = float(spec.get("maxNodeMemoryFraction", 0.5))
+    headroom = int(spec.get("headroomPercent", 10))
+    need = math.ceil(dataset_bytes / WARM_FRACTION)
+    if requested == "auto":
+        if not nodes:
+            raise SpecProblem("no Ready node matches the nodeSelector, so the cache cannot be sized")
+        cap = int(min(n.allocatable_memory for n in nodes) * fraction)
+        wanted = max(MIN_CACHE_BYTES, math.ceil(need * (1 + headroom / 100)))
+        per_node = min(wanted, cap)
+        how = f"auto: dataset {human(dataset_bytes)} + {headroom}% headroom, capped at {fraction:g} of " \
+              f"{human(min(n.allocatable_memory for n in nodes))} allocatable"
+    else:
+        per_node = max(MIN_CACHE_BYTES, quantity_bytes(requested))
+        how = f"cacheSize {requested}"
+    warmable = min(dataset_bytes, int(per_node * WARM_FRACTION))
+    fits = warmable >= dataset_bytes
+    if fits:
+        message = f"{human(per_node)} per node ({how}) holds the whole dataset of {human(dataset_bytes)}"
+    else:
+        message = (f"the dataset is {human(dataset_bytes)} but {human(per_node)} per node ({how}) holds only "
+                   f"{human(warmable)} ({100 * warmable / max(1, dataset_bytes):.0f}%); warming what fits")
+    return Sizing(dataset_bytes, object_count, per_node, warmable, fits, message)
+
+
+@dataclass
+class Aggregate:
+    phase: str
+    cached_percentage: float
+    conditions: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # type -> (status, reason, msg)
+
+
+def aggregate(status: dict) -> Aggregate:
+    """Overall phase and conditions from the per-node reports (status.nodes) against the plan."""
+    targets = status.get("targetNodes") or []
+    nodes = status.get("nodes") or {}
+    warmable = int(status.get("warmableBytes", 0) or 0) or int(status.get("datasetBytes", 0) or 0)
+    per_node_goal = max(1, min(warmable, int(status.get("cacheBytesPerNode", 0) or 0) or warmable))
+    cached = sum(min(per_node_goal, int(nodes.get(n, {}).get("cachedBytes", 0) or 0)) for n in targets)
+    percentage = round(100.0 * cached / (per_node_goal * len(targets)), 1) if targets else 0.0
+    ready = [n for n in targets if nodes.get(n, {}).get("phase") == "Ready"]
+    failed = [n for n in targets if nodes.get(n, {}).get("phase") in ("Failed", "Evicted")]
+    was_ready = status.get("phase") in ("Ready", "Degraded")
+    if targets and len(ready) == len(targets):
+        phase = "Ready"
+    elif was_ready or failed:
+        phase = "Degraded"
+    else:
+        phase = "Warming"
+    conditions = {
+        "Warmed": ("True", "AllNodesWarm", f"{len(ready)} of {len(targets)} nodes warm")
+        if phase == "Ready" else ("False", "Warming", f"{len(ready)} of {len(targets)} nodes warm"
+                                  + (f"; not warm: {', '.join(failed)}" if failed else "")),
+        "Ready": ("True", "CacheReady", "training can start on the warm nodes") if phase == "Ready"
+        else ("False", phase, "waiting for the nodes to warm"),
+    }
+    return Aggregate(phase, percentage, conditions)
+
+
+def merge_conditions(existing: list[dict], updates: dict[str, tuple[str, str, str]], now: str | None = None) -> list[dict]:
+    """Conditions with updates applied; lastTransitionTime changes only when the status changes."""
+    now = now or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    by_type = {c["type"]: dict(c) for c in existing or []}
+    for kind, (status, reason, message) in updates.items():
+        old = by_type.get(kind)
+        changed = old is None or old.get("status") != status
+        by_type[kind] = {"type": kind, "status": status, "reason": reason, "message": message,
+                         "lastTransitionTime": now if changed else old.get("lastTransitionTime", now)}
+    order = ["Sized", "CacheTooSmall", "Warmed", "Ready"]
+    return sorted(by_type.values(), key=lambda c: order.index(c["type"]) if c["type"] in order else 99)
+
+
+def gate_release_patch(pod: dict, gate: str, nodes: list[str]) -> dict | None:
+    """Patch that removes our scheduling gate and pins the pod to the warm nodes (None: nothing to do).
+
+    Kubernetes lets a gated pod's node affinity be added or narrowed: with no required node affinity we
+    set one term; otherwise our expression is added to every existing term (an AND within each term).
+    """
+    spec = pod.get("spec", {})
+    gates = spec.get("schedulingGates") or []
+    if not any(g.get("name") == gate for g in gates):
+        return None
+    expression = {"key": "kubernetes.io/hostname", "operator": "In", "values": sorted(nodes)}
+    required = (((spec.get("affinity") or {}).get("nodeAffinity") or {})
+                .get("requiredDuringSchedulingIgnoredDuringExecution") or {})
+    terms = required.get("nodeSelectorTerms") or []
+    if terms:
+        terms = [dict(t, matchExpressions=[*(t.get("matchExpressions") or []), expression]) for t in terms]
+    else:
+        terms = [{"matchExpressions": [expression]}]
+    node_affinity = dict((spec.get("affinity") or {}).get("nodeAffinity") or {})
+    node_affinity["requiredDuringSchedulingIgnoredDuringExecution"] = dict(required, nodeSelectorTerms=terms)
+    return {"spec": {"schedulingGates": [g for g in gates if g.get("name") != gate],
+                     "affinity": dict(spec.get("affinity") or {}, nodeAffinity=node_affinity)}}
+
+
+def node_should_warm(policy: str, node_status: dict | None, cached_bytes: int, goal_bytes: int) -> bool:
+    """Does a node agent (re)start warming? First time always; after that only KeepWarm re-warms,
+    when the cache lost a noticeable part of what it held (eviction, restart of the mount)."""
+    if not node_status or node_status.get("phase") in (None, "Pending", "Warming", "Failed"):
+        return True
+    if node_status.get("phase") == "Evicted":
+        return policy == "KeepWarm"
+    if policy == "KeepWarm" and node_status.get("phase") == "Ready":
+        return cached_bytes < READY_AT * goal_bytes
+    return False

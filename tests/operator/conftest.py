@@ -1,0 +1,77 @@
+"""A fake Kubernetes API (real HTTP), the real `stoker operator`, and cluster objects for a moto bucket."""
+
+from __future__ import annotations
+
+import base64
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.fakekube import FakeKube
+
+NAMESPACE = "ml"
+
+
+@pytest.fixture
+def kube(tmp_path):
+    with FakeKube() as fake:
+        fake.kubeconfig_path = fake.kubeconfig(str(tmp_path / "kubeconfig"))
+        fake.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+        yield fake
+
+
+def add_node(kube, name: str, memory: str = "16Gi", labels: dict | None = None, ready: bool = True) -> None:
+    kube.create({"apiVersion": "v1", "kind": "Node",
+                 "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}},
+                 "spec": {},
+                 "status": {"allocatable": {"memory": memory, "cpu": "8"},
+                            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}})
+
+
+def add_secret(kube, name: str, data: dict[str, str]) -> None:
+    kube.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": NAMESPACE},
+                 "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}})
+
+
+def add_stoker_pvc(kube, name: str, attributes: dict, secret: str | None = "creds", driver: str = "csi.stoker.dev"):
+    csi = {"driver": driver, "volumeHandle": f"pv-{name}", "volumeAttributes": attributes}
+    if secret:
+        csi["nodeStageSecretRef"] = {"name": secret, "namespace": NAMESPACE}
+    kube.create({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"pv-{name}"},
+                 "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"], "csi": csi}})
+    kube.create({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                 "metadata": {"name": name, "namespace": NAMESPACE},
+                 "spec": {"accessModes": ["ReadOnlyMany"], "volumeName": f"pv-{name}", "storageClassName": "",
+                          "resources": {"requests": {"storage": "1Gi"}}},
+                 "status": {"phase": "Bound"}})
+
+
+def add_cache(kube, name: str, spec: dict) -> None:
+    kube.create({"apiVersion": "stoker.dev/v1alpha1", "kind": "DatasetCache",
+                 "metadata": {"name": name, "namespace": NAMESPACE}, "spec": spec})
+
+
+def cache(kube, name: str) -> dict | None:
+    return kube.get("stoker.dev/v1alpha1", "datasetcaches", name, NAMESPACE)
+
+
+def status(kube, name: str) -> dict:
+    return (cache(kube, name) or {}).get("status") or {}
+
+
+@pytest.fixture
+def operator(kube, tmp_path):
+    log_path = tmp_path / "operator.log"
+    env = dict(os.environ, KUBECONFIG=kube.kubeconfig_path)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "stoker", "operator", "--standalone", "--liveness", "",
+                                 "--log-level", "DEBUG"], stdout=log, stderr=log, env=env)
+    proc.log = lambda: log_path.read_text()
+    yield proc
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()

@@ -1,0 +1,100 @@
+"""End to end on this machine: a DatasetCache for a moto bucket is planned by the real operator,
+warmed by the warm agent in a real `stoker csi` node plugin into a real Stoker mount, and reaches
+Ready with the right byte counts; a gated training pod is then released onto the warm node."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from csi.state import StateDir
+from fusecore import control
+from fusecore.mounts import is_mounted, unmount
+from tests.conftest import requires_fuse
+from tests.csi.conftest import SECRETS, wait_until
+
+from .conftest import NAMESPACE, add_cache, add_node, add_secret, add_stoker_pvc, cache, status
+
+pytestmark = [pytest.mark.integration, requires_fuse]
+
+
+@pytest.fixture
+def node_plugin(kube, tmp_path, moto_server):
+    env = dict(os.environ, KUBECONFIG=kube.kubeconfig_path)
+    logs = open(tmp_path / "csi.log", "ab")
+    state = str(tmp_path / "state")
+    proc = subprocess.Popen([sys.executable, "-m", "stoker", "csi", "--endpoint", f"unix://{tmp_path}/csi.sock",
+                             "--node-id", "gpu-1", "--state-dir", state, "--warm-agent", "--warm-recheck", "1", "--health-interval", "1"],
+                            stdout=logs, stderr=logs, env=env)
+    proc.state = StateDir(state)
+    proc.log = lambda: (tmp_path / "csi.log").read_text()
+    yield proc
+    proc.terminate()
+    proc.wait(15)
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f if str(tmp_path) in line]
+    for point in sorted(points, key=len, reverse=True):
+        if is_mounted(point):
+            unmount(point)
+
+
+def test_datasetcache_warms_a_real_mount_and_releases_the_gated_pod(kube, operator, node_plugin, moto_server,
+                                                                     s3, bucket):
+    files = {f"imagenet/train/{i:03d}.jpg": os.urandom(50_000 + 977 * i) for i in range(40)}
+    files["imagenet/val/x.jpg"] = os.urandom(123_456)
+    files["other/not-in-the-dataset.bin"] = os.urandom(10_000)
+    for key, body in files.items():
+        s3.put_object(Bucket=bucket, Key=key, Body=body)
+    dataset = {k: v for k, v in files.items() if k.startswith("imagenet/")}
+    add_node(kube, "gpu-1", labels={"pool": "gpu"})
+    add_node(kube, "cpu-1", labels={"pool": "cpu"})
+    add_secret(kube, "creds", SECRETS)
+    add_stoker_pvc(kube, "imagenet", {"bucket": bucket, "prefix": "imagenet", "endpointUrl": moto_server.endpoint,
+                                      "region": "us-east-1"})
+    kube.create({"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": "trainer-0", "namespace": NAMESPACE, "annotations": {"stoker.dev/dataset-cache": "imagenet"}},
+        "spec": {"schedulingGates": [{"name": "stoker.dev/dataset-warm"}, {"name": "other.io/quota"}],
+                 "containers": [{"name": "train", "image": "pytorch"}]}})
+    add_cache(kube, "imagenet", {"source": {"pvc": "imagenet"}, "nodeSelector": {"pool": "gpu"},
+                                 "cacheSize": "auto", "policy": "KeepWarm"})
+
+    ready = kube.wait_for(lambda: status(kube, "imagenet").get("phase") == "Ready", 120)
+    st = status(kube, "imagenet")
+    assert ready, (st, operator.log()[-3000:], node_plugin.log()[-3000:])
+    total = sum(len(b) for b in dataset.values())
+    assert st["datasetBytes"] == total and st["objectCount"] == len(dataset)
+    assert st["targetNodes"] == ["gpu-1"]
+    node = st["nodes"]["gpu-1"]
+    assert node["phase"] == "Ready" and node["warmedBytes"] == total and node["cachedBytes"] >= total
+    assert st["cachedPercentage"] == 100.0
+    assert {c["type"]: c["status"] for c in st["conditions"]} == {
+        "Sized": "True", "CacheTooSmall": "False", "Warmed": "True", "Ready": "True"}
+    reasons = {e.get("reason") for e in kube.list("v1", "events", NAMESPACE)}
+    assert {"Sized", "Ready"} <= reasons
+    # The warmed mount really holds the data, with the planned budget.
+    sock = node_plugin.state.control_socket("pv-imagenet")
+    stats = control.call(sock, {"op": "stats"})
+    assert stats["cache"]["budget"] == st["cacheBytesPerNode"] and stats["cache"]["bytes"] >= total
+    # The gated pod was released onto the warm node; the other gate stays.
+    pod = kube.wait_for(lambda: (p := kube.get("v1", "pods", "trainer-0", NAMESPACE))
+                        and len(p["spec"]["schedulingGates"]) == 1 and p, 30)
+    assert pod["spec"]["schedulingGates"] == [{"name": "other.io/quota"}]
+    terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms["nodeSelectorTerms"] == [{"matchExpressions": [
+        {"key": "kubernetes.io/hostname", "operator": "In", "values": ["gpu-1"]}]}]
+    # KeepWarm: after the cache lost its contents the node warms it again and the cache is Ready again.
+    gets = stats["requests"]["get"]
+    control.call(sock, {"op": "drop"})
+    assert kube.wait_for(lambda: control.call(sock, {"op": "stats"})["cache"]["bytes"] >= total
+                         and status(kube, "imagenet")["nodes"]["gpu-1"]["phase"] == "Ready"
+                         and status(kube, "imagenet")["phase"] == "Ready", 60), status(kube, "imagenet")
+    assert control.call(sock, {"op": "stats"})["requests"]["get"] > gets
+    assert "Degraded" in {e.get("reason") for e in kube.list("v1", "events", NAMESPACE)}
+    # Deleting the DatasetCache releases the node's memory (the mount nobody else uses stops).
+    mount_path = node_plugin.state.mount_path("pv-imagenet")
+    kube.delete("stoker.dev/v1alpha1", "datasetcaches", "imagenet", NAMESPACE)
+    assert kube.wait_for(lambda: cache(kube, "imagenet") is None, 60), (status(kube, "imagenet"), operator.log()[-2000:])
+    assert wait_until(lambda: not is_mounted(mount_path), 30)

@@ -1,0 +1,76 @@
+"""The real operator against the Kubernetes API faked at its HTTP boundary: bad sources end in Failed
+with a clear condition, and nothing else in the cluster is touched."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from tests.csi.conftest import SECRETS
+
+from .conftest import NAMESPACE, add_cache, add_node, add_secret, add_stoker_pvc, status
+
+pytestmark = pytest.mark.integration
+
+
+def failed_with(kube, name: str) -> str:
+    st = kube.wait_for(lambda: status(kube, name).get("phase") == "Failed" and status(kube, name), 60)
+    assert st, status(kube, name)
+    sized = next(c for c in st["conditions"] if c["type"] == "Sized")
+    assert sized["status"] == "False" and sized["reason"] == "InvalidSource"
+    return sized["message"]
+
+
+def test_bad_sources_fail_with_a_clear_message(kube, operator, moto_server, bucket):
+    add_node(kube, "n1")
+    add_secret(kube, "creds", SECRETS)
+    add_secret(kube, "bad-creds", {"username": "x"})
+    add_stoker_pvc(kube, "other-driver", {"bucket": bucket}, driver="ebs.csi.aws.com")
+    add_stoker_pvc(kube, "no-secret", {"bucket": bucket, "endpointUrl": moto_server.endpoint}, secret="missing")
+    add_stoker_pvc(kube, "weird-secret", {"bucket": bucket, "endpointUrl": moto_server.endpoint}, secret="bad-creds")
+    add_stoker_pvc(kube, "no-bucket", {"bucket": "no-such-bucket-zz", "endpointUrl": moto_server.endpoint})
+    cases = {
+        "unknown-pvc": ({"pvc": "nope"}, "PVC ml/nope not found"),
+        "other-driver": ({"pvc": "other-driver"}, "ebs.csi.aws.com"),
+        "no-secret": ({"pvc": "no-secret"}, "Secret ml/missing"),
+        "weird-secret": ({"pvc": "weird-secret"}, "username"),
+        "no-bucket": ({"pvc": "no-bucket"}, "bucket does not exist"),
+    }
+    for name, (source, _) in cases.items():
+        add_cache(kube, name, {"source": source})
+    before = {p: kube.list(v, p) for v, p in (("v1", "pods"), ("v1", "persistentvolumes"), ("v1", "secrets"))}
+    for name, (_, expected) in cases.items():
+        message = failed_with(kube, name)
+        assert expected.lower() in message.lower(), (name, message)
+        assert SECRETS["secretAccessKey"] not in message
+    warnings = [e for e in kube.list("v1", "events", NAMESPACE) if e.get("type") == "Warning"]
+    assert {e["involvedObject"]["name"] for e in warnings} >= set(cases)
+    after = {p: kube.list(v, p) for v, p in (("v1", "pods"), ("v1", "persistentvolumes"), ("v1", "secrets"))}
+    assert before == after
+    patched = {path for method, path in kube.requests if method in ("PATCH", "PUT", "DELETE", "POST")
+               and "/datasetcaches/" not in path and "/events" not in path}
+    assert patched == set()
+
+
+def test_fixing_the_spec_replans(kube, operator, moto_server, s3, bucket):
+    s3.put_object(Bucket=bucket, Key="data/a.bin", Body=b"a" * 1000)
+    s3.put_object(Bucket=bucket, Key="data/sub/b.bin", Body=b"b" * 500)
+    add_node(kube, "n1", memory="8Gi")
+    add_secret(kube, "creds", SECRETS)
+    add_cache(kube, "c", {"source": {"s3": {"bucket": "wrong-bucket-q", "endpointUrl": moto_server.endpoint,
+                                            "secretRef": {"name": "creds"}}}})
+    failed_with(kube, "c")
+    obj = kube.get("stoker.dev/v1alpha1", "datasetcaches", "c", NAMESPACE)
+    fix = {"spec": {"source": {"s3": dict(obj["spec"]["source"]["s3"], bucket=bucket, prefix="data")},
+                    "cacheSize": "1Gi"}}
+    request = urllib.request.Request(f"{kube.url}/apis/stoker.dev/v1alpha1/namespaces/{NAMESPACE}/datasetcaches/c",
+                                     data=json.dumps(fix).encode(), method="PATCH",
+                                     headers={"Content-Type": "application/merge-patch+json"})
+    urllib.request.urlopen(request).close()
+    st = kube.wait_for(lambda: status(kube, "c").get("phase") == "Warming" and status(kube, "c"), 60)
+    assert st, status(kube, "c")
+    assert (st["datasetBytes"], st["objectCount"], st["cacheBytesPerNode"]) == (1500, 2, 1024**3)
+    assert st["volume"]["id"] == f"s3://{bucket}/data/" and st["targetNodes"] == ["n1"]
+    assert st["observedGeneration"] == 2

@@ -1,0 +1,125 @@
+"""The operator's pure decisions, against hand-computed expectations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, strategies as st
+
+from stoker_operator.plan import (MIN_CACHE_BYTES, WARM_FRACTION, NodeInfo, SpecProblem, aggregate,
+                                  gate_release_patch, merge_conditions, node_should_warm, quantity_bytes,
+                                  size_cache, target_nodes)
+
+GiB = 1024**3
+
+
+def nodes(*memories: int, labels=None) -> list[NodeInfo]:
+    return [NodeInfo(f"n{i}", dict(labels or {}), m) for i, m in enumerate(memories)]
+
+
+def test_quantities():
+    assert quantity_bytes("64Gi") == 64 * GiB
+    assert quantity_bytes("500M") == 500_000_000
+    with pytest.raises(SpecProblem, match="cacheSize"):
+        quantity_bytes("lots")
+    with pytest.raises(SpecProblem):
+        quantity_bytes("0")
+
+
+def test_target_nodes_match_the_selector_and_skip_unready_or_cordoned():
+    all_nodes = [NodeInfo("a", {"pool": "gpu"}, GiB), NodeInfo("b", {"pool": "cpu"}, GiB),
+                 NodeInfo("c", {"pool": "gpu"}, GiB, ready=False), NodeInfo("d", {"pool": "gpu"}, GiB, schedulable=False),
+                 NodeInfo("e", {"pool": "gpu", "x": "y"}, GiB)]
+    assert [n.name for n in target_nodes({"pool": "gpu"}, all_nodes)] == ["a", "e"]
+    assert len(target_nodes({}, all_nodes)) == 3
+
+
+def test_auto_size_is_dataset_plus_headroom_when_it_fits():
+    sizing = size_cache({"cacheSize": "auto", "headroomPercent": 10}, 9 * GiB, 1000, nodes(64 * GiB, 128 * GiB))
+    assert sizing.cache_bytes_per_node == math.ceil(math.ceil(9 * GiB / WARM_FRACTION) * 1.1)
+    assert sizing.fits and sizing.warmable_bytes == 9 * GiB
+
+
+def test_auto_size_is_capped_by_the_smallest_nodes_fraction_and_says_so():
+    sizing = size_cache({"cacheSize": "auto", "maxNodeMemoryFraction": 0.25}, 100 * GiB, 10, nodes(64 * GiB, 32 * GiB))
+    assert sizing.cache_bytes_per_node == 8 * GiB
+    assert not sizing.fits and sizing.warmable_bytes == int(8 * GiB * WARM_FRACTION)
+    assert "100.0 GiB" in sizing.message and "8.0 GiB" in sizing.message
+
+
+def test_explicit_size_and_floor():
+    assert size_cache({"cacheSize": "2Gi"}, GiB, 1, []).cache_bytes_per_node == 2 * GiB
+    assert size_cache({"cacheSize": "1Mi"}, 10, 1, []).cache_bytes_per_node == MIN_CACHE_BYTES
+    assert size_cache({"cacheSize": "auto"}, 10, 1, nodes(GiB)).cache_bytes_per_node == MIN_CACHE_BYTES
+    with pytest.raises(SpecProblem, match="no Ready node"):
+        size_cache({"cacheSize": "auto"}, GiB, 1, [])
+
+
+@given(dataset=st.integers(0, 10**13), memory=st.integers(GiB, 2**40), fraction=st.floats(0.01, 0.9),
+       headroom=st.integers(0, 100))
+def test_auto_sizing_never_exceeds_the_cap_and_fits_means_fits(dataset, memory, fraction, headroom):
+    spec = {"cacheSize": "auto", "maxNodeMemoryFraction": fraction, "headroomPercent": headroom}
+    sizing = size_cache(spec, dataset, 1, nodes(memory))
+    assert sizing.cache_bytes_per_node <= int(memory * fraction)
+    assert sizing.warmable_bytes <= sizing.cache_bytes_per_node * WARM_FRACTION + 1
+    assert sizing.fits == (sizing.warmable_bytes >= dataset)
+
+
+def status(phase="Warming", **nodes_):
+    return {"phase": phase, "targetNodes": sorted(nodes_), "datasetBytes": 1000, "warmableBytes": 1000,
+            "cacheBytesPerNode": 2000, "nodes": nodes_}
+
+
+def test_aggregate_phases():
+    assert aggregate(status(a={"phase": "Warming", "cachedBytes": 500}, b={})).phase == "Warming"
+    ready = aggregate(status(a={"phase": "Ready", "cachedBytes": 1000}, b={"phase": "Ready", "cachedBytes": 1500}))
+    assert ready.phase == "Ready" and ready.cached_percentage == 100.0
+    assert ready.conditions["Ready"][0] == "True"
+    half = aggregate(status("Ready", a={"phase": "Ready", "cachedBytes": 1000}, b={"phase": "Evicted", "cachedBytes": 0}))
+    assert half.phase == "Degraded" and half.cached_percentage == 50.0 and "b" in half.conditions["Warmed"][2]
+    assert aggregate({"phase": "Warming", "targetNodes": []}).phase == "Warming"
+
+
+def test_conditions_keep_their_transition_time_until_the_status_flips():
+    first = merge_conditions([], {"Ready": ("False", "Warming", "x")}, now="t1")
+    same = merge_conditions(first, {"Ready": ("False", "Warming", "y")}, now="t2")
+    flipped = merge_conditions(same, {"Ready": ("True", "CacheReady", "z")}, now="t3")
+    assert same[0]["lastTransitionTime"] == "t1" and same[0]["message"] == "y"
+    assert flipped[0]["lastTransitionTime"] == "t3"
+
+
+def test_gate_release_sets_or_narrows_node_affinity():
+    gate = "stoker.dev/dataset-warm"
+    plain = {"spec": {"schedulingGates": [{"name": gate}]}}
+    patch = gate_release_patch(plain, gate, ["n2", "n1"])
+    assert patch["spec"]["schedulingGates"] == []
+    terms = patch["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms == {"nodeSelectorTerms": [{"matchExpressions": [
+        {"key": "kubernetes.io/hostname", "operator": "In", "values": ["n1", "n2"]}]}]}
+    existing = {"key": "gpu", "operator": "Exists"}
+    narrowed = gate_release_patch({"spec": {"schedulingGates": [{"name": gate}, {"name": "q"}], "affinity": {
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [existing]}, {"matchFields": [{"key": "metadata.name", "operator": "In",
+                                                                 "values": ["n1"]}]}]}},
+        "podAffinity": {"x": 1}}}}, gate, ["n1"])
+    new_terms = narrowed["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"]
+    assert new_terms[0]["matchExpressions"][0] == existing and len(new_terms[0]["matchExpressions"]) == 2
+    assert new_terms[1]["matchFields"] and len(new_terms[1]["matchExpressions"]) == 1
+    assert narrowed["spec"]["affinity"]["podAffinity"] == {"x": 1}
+    assert narrowed["spec"]["schedulingGates"] == [{"name": "q"}]
+    assert gate_release_patch({"spec": {"schedulingGates": [{"name": "q"}]}}, gate, ["n1"]) is None
+
+
+def test_node_should_warm():
+    assert node_should_warm("Once", None, 0, 100)
+    assert node_should_warm("Once", {"phase": "Failed"}, 0, 100)
+    assert not node_should_warm("Once", {"phase": "Ready"}, 0, 100)
+    assert node_should_warm("KeepWarm", {"phase": "Ready"}, 50, 100)
+    assert not node_should_warm("KeepWarm", {"phase": "Ready"}, 99, 100)
+
+
+def test_evicted_nodes_rewarm_only_with_keepwarm():
+    assert node_should_warm("KeepWarm", {"phase": "Evicted"}, 0, 100)
+    assert not node_should_warm("Once", {"phase": "Evicted"}, 0, 100)
