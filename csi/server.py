@@ -15,6 +15,7 @@ from google.protobuf import text_format
 
 from . import csi_pb2_grpc as rpc
 from .controller import ControllerService
+from .metrics import serve_metrics
 from .mounter import Mounter, ProcessMounter, RemoteMounter, serve_mounter
 from .node import IdentityService, NodeService
 from .state import StateDir
@@ -111,6 +112,8 @@ def cmd_csi(args: argparse.Namespace) -> int:
     if volumes is not None:
         threading.Thread(target=_watch, args=(volumes, args.health_interval, stop), daemon=True,
                          name="repair").start()
+        if args.metrics_port:
+            serve_metrics(volumes, args.metrics_port, args.metrics_addr)
         for start_extension in args.node_extensions:  # e.g. the DatasetCache warm agent
             start_extension(args, volumes, stop)
 
@@ -150,6 +153,8 @@ def add_commands(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                             "(default: start them from this process, detached)")
     c.add_argument("--mount-timeout", type=float, default=60.0, help="seconds for a mount to become ready")
     c.add_argument("--health-interval", type=float, default=2.0, help="seconds between mount health checks")
+    c.add_argument("--metrics-port", type=int, help="serve Prometheus metrics of every volume's mount on this port")
+    c.add_argument("--metrics-addr", default="0.0.0.0")
     c.add_argument("--log-level", default="INFO")
     c.set_defaults(func=cmd_csi, node_extensions=[])
 

@@ -14,6 +14,7 @@ import pytest
 from csi import csi_pb2 as pb
 from csi import csi_pb2_grpc as rpc
 from fusecore.mounts import is_mounted, unmount
+from stoker.s3server import free_port
 from tests.conftest import requires_fuse
 
 SECRETS = {"accessKeyId": "testing-key", "secretAccessKey": "testing-secret-DO-NOT-LOG"}
@@ -41,6 +42,7 @@ class Plugin:
         self.socket = str(tmp_path / "csi.sock")
         self.mounter_socket = str(tmp_path / "mounter.sock")
         self.log_path = tmp_path / "csi.log"
+        self.metrics_port = free_port()
         self.mounter = None
         self.server = None
         self.channel = None
@@ -59,7 +61,7 @@ class Plugin:
         log = open(self.log_path, "ab")
         argv = [sys.executable, "-m", "stoker", "csi", "--endpoint", f"unix://{self.socket}", "--node-id",
                 "node-a", "--mode", self.mode, "--state-dir", self.state_dir, "--health-interval", "0.5",
-                "--mount-timeout", "60"]
+                "--mount-timeout", "60", "--metrics-port", str(self.metrics_port), "--metrics-addr", "127.0.0.1"]
         if self.mode != "controller" and self.separate_mounter:
             argv += ["--mounter-socket", self.mounter_socket]
         self.server = subprocess.Popen(argv, stdout=log, stderr=log)

@@ -6,9 +6,11 @@ import hashlib
 import os
 import signal
 import threading
+import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from csi import csi_pb2 as pb
 from fusecore import control
@@ -106,6 +108,12 @@ def test_stage_publish_read_unpublish_unstage(plugin, moto_server, bucket, datas
     assert not stats.volume_condition.abnormal
     usage = stats.usage[0]
     assert usage.unit == pb.VolumeUsage.BYTES and usage.total == 256 * 1024**2 and usage.used > 0
+    scrape = urllib.request.urlopen(f"http://127.0.0.1:{plugin.metrics_port}/metrics").read().decode()
+    samples = {(s.name, s.labels.get("volume")): s.value
+               for family in text_string_to_metric_families(scrape) for s in family.samples}
+    assert samples[("stoker_volume_cache_budget_bytes", "vol-1")] == 256 * 1024**2
+    assert samples[("stoker_volume_up", "vol-1")] == 1
+    assert samples[("stoker_volume_fetched_bytes_total", "vol-1")] >= sum(len(b) for b in dataset.values())
     unpublish(plugin, "vol-1", target)
     assert not is_mounted(target) and not os.path.exists(target)
     unstage(plugin, "vol-1", staging)

@@ -1,0 +1,139 @@
+"""The Helm chart, rendered by a real Helm engine (helm-python-sdk), linted, and every rendered object
+validated against the Kubernetes OpenAPI schemas (kubernetes-validate)."""
+
+from __future__ import annotations
+
+import os
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CHART = os.path.join(ROOT, "charts", "stoker")
+KUBE_VERSION = "1.30.0"
+CUSTOM_KINDS = {"ServiceMonitor", "ClusterKopfPeering", "KopfPeering"}  # not in the Kubernetes schemas
+
+VALUE_SETS = {
+    "defaults": {},
+    "provisioning": {"controller": {"enabled": True, "replicas": 2},
+                     "storageClass": {"create": True, "parameters": {"bucket": "data", "onDelete": "Delete"},
+                                      "provisionerSecret": {"name": "prov", "namespace": "stoker-system"}}},
+    "operator-ha-namespaced": {"operator": {"replicas": 2, "namespaces": ["ml", "research"]}},
+    "big-gpu-nodes": {"node": {"cacheMemory": "512Gi", "memoryOverhead": "2Gi", "warmAgent": False,
+                               "nodeSelector": {"nvidia.com/gpu.present": "true"}},
+                      "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
+    "minimal": {"operator": {"enabled": False}, "metrics": {"enabled": False}},
+}
+
+
+def render(values: dict) -> list[dict]:
+    chart = helm.Chart.load(CHART)
+    chart.validate_schema(values)
+    manifests = chart.render(values, name="stoker", namespace="stoker-system", is_install=True)
+    docs = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith(".yaml"):
+            docs += [d for d in yaml.safe_load_all(text) if d]
+    docs += [d for c in chart.crds for d in yaml.safe_load_all(c["data"]) if d] if isinstance(chart.crds, list) else []
+    return docs
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def validate(doc: dict, crds: list[dict]) -> None:
+    if doc["kind"] in CUSTOM_KINDS:
+        definition = next((c for c in crds if c["spec"]["names"]["kind"] == doc["kind"]), None)
+        if definition is not None:
+            jsonschema.validate(doc, definition["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+        else:  # ServiceMonitor: its CRD comes with the Prometheus operator
+            assert doc["apiVersion"] == "monitoring.coreos.com/v1" and doc["spec"]["endpoints"]
+        return
+    kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_rendered_objects_are_valid_kubernetes(name):
+    docs = render(VALUE_SETS[name])
+    crds = by_kind(docs, "CustomResourceDefinition")
+    for doc in docs:
+        validate(doc, crds)
+    assert len({(d["kind"], d["metadata"]["name"], d["metadata"].get("namespace")) for d in docs}) == len(docs)
+
+
+def test_lint_finds_no_errors_or_warnings():
+    for values in VALUE_SETS.values():
+        report = helm.lint(CHART, values, strict=True)
+        serious = [m for m in report["messages"] if m["severity"] >= 2]
+        assert not serious and not report["errors"], report
+
+
+def test_the_node_pod_and_the_mounter_are_arranged_for_restarts_and_accounting():
+    docs = render(VALUE_SETS["big-gpu-nodes"])
+    daemonsets = {d["metadata"]["name"]: d for d in by_kind(docs, "DaemonSet")}
+    node, mounter = daemonsets["stoker-node"], daemonsets["stoker-mounter"]
+    assert mounter["spec"]["updateStrategy"]["type"] == "OnDelete"  # upgrades of the plugin never kill mounts
+    containers = {c["name"]: c for c in node["spec"]["template"]["spec"]["containers"]}
+    assert set(containers) == {"stoker-node", "node-driver-registrar", "liveness-probe"}
+    plugin = containers["stoker-node"]
+    assert {"mountPath": "/var/lib/kubelet", "name": "kubelet-dir", "mountPropagation": "Bidirectional"} in \
+        plugin["volumeMounts"]
+    assert "--warm-agent" not in plugin["args"]
+    mounter_container = mounter["spec"]["template"]["spec"]["containers"][0]
+    assert mounter_container["resources"]["requests"]["memory"] == f"{512 * 1024 + 2 * 1024}Mi"
+    assert mounter_container["resources"]["limits"]["memory"] == f"{512 * 1024 + 2 * 1024}Mi"
+    assert any(v.get("hostPath", {}).get("path") == "/dev/fuse" for v in mounter["spec"]["template"]["spec"]["volumes"])
+    socket_arg = next(a for a in plugin["args"] if a.startswith("--mounter-socket="))
+    assert socket_arg.split("=", 1)[1] == next(a for a in mounter_container["args"] if a.startswith("--socket=")).split("=", 1)[1]
+    driver = by_kind(docs, "CSIDriver")[0]
+    assert driver["metadata"]["name"] == "csi.stoker.dev"
+    assert driver["spec"]["attachRequired"] is False and driver["spec"]["podInfoOnMount"] is True
+    assert driver["spec"]["volumeLifecycleModes"] == ["Persistent", "Ephemeral"]
+
+
+def test_optional_parts_follow_the_values():
+    default_kinds = {(d["kind"], d["metadata"]["name"]) for d in render({})}
+    assert ("Deployment", "stoker-operator") in default_kinds and ("Deployment", "stoker-controller") not in default_kinds
+    provisioning = render(VALUE_SETS["provisioning"])
+    controller = next(d for d in by_kind(provisioning, "Deployment") if d["metadata"]["name"] == "stoker-controller")
+    assert {c["name"] for c in controller["spec"]["template"]["spec"]["containers"]} == {"stoker-controller",
+                                                                                          "csi-provisioner"}
+    storage_class = by_kind(provisioning, "StorageClass")[0]
+    assert storage_class["provisioner"] == "csi.stoker.dev"
+    assert storage_class["parameters"]["csi.storage.k8s.io/provisioner-secret-name"] == "prov"
+    ha = render(VALUE_SETS["operator-ha-namespaced"])
+    operator = by_kind(ha, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert "--namespace=ml" in operator["args"] and "--standalone" not in operator["args"]
+    assert {d["metadata"]["namespace"] for d in by_kind(ha, "KopfPeering")} == {"ml", "research"}
+    minimal = {d["kind"] for d in render(VALUE_SETS["minimal"])}
+    assert "Service" not in minimal and "Deployment" not in minimal
+
+
+def test_operator_rbac_is_least_privilege():
+    docs = render({})
+    role = next(d for d in by_kind(docs, "ClusterRole") if d["metadata"]["name"] == "stoker-operator")
+    verbs = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+    assert verbs[("", "secrets")] == {"get"} and verbs[("", "pods")] == {"list", "watch", "patch"}
+    assert all("*" not in v and "delete" not in v for v in verbs.values())
+    node_role = next(d for d in by_kind(docs, "ClusterRole") if d["metadata"]["name"] == "stoker-node")
+    assert {r for rule in node_role["rules"] for r in rule["resources"]} == {"datasetcaches", "datasetcaches/status",
+                                                                              "secrets"}
+
+
+@pytest.mark.parametrize("bad", [
+    {"node": {"cacheMemory": "lots"}},
+    {"node": {"cacheMemory": "8GB"}},
+    {"operator": {"replicas": 0}},
+    {"metrics": {"port": 80}},
+    {"storageClass": {"reclaimPolicy": "Shred"}},
+    {"image": {"pullPolicy": "Sometimes"}},
+    {"node": {"mounterResources": {"requests": {"memory": "1Gi"}}}},
+    {"unknownTopLevel": True},
+])
+def test_values_schema_rejects_bad_values(bad):
+    with pytest.raises(helm.HelmError):
+        helm.Chart.load(CHART).validate_schema(bad)
