@@ -99,7 +99,7 @@ def cmd_csi(args: argparse.Namespace) -> int:
         if not args.node_id:
             raise SystemExit("stoker csi: --node-id is required for the node service")
         volumes = VolumeManager(StateDir(args.state_dir), mounter, ready_timeout=args.mount_timeout)
-        repaired = volumes.check_all()  # start-up: find staged volumes, repair broken ones, drop stale ones
+        repaired = volumes.check_all(sweep_orphans=True)  # start-up: repair broken volumes, drop stale ones
         log.info("found %d volume(s) in %s; repaired %d", len(volumes.state.records()), args.state_dir, len(repaired))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     if os.path.exists(path):

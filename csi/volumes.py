@@ -228,8 +228,12 @@ class VolumeManager:
             health.message = f"recovered after: {problem}"
         return health
 
-    def check_all(self) -> list[str]:
-        """Find broken mounts and repair them, drop stale ones; returns the ids of volumes repaired."""
+    def check_all(self, *, sweep_orphans: bool = False) -> list[str]:
+        """Find broken mounts and repair them, drop stale ones; returns the ids of volumes repaired.
+
+        `sweep_orphans` (start-up only, before serving) also unmounts mounts in the state directory that
+        no record names: while serving, a mount exists briefly before its record is saved.
+        """
         repaired = []
         records = self.state.records()
         for record in records:
@@ -252,7 +256,8 @@ class VolumeManager:
             except Exception as exc:  # noqa: BLE001 - keep watching the other volumes
                 self._problems[record.volume_id] = f"repair failed: {exc}"
                 log.error("volume %s: repair failed: %s", record.volume_id, exc)
-        self._unmount_orphans({r.mount_path for r in records})
+        if sweep_orphans:
+            self._unmount_orphans({r.mount_path for r in self.state.records()})
         return repaired
 
     def _forget_if_stale(self, record: VolumeRecord) -> bool:

@@ -13,7 +13,7 @@ import kopf
 from . import CACHE_ANNOTATION, GATE, GROUP, PLURAL, VERSION
 from .kube import Kube, load_config
 from .plan import SpecProblem, aggregate, gate_release_patch, human, merge_conditions, size_cache, target_nodes
-from .source import measure, read_secrets, resolve
+from .source import StoreBusy, measure, read_secrets, resolve
 
 log = logging.getLogger(__name__)
 FINALIZER = "stoker.dev/release-node-caches"
@@ -56,6 +56,8 @@ def plan(spec, status, meta, namespace, name, body, patch, reason, **_) -> None:
         dataset_bytes, objects = measure(ref, secrets, list(spec.get("paths") or []))
         nodes = target_nodes(dict(spec.get("nodeSelector") or {}), kube().nodes())
         sizing = size_cache(dict(spec), dataset_bytes, objects, nodes)
+    except StoreBusy as exc:  # the store is slow or away: try again, the spec may be fine
+        raise kopf.TemporaryError(f"listing the dataset: {exc}", delay=30) from None
     except SpecProblem as exc:
         patch.status.update(phase="Failed", observedGeneration=generation, conditions=merge_conditions(
             conditions, {"Sized": ("False", "InvalidSource", str(exc)), "Ready": ("False", "Failed", str(exc))}))
@@ -77,7 +79,7 @@ def plan(spec, status, meta, namespace, name, body, patch, reason, **_) -> None:
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def progress(type, body, **_) -> None:
+def progress(type, body, patch, **_) -> None:
     """Fold the node agents' reports into phase, percentage and conditions; release gated pods."""
     status = body.get("status") or {}
     meta = body.get("metadata") or {}
@@ -90,7 +92,7 @@ def progress(type, body, **_) -> None:
                "cached": f"{result.cached_percentage:g}%"}
     new_conditions = merge_conditions(status.get("conditions") or [], result.conditions)
     if any(status.get(k) != v for k, v in changes.items()) or new_conditions != status.get("conditions"):
-        kube().patch_cache_status(meta["namespace"], meta["name"], dict(changes, conditions=new_conditions))
+        patch.status.update(changes, conditions=new_conditions)
         if result.phase != status.get("phase"):
             (kopf.info if result.phase == "Ready" else kopf.warn)(
                 body, reason=result.phase, message=f"{result.cached_percentage:g}% of the plan is cached")
@@ -109,9 +111,16 @@ def release_pods(namespace: str, cache: str, nodes: list[str]) -> int:
     return released
 
 
-@kopf.on.create("", "v1", "pods", annotations={CACHE_ANNOTATION: kopf.PRESENT})
-def pod_created(namespace, annotations, **_) -> None:
-    """A gated pod that arrives after its cache is Ready is released at once."""
+def _gated(spec, **_) -> bool:
+    return any(g.get("name") == GATE for g in (spec.get("schedulingGates") or []))
+
+
+@kopf.on.event("", "v1", "pods", annotations={CACHE_ANNOTATION: kopf.PRESENT}, when=_gated)
+def gated_pod(type, namespace, annotations, **_) -> None:
+    """A gated pod that arrives after its cache is Ready is released at once (an event handler,
+    so kopf keeps no bookkeeping on users' pods)."""
+    if type == "DELETED":
+        return
     cache = kube().cache(namespace, annotations[CACHE_ANNOTATION])
     if cache and (cache.get("status") or {}).get("phase") == "Ready":
         release_pods(namespace, cache["metadata"]["name"], cache["status"].get("targetNodes") or [])

@@ -6,12 +6,13 @@ from dataclasses import dataclass
 
 from csi.attributes import AttributeProblem, parse_secrets, parse_volume_context
 from fusecore.config import StoreConfig
-from fusecore.store import S3Store, StoreError
+from fusecore.store import S3Store, StoreError, TransientError, Unavailable
 
 from .kube import Kube, NotFoundInCluster
 from .plan import SpecProblem
 
 DRIVER = "csi.stoker.dev"
+StoreBusy = (Unavailable, TransientError)  # worth retrying later, unlike a missing bucket or bad keys
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,8 @@ def measure(ref: VolumeRef, secrets: dict[str, str], paths: list[str]) -> tuple[
                 if inside and not info.key.endswith("/"):
                     total += info.size
                     count += 1
+    except StoreBusy:
+        raise
     except StoreError as exc:
         raise SpecProblem(f"listing the dataset: {exc}") from None
     return total, count
