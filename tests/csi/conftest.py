@@ -34,8 +34,9 @@ def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
 class Plugin:
     """`stoker csi-mounter` + `stoker csi --mounter-socket`, as the DaemonSet runs them."""
 
-    def __init__(self, tmp_path, *, mode: str = "node", separate_mounter: bool = True):
+    def __init__(self, tmp_path, *, mode: str = "node", separate_mounter: bool = True, health_interval: float = 0.5):
         self.tmp_path = tmp_path
+        self.health_interval = health_interval
         self.mode = mode
         self.separate_mounter = separate_mounter
         self.state_dir = str(tmp_path / "state")
@@ -60,7 +61,7 @@ class Plugin:
             os.unlink(self.socket)
         log = open(self.log_path, "ab")
         argv = [sys.executable, "-m", "stoker", "csi", "--endpoint", f"unix://{self.socket}", "--node-id",
-                "node-a", "--mode", self.mode, "--state-dir", self.state_dir, "--health-interval", "0.5",
+                "node-a", "--mode", self.mode, "--state-dir", self.state_dir, "--health-interval", str(self.health_interval),
                 "--mount-timeout", "60", "--metrics-port", str(self.metrics_port), "--metrics-addr", "127.0.0.1"]
         if self.mode != "controller" and self.separate_mounter:
             argv += ["--mounter-socket", self.mounter_socket]
@@ -119,6 +120,15 @@ def plugin(tmp_path, moto_server):
 def local_plugin(tmp_path, moto_server):
     """The plain-host arrangement: `stoker csi` starts the (detached) mount processes itself."""
     p = Plugin(tmp_path, separate_mounter=False)
+    p.start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def slow_repair_plugin(tmp_path, moto_server):
+    """A plugin whose repair loop practically never runs, to observe a broken volume."""
+    p = Plugin(tmp_path, health_interval=3600)
     p.start()
     yield p
     p.stop()

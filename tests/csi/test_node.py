@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from csi import csi_pb2 as pb
 from fusecore import control
-from fusecore.mounts import fs_type, is_mounted
+from fusecore.mounts import fs_type, is_mounted, unmount
 
 from .conftest import READ_ONLY_MANY, SECRETS, requires_fuse, volume_context, wait_until
 
@@ -339,3 +339,45 @@ def test_a_held_volume_is_warmed_before_stage_and_kept_after_unstage(moto_server
                 from fusecore.mounts import unmount
 
                 unmount(path)
+
+
+def test_a_broken_volume_is_reported_abnormal_until_repaired(slow_repair_plugin, moto_server, bucket, dataset,
+                                                              tmp_path):
+    plugin = slow_repair_plugin
+    ctx = volume_context(bucket, moto_server.endpoint)
+    staging, target = str(tmp_path / "staging"), str(tmp_path / "target")
+    os.makedirs(staging)
+    stage(plugin, "sick", staging, ctx)
+    publish(plugin, "sick", staging, target, ctx)
+    os.kill(control_stats(plugin, "sick")["pid"], signal.SIGKILL)
+    request = pb.NodeGetVolumeStatsRequest(volume_id="sick", volume_path=target)
+    assert wait_until(lambda: plugin.node.NodeGetVolumeStats(request).volume_condition.abnormal, 10)
+    condition = plugin.node.NodeGetVolumeStats(request).volume_condition
+    assert "mount process" in condition.message or "gone" in condition.message
+    stage(plugin, "sick", staging, ctx)  # kubelet's periodic re-stage repairs it too
+    assert read(os.path.join(target, "train/part-2.bin")) == dataset["train/part-2.bin"]
+    assert not plugin.node.NodeGetVolumeStats(request).volume_condition.abnormal
+    unpublish(plugin, "sick", target)
+    unstage(plugin, "sick", staging)
+
+
+def test_start_up_drops_volumes_whose_paths_kubelet_removed(plugin, moto_server, bucket, dataset, tmp_path):
+    from csi.state import StateDir
+
+    ctx = volume_context(bucket, moto_server.endpoint)
+    staging, target = str(tmp_path / "staging"), str(tmp_path / "target")
+    os.makedirs(staging)
+    stage(plugin, "gone", staging, ctx)
+    publish(plugin, "gone", staging, target, ctx)
+    mount_path = StateDir(plugin.state_dir).mount_path("gone")
+    plugin.kill_server()
+    # What a node reboot leaves: no mounts, and kubelet removed the directories of pods that went away.
+    os.kill(control_stats(plugin, "gone")["pid"], signal.SIGKILL)
+    for path in (target, staging, mount_path):
+        assert unmount(path) is None
+    os.rmdir(target)
+    os.rmdir(staging)
+    plugin.start()
+    assert StateDir(plugin.state_dir).records() == []
+    assert not is_mounted(mount_path)
+    assert "dropped paths kubelet removed" in plugin.log()

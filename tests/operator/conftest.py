@@ -61,17 +61,35 @@ def status(kube, name: str) -> dict:
     return (cache(kube, name) or {}).get("status") or {}
 
 
+class OperatorProcess:
+    """The real `stoker operator` (kopf) against the fake API."""
+
+    def __init__(self, kube, tmp_path):
+        self.kube = kube
+        self.log_path = tmp_path / "operator.log"
+        self.proc = None
+
+    def start(self) -> None:
+        env = dict(os.environ, KUBECONFIG=self.kube.kubeconfig_path)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "stoker", "operator", "--standalone", "--liveness", "",
+                                          "--log-level", "DEBUG"], stdout=log, stderr=log, env=env)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
 @pytest.fixture
 def operator(kube, tmp_path):
-    log_path = tmp_path / "operator.log"
-    env = dict(os.environ, KUBECONFIG=kube.kubeconfig_path)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "stoker", "operator", "--standalone", "--liveness", "",
-                                 "--log-level", "DEBUG"], stdout=log, stderr=log, env=env)
-    proc.log = lambda: log_path.read_text()
+    proc = OperatorProcess(kube, tmp_path)
+    proc.start()
     yield proc
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    proc.stop()

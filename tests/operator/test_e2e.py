@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -21,19 +22,36 @@ from .conftest import NAMESPACE, add_cache, add_node, add_secret, add_stoker_pvc
 pytestmark = [pytest.mark.integration, requires_fuse]
 
 
+class NodePlugin:
+    """A real `stoker csi` node plugin with the warm agent, for node gpu-1."""
+
+    def __init__(self, kube, tmp_path):
+        self.kube, self.tmp_path = kube, tmp_path
+        self.state = StateDir(str(tmp_path / "state"))
+        self.proc = None
+
+    def start(self) -> None:
+        env = dict(os.environ, KUBECONFIG=self.kube.kubeconfig_path)
+        with open(self.tmp_path / "csi.log", "ab") as logs:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "stoker", "csi", "--endpoint", f"unix://{self.tmp_path}/csi.sock",
+                 "--node-id", "gpu-1", "--state-dir", self.state.root, "--warm-agent", "--warm-recheck", "1",
+                 "--health-interval", "1"], stdout=logs, stderr=logs, env=env)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(15)
+
+    def log(self) -> str:
+        return (self.tmp_path / "csi.log").read_text()
+
+
 @pytest.fixture
 def node_plugin(kube, tmp_path, moto_server):
-    env = dict(os.environ, KUBECONFIG=kube.kubeconfig_path)
-    logs = open(tmp_path / "csi.log", "ab")
-    state = str(tmp_path / "state")
-    proc = subprocess.Popen([sys.executable, "-m", "stoker", "csi", "--endpoint", f"unix://{tmp_path}/csi.sock",
-                             "--node-id", "gpu-1", "--state-dir", state, "--warm-agent", "--warm-recheck", "1", "--health-interval", "1"],
-                            stdout=logs, stderr=logs, env=env)
-    proc.state = StateDir(state)
-    proc.log = lambda: (tmp_path / "csi.log").read_text()
-    yield proc
-    proc.terminate()
-    proc.wait(15)
+    plugin = NodePlugin(kube, tmp_path)
+    plugin.start()
+    yield plugin
+    plugin.stop()
     with open("/proc/self/mountinfo") as f:
         points = [line.split()[4] for line in f if str(tmp_path) in line]
     for point in sorted(points, key=len, reverse=True):
@@ -85,6 +103,18 @@ def test_datasetcache_warms_a_real_mount_and_releases_the_gated_pod(kube, operat
     terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert terms["nodeSelectorTerms"] == [{"matchExpressions": [
         {"key": "kubernetes.io/hostname", "operator": "In", "values": ["gpu-1"]}]}]
+    # Restarting the operator and the node plugin re-plans and re-warms nothing.
+    before = status(kube, "imagenet")
+    gets = control.call(sock, {"op": "stats"})["requests"]["get"]
+    operator.stop()
+    node_plugin.stop()
+    operator.start()
+    node_plugin.start()
+    assert kube.wait_for(lambda: "Resuming is processed: 1 succeeded" in operator.log().split("is stopping")[-1], 30)
+    time.sleep(3)  # a few agent re-checks
+    after = status(kube, "imagenet")
+    assert after["phase"] == "Ready" and after["nodes"]["gpu-1"]["updated"] == before["nodes"]["gpu-1"]["updated"]
+    assert control.call(sock, {"op": "stats"})["requests"]["get"] == gets
     # KeepWarm: after the cache lost its contents the node warms it again and the cache is Ready again.
     gets = stats["requests"]["get"]
     control.call(sock, {"op": "drop"})
