@@ -12,6 +12,7 @@ from fusecore import __version__
 
 from . import csi_pb2 as pb
 from . import csi_pb2_grpc as rpc
+from .attributes import EPHEMERAL_KEY
 from .errors import BadRequest, NotReady, Unsupported, VolumeError, status_for
 from .mounter import Mounter
 from .volumes import VolumeManager
@@ -124,7 +125,7 @@ class NodeService(rpc.NodeServicer):
             raise BadRequest("volume_capability is required")
         how = capability_key(request.volume_capability, request.readonly)
         context_map = dict(request.volume_context)
-        if context_map.get("csi.storage.k8s.io/ephemeral", "").lower() != "true":
+        if context_map.get(EPHEMERAL_KEY, "").lower() != "true":
             require(request.staging_target_path, "staging_target_path")
         self.volumes.publish(volume_id, request.staging_target_path, target, how, context_map, dict(request.secrets))
         return pb.NodePublishVolumeResponse()

@@ -284,23 +284,25 @@ class VolumeManager:
                 unmount(point)
 
     def _repair(self, record: VolumeRecord) -> None:
-        """Mount again at the same path and re-bind every bind (the volume lock is held)."""
-        self._ensure_serving(record)
-        for path in record.binds():
-            if is_mounted(path):
-                unmount(path)  # a bind of the dead mount
-            self._bind(record, path)
+        """Mount again if the mount is dead, then bind every path that lost its bind (the lock is held)."""
+        if not self._ensure_serving(record):
+            for path in record.binds():
+                if not is_mounted(path):
+                    self._bind(record, path)
 
-    def _ensure_serving(self, record: VolumeRecord) -> None:
+    def _ensure_serving(self, record: VolumeRecord) -> bool:
+        """Mount again at the same path if the mount is dead, and re-bind every bind of the dead one;
+        returns whether it had to."""
         if is_mounted(record.mount_path) and isinstance(self._mount_stats(record), dict):
-            return
+            return False
         if is_mounted(record.mount_path):
             unmount(record.mount_path)  # dead FUSE connection: lazy unmount
         self._mount(record, parse_volume_context(record.context), parse_secrets(record.secrets))
         for path in record.binds():
             if is_mounted(path):
-                unmount(path)
+                unmount(path)  # a bind of the dead mount
             self._bind(record, path)
+        return True
 
     def _mount_stats(self, record: VolumeRecord) -> dict | str:
         """The mount process's stats, or why it did not answer."""

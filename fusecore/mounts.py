@@ -46,13 +46,12 @@ def fs_type(path: str) -> str | None:
     return found
 
 
-def unmount(path: str, *, fuse: bool = True) -> str | None:
-    """Unmount `path`; falls back to a lazy unmount for a dead FUSE mount or a busy bind mount.
-
-    Returns None once mountinfo no longer shows the path, else the reason it is still mounted.
+def unmount(path: str) -> str | None:
+    """Unmount `path` (a FUSE mount or a bind of one); falls back to a lazy unmount for a dead FUSE
+    mount or a busy bind. Returns None once mountinfo no longer shows the path, else why it still does.
     """
     mp = os.path.abspath(path)
-    tool = (shutil.which("fusermount3") or shutil.which("fusermount")) if fuse else None
+    tool = shutil.which("fusermount3") or shutil.which("fusermount")
     first = subprocess.run([tool, "-u", mp] if tool else ["umount", mp], capture_output=True, text=True)
     if first.returncode != 0 and is_mounted(mp):
         # A mount whose process died ("transport endpoint is not connected") needs a lazy unmount.

@@ -30,6 +30,12 @@ def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _plan_of(obj: dict) -> tuple:
+    """What, if it changes, makes a worker start over at once."""
+    status, spec = obj.get("status") or {}, obj.get("spec") or {}
+    return status.get("volume"), status.get("cacheBytesPerNode"), spec.get("paths"), spec.get("policy")
+
+
 def _key(obj: dict) -> str:
     return f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
 
@@ -47,9 +53,7 @@ class CacheWorker:
         self._last_report = 0.0
 
     def update(self, obj: dict) -> None:
-        plan = lambda o: ((o.get("status") or {}).get("volume"), (o.get("status") or {}).get("cacheBytesPerNode"),
-                          (o.get("spec") or {}).get("paths"), (o.get("spec") or {}).get("policy"))  # noqa: E731
-        replanned = plan(obj) != plan(self.obj)
+        replanned = _plan_of(obj) != _plan_of(self.obj)
         self.obj = obj
         if replanned:
             self.changed.set()

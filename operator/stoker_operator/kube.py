@@ -62,9 +62,6 @@ class Kube:
                                 ready=ready, schedulable=not (node.spec and node.spec.unschedulable)))
         return out
 
-    def node_labels(self, name: str) -> dict[str, str]:
-        return dict(self._get(self.core.read_node, f"Node {name}", name).metadata.labels or {})
-
     def gated_pods(self, namespace: str, cache: str, gate: str, annotation: str) -> list[dict]:
         pods = self.core.list_namespaced_pod(namespace).items
         out = []

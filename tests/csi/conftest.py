@@ -105,7 +105,7 @@ class Plugin:
             points = [line.split()[4] for line in f]
         for point in sorted((p for p in points if p.startswith(str(self.tmp_path))), key=len, reverse=True):
             if is_mounted(point):
-                unmount(point, fuse=False)
+                unmount(point)
 
 
 @pytest.fixture
