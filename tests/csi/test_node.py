@@ -381,3 +381,20 @@ def test_start_up_drops_volumes_whose_paths_kubelet_removed(plugin, moto_server,
     assert StateDir(plugin.state_dir).records() == []
     assert not is_mounted(mount_path)
     assert "dropped paths kubelet removed" in plugin.log()
+
+
+def test_wrong_credentials_are_permission_denied_and_never_logged(plugin, tmp_path):
+    from stoker.s3server import MotoServer
+
+    staging = str(tmp_path / "staging")
+    os.makedirs(staging)
+    with MotoServer(env={"INITIAL_NO_AUTH_ACTION_COUNT": "1"}) as guarded:
+        import boto3
+
+        boto3.client("s3", endpoint_url=guarded.endpoint).create_bucket(Bucket="guarded")
+        secrets = {"accessKeyId": "AKIAWRONG", "secretAccessKey": "wrong-secret-value-77"}
+        code, details = code_of(lambda: stage(plugin, "denied", staging, volume_context("guarded", guarded.endpoint),
+                                              secrets=secrets))
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "access denied" in details.lower()
+    assert "wrong-secret-value-77" not in details + plugin.log()
+    assert not is_mounted(staging)

@@ -78,3 +78,25 @@ def test_overlapping_calls_on_one_volume_get_aborted(tmp_path):
         assert volumes.state.records() == []  # a failed stage leaves no record behind
     finally:
         server.stop(0)
+
+
+@pytest.mark.integration
+def test_a_mount_that_never_becomes_ready_is_an_error_and_leaves_nothing_mounted(tmp_path, moto_server, bucket):
+    """A silent store: `stoker mount` gives up after the ready timeout; the call fails, nothing is mounted."""
+    from csi.errors import status_for
+    from csi.mounter import MountNotReady, ProcessMounter
+    from fusecore.mounts import is_mounted
+    from tests.support.faultproxy import FaultProxy
+
+    from .conftest import SECRETS
+
+    volumes = VolumeManager(StateDir(str(tmp_path / "state")), ProcessMounter(), ready_timeout=3, check_store=False)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    with FaultProxy(moto_server.endpoint) as proxy:
+        proxy.set("blackhole")
+        with pytest.raises(MountNotReady) as info:
+            volumes.stage("slow", str(staging), {"bucket": bucket, "endpointUrl": proxy.endpoint}, SECRETS)
+    assert status_for(info.value) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert not is_mounted(str(staging)) and not is_mounted(volumes.state.mount_path("slow"))
+    assert volumes.state.records() == []
