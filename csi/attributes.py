@@ -75,6 +75,11 @@ _CREDENTIAL_LOOKALIKES = {"accesskeyid", "secretaccesskey", "sessiontoken", "aws
                           "aws_secret_access_key", "aws_session_token", "password", "secret", "token"}
 
 
+def looks_like_credential(key: str) -> bool:
+    """An attribute name under which someone probably put a secret by mistake."""
+    return key.lower() in _CREDENTIAL_LOOKALIKES
+
+
 @dataclass(frozen=True)
 class VolumeSpec:
     """What one volume mounts: the store location and the tuning knobs, all validated."""
@@ -126,7 +131,7 @@ def parse_volume_context(context: dict[str, str]) -> VolumeSpec:
             ephemeral = _parse(key, raw, _boolean)
         elif key.startswith(_KUBERNETES_PREFIXES):
             continue  # pod info and provisioner bookkeeping added by Kubernetes
-        elif key.lower() in _CREDENTIAL_LOOKALIKES:
+        elif looks_like_credential(key):
             raise AttributeProblem(f"volume attribute {key!r}: credentials are read only from the secret "
                                    "(nodeStageSecretRef / nodePublishSecretRef), never from attributes")
         elif key in STORE_ATTRIBUTES:

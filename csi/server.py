@@ -14,6 +14,7 @@ import grpc
 from google.protobuf import text_format
 
 from . import csi_pb2_grpc as rpc
+from .attributes import looks_like_credential
 from .controller import ControllerService
 from .metrics import serve_metrics
 from .mounter import Mounter, ProcessMounter, RemoteMounter, serve_mounter
@@ -23,19 +24,23 @@ from .volumes import VolumeManager
 
 log = logging.getLogger("stoker.csi")
 
-_SENSITIVE_FIELDS = ("secrets",)
+_MAPS = ("volume_context", "parameters", "publish_context")
 
 
 def redacted(request) -> str:
-    """A request as text for the log, without secrets or mount flags (which may hold them)."""
+    """A request as text for the log, without secrets, mount flags (which may hold them), or
+    attribute values stored under credential-like names by mistake (refused, but not logged)."""
     copy = type(request)()
     copy.CopyFrom(request)
-    for name in _SENSITIVE_FIELDS:
-        if name in copy.DESCRIPTOR.fields_by_name:
-            copy.ClearField(name)
-    for name in ("volume_capability",):
-        if name in copy.DESCRIPTOR.fields_by_name and copy.HasField(name):
-            getattr(copy, name).mount.ClearField("mount_flags")
+    fields = copy.DESCRIPTOR.fields_by_name
+    if "secrets" in fields:
+        copy.ClearField("secrets")
+    if "volume_capability" in fields and copy.HasField("volume_capability"):
+        copy.volume_capability.mount.ClearField("mount_flags")
+    for name in (n for n in _MAPS if n in fields):
+        attributes = getattr(copy, name)
+        for key in [k for k in attributes if looks_like_credential(k)]:
+            attributes[key] = "<redacted>"
     return text_format.MessageToString(copy, as_one_line=True)
 
 
