@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from kubernetes.utils.quantity import parse_quantity
 
 WARM_FRACTION = 0.9  # a mount warms at most this share of its cache budget (fusecore DataPath.warm)
-MIN_CACHE_BYTES = 64 * 1024**2
+MIN_CACHE_BYTES = 64 * 1024**2  # smallest budget a plan gives a mount (room for blocks and in-flight GETs)
 READY_AT = 0.98  # a node whose cache holds this share of what it was asked to warm is Ready
 
 
@@ -78,8 +78,7 @@ def size_cache(spec: dict, dataset_bytes: int, object_count: int, nodes: list[No
         if not nodes:
             raise SpecProblem("no Ready node matches the nodeSelector, so the cache cannot be sized")
         cap = int(min(n.allocatable_memory for n in nodes) * fraction)
-        wanted = max(MIN_CACHE_BYTES, math.ceil(need * (1 + headroom / 100)))
-        per_node = min(wanted, cap)
+        per_node = max(MIN_CACHE_BYTES, min(math.ceil(need * (1 + headroom / 100)), cap))  # a mount needs a floor
         how = f"auto: dataset {human(dataset_bytes)} + {headroom}% headroom, capped at {fraction:g} of " \
               f"{human(min(n.allocatable_memory for n in nodes))} allocatable"
     else:

@@ -128,3 +128,26 @@ def test_datasetcache_warms_a_real_mount_and_releases_the_gated_pod(kube, operat
     kube.delete("stoker.dev/v1alpha1", "datasetcaches", "imagenet", NAMESPACE)
     assert kube.wait_for(lambda: cache(kube, "imagenet") is None, 60), (status(kube, "imagenet"), operator.log()[-2000:])
     assert wait_until(lambda: not is_mounted(mount_path), 30)
+
+
+def test_a_dataset_larger_than_the_cache_warms_what_fits(kube, operator, node_plugin, moto_server, s3, bucket):
+    files = {f"shards/{i:02d}.tar": os.urandom(3 * 1024 * 1024) for i in range(30)}
+    for key, body in files.items():
+        s3.put_object(Bucket=bucket, Key=key, Body=body)
+    add_node(kube, "gpu-1")
+    add_secret(kube, "creds", SECRETS)
+    add_cache(kube, "shards", {"source": {"s3": {"bucket": bucket, "prefix": "shards", "endpointUrl": moto_server.endpoint,
+                                                 "secretRef": {"name": "creds"}}}, "cacheSize": "64Mi"})
+    assert kube.wait_for(lambda: status(kube, "shards").get("phase") == "Ready", 120), status(kube, "shards")
+    st = status(kube, "shards")
+    total, budget = sum(len(b) for b in files.values()), 64 * 1024**2
+    assert st["datasetBytes"] == total and st["cacheBytesPerNode"] == budget
+    too_small = next(c for c in st["conditions"] if c["type"] == "CacheTooSmall")
+    assert too_small["status"] == "True" and "90.0 MiB" in too_small["message"]
+    node = st["nodes"]["gpu-1"]
+    assert 0.5 * budget < node["warmedBytes"] <= 0.9 * budget and "did not fit" in node["message"]
+    assert "CacheTooSmall" in {e.get("reason") for e in kube.list("v1", "events", NAMESPACE)}
+    stats = control.call(node_plugin.state.control_socket(f"s3://{bucket}/shards/"), {"op": "stats"})
+    assert stats["cache"]["budget"] == budget and stats["cache"]["bytes"] <= budget
+    kube.delete("stoker.dev/v1alpha1", "datasetcaches", "shards", NAMESPACE)
+    assert kube.wait_for(lambda: cache(kube, "shards") is None, 60)

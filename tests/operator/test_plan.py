@@ -61,7 +61,7 @@ def test_explicit_size_and_floor():
 def test_auto_sizing_never_exceeds_the_cap_and_fits_means_fits(dataset, memory, fraction, headroom):
     spec = {"cacheSize": "auto", "maxNodeMemoryFraction": fraction, "headroomPercent": headroom}
     sizing = size_cache(spec, dataset, 1, nodes(memory))
-    assert sizing.cache_bytes_per_node <= int(memory * fraction)
+    assert sizing.cache_bytes_per_node <= max(MIN_CACHE_BYTES, int(memory * fraction))
     assert sizing.warmable_bytes <= sizing.cache_bytes_per_node * WARM_FRACTION + 1
     assert sizing.fits == (sizing.warmable_bytes >= dataset)
 
