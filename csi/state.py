@@ -25,8 +25,12 @@ class VolumeRecord:
     ephemeral: bool = False
     staging_path: str | None = None
     targets: dict[str, str] = field(default_factory=dict)  # bind target -> how it was published
-    holders: list[str] = field(default_factory=list)  # DatasetCaches keeping this cache warm
-    cache_size: int | None = None  # budget set by a DatasetCache plan, else the volume's own
+    holders: dict[str, int] = field(default_factory=dict)  # DatasetCache -> the cache budget it planned
+
+    @property
+    def cache_size(self) -> int | None:
+        """The largest budget a holding DatasetCache planned; None: the volume's own cacheSize."""
+        return max(self.holders.values()) if self.holders else None
 
     def binds(self) -> list[str]:
         return ([self.staging_path] if self.staging_path else []) + list(self.targets)

@@ -168,22 +168,20 @@ class VolumeManager:
 
     def hold(self, volume_id: str, context: dict[str, str], secrets: dict[str, str], holder: str,
              cache_size: int) -> str:
-        """Keep the volume mounted on this node with at least `cache_size` of cache, for `holder`
-        (a DatasetCache); returns the mount's control socket, through which it is warmed."""
+        """Keep the volume mounted on this node for `holder` (a DatasetCache) with the largest budget its
+        holders planned; returns the mount's control socket, through which it is warmed."""
         spec = parse_volume_context(context)
         with self.locks.hold(volume_id):
             record = self.state.load(volume_id)
             if record is None:
                 record = VolumeRecord(volume_id, self.state.mount_path(volume_id), dict(context), dict(secrets),
-                                      holders=[holder], cache_size=cache_size)
+                                      holders={holder: cache_size})
                 self._mount(record, spec, parse_secrets(secrets))
             else:
                 self._check_same_volume(record, spec)
                 self._ensure_serving(record)
-                if holder not in record.holders:
-                    record.holders.append(holder)
-                record.cache_size = cache_size
-                self._resize(record, cache_size)
+                record.holders[holder] = cache_size
+                self._resize(record, record.cache_size)
             self.state.save(record)
             return self.state.control_socket(volume_id)
 
@@ -193,11 +191,9 @@ class VolumeManager:
             record = self.state.load(volume_id)
             if record is None or holder not in record.holders:
                 return
-            record.holders.remove(holder)
-            if not record.holders:
-                record.cache_size = None
-                if record.in_use() and isinstance(self._mount_stats(record), dict):
-                    self._resize(record, check_size(record))
+            del record.holders[holder]
+            if record.in_use() and isinstance(self._mount_stats(record), dict):
+                self._resize(record, record.cache_size or own_cache_size(record))
             self._retire_or_save(record)
             log.info("released volume %s for %s", volume_id, holder)
 
@@ -356,7 +352,7 @@ class VolumeManager:
             raise StillMounted(f"could not unmount {path}: {problem or 'still in mountinfo'}")
 
 
-def check_size(record: VolumeRecord) -> int:
+def own_cache_size(record: VolumeRecord) -> int:
     """The cache budget the volume asks for itself (its cacheSize attribute, or the mount default)."""
     return int(dict(parse_volume_context(record.context).knobs).get("cacheSize", 4 * 1024**3))
 

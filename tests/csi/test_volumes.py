@@ -100,3 +100,14 @@ def test_a_mount_that_never_becomes_ready_is_an_error_and_leaves_nothing_mounted
     assert status_for(info.value) == grpc.StatusCode.DEADLINE_EXCEEDED
     assert not is_mounted(str(staging)) and not is_mounted(volumes.state.mount_path("slow"))
     assert volumes.state.records() == []
+
+
+def test_a_volume_held_by_several_caches_keeps_the_largest_budget():
+    from csi.state import VolumeRecord
+
+    record = VolumeRecord("v", "/m", {"bucket": "b"}, {})
+    assert record.cache_size is None and not record.in_use()
+    record.holders.update({"ml/a": 2 << 30, "ml/b": 8 << 30})
+    assert record.cache_size == 8 << 30 and record.in_use()
+    del record.holders["ml/b"]
+    assert record.cache_size == 2 << 30
