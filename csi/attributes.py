@@ -117,6 +117,19 @@ class VolumeSpec:
                 argv += [knob.flag, str(value)]
         return argv
 
+    def store_config(self, credentials: Credentials | None = None, **overrides) -> StoreConfig:
+        """Where this volume's objects live, for a store client (checks, listing) outside the mount."""
+        knobs = dict(self.knobs)
+        settings = {"max_concurrency": int(knobs.get("maxConcurrency", 64)),
+                    "connect_timeout": float(knobs.get("connectTimeout", 5.0)),
+                    "request_timeout": float(knobs.get("requestTimeout", 10.0)), **overrides}
+        return StoreConfig(bucket=self.bucket, prefix=self.prefix, endpoint_url=self.endpoint_url, region=self.region,
+                           credentials=credentials, **settings)
+
+    def location(self) -> tuple:
+        """What makes two specs the same data (tuning knobs aside)."""
+        return self.bucket, self.prefix, self.endpoint_url, self.region
+
     def identity(self) -> str:
         """A stable text of everything that shapes the mount, to detect a conflicting re-stage."""
         return json.dumps([self.bucket, self.prefix, self.endpoint_url, self.region, list(self.knobs)])
@@ -160,12 +173,8 @@ def parse_volume_context(context: dict[str, str]) -> VolumeSpec:
 def check_ranges(spec: VolumeSpec) -> MountConfig:
     """Build the MountConfig the mount will build, so that range errors surface here, named."""
     knobs = dict(spec.knobs)
-    store = StoreConfig(bucket=spec.bucket, prefix=spec.prefix, endpoint_url=spec.endpoint_url, region=spec.region,
-                        max_concurrency=int(knobs.get("maxConcurrency", 64)),
-                        connect_timeout=float(knobs.get("connectTimeout", 5.0)),
-                        request_timeout=float(knobs.get("requestTimeout", 10.0)))
     try:
-        return MountConfig(store=store, cache_size=int(knobs.get("cacheSize", 4 * 1024**3)),
+        return MountConfig(store=spec.store_config(), cache_size=int(knobs.get("cacheSize", 4 * 1024**3)),
                            block_size=int(knobs.get("blockSize", 4 * 1024**2)))
     except ConfigError as exc:
         text = str(exc)

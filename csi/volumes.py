@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from fusecore import control
-from fusecore.config import Credentials, StoreConfig
+from fusecore.config import Credentials
 from fusecore.mounts import fs_type, is_mounted, mount_entries, unmount, wait_unmounted
 from fusecore.store import S3Store
 
@@ -59,10 +59,6 @@ class VolumeLocks:
         finally:
             with self._guard:
                 self._held.discard(volume_id)
-
-
-def _location(spec: VolumeSpec) -> tuple:
-    return spec.bucket, spec.prefix, spec.endpoint_url, spec.region
 
 
 class VolumeManager:
@@ -310,13 +306,12 @@ class VolumeManager:
     # ---- helpers
 
     def _check_same_volume(self, record: VolumeRecord, spec: VolumeSpec) -> None:
-        if record.ephemeral or _location(parse_volume_context(record.context)) != _location(spec):
+        if record.ephemeral or parse_volume_context(record.context).location() != spec.location():
             raise Conflict(f"volume {record.volume_id!r} is already mounted on this node for another source")
 
     def _mount(self, record: VolumeRecord, spec: VolumeSpec, creds: Credentials | None) -> None:
         if self.check_store:  # typed errors (no bucket, denied, unreachable) before a process starts
-            S3Store(StoreConfig(bucket=spec.bucket, prefix=spec.prefix, endpoint_url=spec.endpoint_url,
-                                region=spec.region, credentials=creds, max_attempts=2)).check()
+            S3Store(spec.store_config(creds, max_attempts=2)).check()
         os.makedirs(record.mount_path, exist_ok=True)
         argv = spec.mount_argv(record.mount_path, self.state.control_socket(record.volume_id),
                                self.state.log_file(record.volume_id), cache_size=record.cache_size)

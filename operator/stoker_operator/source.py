@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from csi.attributes import AttributeProblem, parse_secrets, parse_volume_context
-from fusecore.config import StoreConfig
 from fusecore.store import S3Store, StoreError, TransientError, Unavailable
 
 from .kube import Kube, NotFoundInCluster
@@ -85,8 +84,7 @@ def read_secrets(ref: VolumeRef, kube: Kube) -> dict[str, str]:
 def measure(ref: VolumeRef, secrets: dict[str, str], paths: list[str]) -> tuple[int, int]:
     """(bytes, objects) of the dataset (under `paths`, or all of it), by listing it."""
     spec = parse_volume_context(ref.attributes)
-    store = S3Store(StoreConfig(bucket=spec.bucket, prefix=spec.prefix, endpoint_url=spec.endpoint_url,
-                                region=spec.region, credentials=parse_secrets(secrets), max_attempts=3))
+    store = S3Store(spec.store_config(parse_secrets(secrets), max_attempts=3))
     total = count = 0
     try:
         for path in paths or [""]:

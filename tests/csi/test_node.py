@@ -48,6 +48,15 @@ def unstage(plugin, volume_id, staging):
                                                                     staging_target_path=staging), timeout=60)
 
 
+def stage_and_publish(plugin, volume_id: str, ctx: dict, tmp_path) -> tuple[str, str]:
+    """Stage at tmp_path/staging and publish at tmp_path/target, as kubelet would; returns both paths."""
+    staging, target = str(tmp_path / "staging"), str(tmp_path / "target")
+    os.makedirs(staging)
+    stage(plugin, volume_id, staging, ctx)
+    publish(plugin, volume_id, staging, target, ctx)
+    return staging, target
+
+
 def code_of(call) -> grpc.StatusCode:
     with pytest.raises(grpc.RpcError) as info:
         call()
@@ -222,10 +231,7 @@ def test_ephemeral_inline_volume(plugin, moto_server, bucket, dataset, tmp_path)
 
 def test_server_killed_while_reading_leaves_the_mount_serving(plugin, moto_server, bucket, dataset, tmp_path):
     ctx = volume_context(bucket, moto_server.endpoint, blockSize="1MiB")
-    staging, target = str(tmp_path / "staging"), str(tmp_path / "target")
-    os.makedirs(staging)
-    stage(plugin, "survivor", staging, ctx)
-    publish(plugin, "survivor", staging, target, ctx)
+    staging, target = stage_and_publish(plugin, "survivor", ctx, tmp_path)
     result, started = {}, threading.Event()
 
     def reader():
@@ -254,10 +260,7 @@ def test_server_killed_while_reading_leaves_the_mount_serving(plugin, moto_serve
 
 def test_killed_mount_process_is_replaced_and_targets_rebound(plugin, moto_server, bucket, dataset, tmp_path):
     ctx = volume_context(bucket, moto_server.endpoint)
-    staging, target = str(tmp_path / "staging"), str(tmp_path / "target")
-    os.makedirs(staging)
-    stage(plugin, "phoenix", staging, ctx)
-    publish(plugin, "phoenix", staging, target, ctx)
+    staging, target = stage_and_publish(plugin, "phoenix", ctx, tmp_path)
     path = os.path.join(target, "train/part-0.bin")
     assert read(path) == dataset["train/part-0.bin"]
     old_pid = control_stats(plugin, "phoenix")["pid"]
@@ -281,10 +284,7 @@ def test_killed_mount_process_is_replaced_and_targets_rebound(plugin, moto_serve
 def test_start_up_repairs_a_mount_that_died_while_the_plugin_was_down(plugin, moto_server, bucket, dataset,
                                                                        tmp_path):
     ctx = volume_context(bucket, moto_server.endpoint)
-    staging, target = str(tmp_path / "staging"), str(tmp_path / "target")
-    os.makedirs(staging)
-    stage(plugin, "lazarus", staging, ctx)
-    publish(plugin, "lazarus", staging, target, ctx)
+    staging, target = stage_and_publish(plugin, "lazarus", ctx, tmp_path)
     plugin.kill_server()
     os.kill(control_stats(plugin, "lazarus")["pid"], signal.SIGKILL)
     with pytest.raises(OSError):
@@ -297,10 +297,7 @@ def test_start_up_repairs_a_mount_that_died_while_the_plugin_was_down(plugin, mo
 
 def test_without_a_separate_mounter_mounts_outlive_the_server(local_plugin, moto_server, bucket, dataset, tmp_path):
     ctx = volume_context(bucket, moto_server.endpoint)
-    staging, target = str(tmp_path / "staging"), str(tmp_path / "target")
-    os.makedirs(staging)
-    stage(local_plugin, "local", staging, ctx)
-    publish(local_plugin, "local", staging, target, ctx)
+    staging, target = stage_and_publish(local_plugin, "local", ctx, tmp_path)
     local_plugin.kill_server()
     assert read(os.path.join(target, "train/part-1.bin")) == dataset["train/part-1.bin"]
     local_plugin.start()
@@ -345,10 +342,7 @@ def test_a_broken_volume_is_reported_abnormal_until_repaired(slow_repair_plugin,
                                                               tmp_path):
     plugin = slow_repair_plugin
     ctx = volume_context(bucket, moto_server.endpoint)
-    staging, target = str(tmp_path / "staging"), str(tmp_path / "target")
-    os.makedirs(staging)
-    stage(plugin, "sick", staging, ctx)
-    publish(plugin, "sick", staging, target, ctx)
+    staging, target = stage_and_publish(plugin, "sick", ctx, tmp_path)
     os.kill(control_stats(plugin, "sick")["pid"], signal.SIGKILL)
     request = pb.NodeGetVolumeStatsRequest(volume_id="sick", volume_path=target)
     assert wait_until(lambda: plugin.node.NodeGetVolumeStats(request).volume_condition.abnormal, 10)
@@ -365,10 +359,7 @@ def test_start_up_drops_volumes_whose_paths_kubelet_removed(plugin, moto_server,
     from csi.state import StateDir
 
     ctx = volume_context(bucket, moto_server.endpoint)
-    staging, target = str(tmp_path / "staging"), str(tmp_path / "target")
-    os.makedirs(staging)
-    stage(plugin, "gone", staging, ctx)
-    publish(plugin, "gone", staging, target, ctx)
+    staging, target = stage_and_publish(plugin, "gone", ctx, tmp_path)
     mount_path = StateDir(plugin.state_dir).mount_path("gone")
     plugin.kill_server()
     # What a node reboot leaves: no mounts, and kubelet removed the directories of pods that went away.
