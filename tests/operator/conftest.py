@@ -93,3 +93,12 @@ def operator(kube, tmp_path):
     proc.start()
     yield proc
     proc.stop()
+
+
+def wait_for_events(kube, reasons: set[str], timeout: float = 30) -> set[str]:
+    """kopf posts events in the background: wait until these reasons were posted; returns all seen."""
+    def seen() -> set[str]:
+        return {e.get("reason") for e in kube.list("v1", "events", NAMESPACE)}
+
+    kube.wait_for(lambda: reasons <= seen(), timeout)
+    return seen()

@@ -17,7 +17,7 @@ from fusecore.mounts import is_mounted, unmount
 from tests.conftest import requires_fuse
 from tests.csi.conftest import SECRETS, wait_until
 
-from .conftest import NAMESPACE, add_cache, add_node, add_secret, add_stoker_pvc, cache, status
+from .conftest import NAMESPACE, add_cache, add_node, add_secret, add_stoker_pvc, cache, status, wait_for_events
 
 pytestmark = [pytest.mark.integration, requires_fuse]
 
@@ -90,8 +90,7 @@ def test_datasetcache_warms_a_real_mount_and_releases_the_gated_pod(kube, operat
     assert st["cachedPercentage"] == 100.0
     assert {c["type"]: c["status"] for c in st["conditions"]} == {
         "Sized": "True", "CacheTooSmall": "False", "Warmed": "True", "Ready": "True"}
-    reasons = {e.get("reason") for e in kube.list("v1", "events", NAMESPACE)}
-    assert {"Sized", "Ready"} <= reasons
+    assert {"Sized", "Ready"} <= wait_for_events(kube, {"Sized", "Ready"})
     # The warmed mount really holds the data, with the planned budget.
     sock = node_plugin.state.control_socket("pv-imagenet")
     stats = control.call(sock, {"op": "stats"})
@@ -122,7 +121,7 @@ def test_datasetcache_warms_a_real_mount_and_releases_the_gated_pod(kube, operat
                          and status(kube, "imagenet")["nodes"]["gpu-1"]["phase"] == "Ready"
                          and status(kube, "imagenet")["phase"] == "Ready", 60), status(kube, "imagenet")
     assert control.call(sock, {"op": "stats"})["requests"]["get"] > gets
-    assert "Degraded" in {e.get("reason") for e in kube.list("v1", "events", NAMESPACE)}
+    assert "Degraded" in wait_for_events(kube, {"Degraded"})
     # Deleting the DatasetCache releases the node's memory (the mount nobody else uses stops).
     mount_path = node_plugin.state.mount_path("pv-imagenet")
     kube.delete("stoker.dev/v1alpha1", "datasetcaches", "imagenet", NAMESPACE)
@@ -146,7 +145,7 @@ def test_a_dataset_larger_than_the_cache_warms_what_fits(kube, operator, node_pl
     assert too_small["status"] == "True" and "90.0 MiB" in too_small["message"]
     node = st["nodes"]["gpu-1"]
     assert 0.5 * budget < node["warmedBytes"] <= 0.9 * budget and "did not fit" in node["message"]
-    assert "CacheTooSmall" in {e.get("reason") for e in kube.list("v1", "events", NAMESPACE)}
+    assert "CacheTooSmall" in wait_for_events(kube, {"CacheTooSmall"})
     stats = control.call(node_plugin.state.control_socket(f"s3://{bucket}/shards/"), {"op": "stats"})
     assert stats["cache"]["budget"] == budget and stats["cache"]["bytes"] <= budget
     kube.delete("stoker.dev/v1alpha1", "datasetcaches", "shards", NAMESPACE)

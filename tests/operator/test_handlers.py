@@ -45,8 +45,10 @@ def test_bad_sources_fail_with_a_clear_message(kube, operator, moto_server, buck
         message = failed_with(kube, name)
         assert expected.lower() in message.lower(), (name, message)
         assert SECRETS["secretAccessKey"] not in message
-    warnings = [e for e in kube.list("v1", "events", NAMESPACE) if e.get("type") == "Warning"]
-    assert {e["involvedObject"]["name"] for e in warnings} >= set(cases)
+    def warned() -> set[str]:
+        return {e["involvedObject"]["name"] for e in kube.list("v1", "events", NAMESPACE) if e.get("type") == "Warning"}
+
+    assert kube.wait_for(lambda: warned() >= set(cases), 30), warned()  # kopf posts events in the background
     after = {p: kube.list(v, p) for v, p in (("v1", "pods"), ("v1", "persistentvolumes"), ("v1", "secrets"))}
     assert before == after
     patched = {path for method, path in kube.requests if method in ("PATCH", "PUT", "DELETE", "POST")
