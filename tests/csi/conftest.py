@@ -6,29 +6,19 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
 
 from csi import csi_pb2 as pb
 from csi import csi_pb2_grpc as rpc
-from fusecore.mounts import is_mounted, unmount
 from stoker.s3server import free_port
 from tests.conftest import requires_fuse
+from tests.support.waiting import unmount_everything_under, wait_for as wait_until
 
 SECRETS = {"accessKeyId": "testing-key", "secretAccessKey": "testing-secret-DO-NOT-LOG"}
 READ_ONLY_MANY = pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume(),
                                      access_mode=pb.VolumeCapability.AccessMode(mode=3))
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 class Plugin:
@@ -100,12 +90,7 @@ class Plugin:
                     proc.kill()
         if self.channel is not None:
             self.channel.close()
-        # Unmount whatever the tests left behind: binds first (deepest paths), then the FUSE mounts.
-        with open("/proc/self/mountinfo") as f:
-            points = [line.split()[4] for line in f]
-        for point in sorted((p for p in points if p.startswith(str(self.tmp_path))), key=len, reverse=True):
-            if is_mounted(point):
-                unmount(point)
+        unmount_everything_under(str(self.tmp_path))
 
 
 @pytest.fixture

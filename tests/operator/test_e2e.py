@@ -13,8 +13,9 @@ import pytest
 
 from csi.state import StateDir
 from fusecore import control
-from fusecore.mounts import is_mounted, unmount
+from fusecore.mounts import is_mounted
 from tests.conftest import requires_fuse
+from tests.support.waiting import unmount_everything_under
 from tests.csi.conftest import SECRETS, wait_until
 
 from .conftest import NAMESPACE, add_cache, add_node, add_secret, add_stoker_pvc, cache, status, wait_for_events
@@ -52,11 +53,7 @@ def node_plugin(kube, tmp_path, moto_server):
     plugin.start()
     yield plugin
     plugin.stop()
-    with open("/proc/self/mountinfo") as f:
-        points = [line.split()[4] for line in f if str(tmp_path) in line]
-    for point in sorted(points, key=len, reverse=True):
-        if is_mounted(point):
-            unmount(point)
+    unmount_everything_under(str(tmp_path))
 
 
 def test_datasetcache_warms_a_real_mount_and_releases_the_gated_pod(kube, operator, node_plugin, moto_server,

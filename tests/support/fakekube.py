@@ -19,6 +19,8 @@ from urllib.parse import parse_qs, urlparse
 
 import yaml
 
+from .waiting import wait_for
+
 CORE = [  # (plural, kind, namespaced, has_status)
     ("pods", "Pod", True, True),
     ("nodes", "Node", False, True),
@@ -162,14 +164,9 @@ class FakeKube:
         with self._lock:
             self._delete((self._prefix(api_version), plural, namespace, name))
 
-    def wait_for(self, predicate, timeout: float):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(0.1)
-        return predicate()
+    @staticmethod
+    def wait_for(predicate, timeout: float):
+        return wait_for(predicate, timeout)
 
     # ---- the object store
 
