@@ -11,7 +11,7 @@ import sys
 import time
 
 from . import control
-from .config import ConfigError, MountConfig, StoreConfig, parse_s3_url, parse_size, parse_ttl
+from .config import ConfigError, MountConfig, StoreConfig, format_size, parse_s3_url, parse_size, parse_ttl
 from .mounts import NOT_READY_STATUS, is_mounted, unmount
 
 DEFAULT_READY_TIMEOUT = 120.0
@@ -226,13 +226,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
         return 0
     c, r = stats["cache"], stats["requests"]
     print(f"mount        s3://{stats['bucket']}/{stats['prefix']} at {stats['mountpoint']}")
-    print(f"cache        {_human(c['bytes'])} of {_human(c['budget'])}, {c['entries']} blocks, "
+    print(f"cache        {format_size(c['bytes'])} of {format_size(c['budget'])}, {c['entries']} blocks, "
           f"hit ratio {c['hit_ratio']:.1%}, {c['evictions']} evictions")
-    print(f"fetched      {_human(stats['bytes_fetched'])} in {r['get']} GETs ({r['get_prefetch']} prefetch), "
+    print(f"fetched      {format_size(stats['bytes_fetched'])} in {r['get']} GETs ({r['get_prefetch']} prefetch), "
           f"{r['list']} LIST, {r['head']} HEAD")
-    print(f"served       {_human(stats['bytes_served']['cache'])} from cache, "
-          f"{_human(stats['bytes_served']['network'])} from the network")
-    print(f"in flight    {stats['inflight']['requests']} GETs, {_human(stats['inflight']['bytes'])}")
+    print(f"served       {format_size(stats['bytes_served']['cache'])} from cache, "
+          f"{format_size(stats['bytes_served']['network'])} from the network")
+    print(f"in flight    {stats['inflight']['requests']} GETs, {format_size(stats['inflight']['bytes'])}")
     print(f"errors       {json.dumps(stats['errors']) if stats['errors'] else 'none'}")
     return 0
 
@@ -252,7 +252,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
     if final is None:
         return 1
     skipped = f", {final['skipped_files']} files did not fit the cache" if final["skipped_files"] else ""
-    print(f"warmed {final['files_done']} files, {_human(final['bytes_done'])} in {final.get('seconds', 0)}s"
+    print(f"warmed {final['files_done']} files, {format_size(final['bytes_done'])} in {final.get('seconds', 0)}s"
           f"{skipped}{', ' + str(final['errors']) + ' errors' if final['errors'] else ''}")
     return 1 if final["errors"] else 0
 
@@ -261,20 +261,13 @@ def _progress_bar(p: dict) -> None:
     total = p["bytes_total"] or 1
     frac = min(1.0, p["bytes_done"] / total)
     bar = "#" * int(frac * 30)
-    print(f"\r[{bar:<30}] {frac:6.1%} {_human(p['bytes_done'])}/{_human(p['bytes_total'])}", end="", flush=True)
+    done, total = format_size(p["bytes_done"]), format_size(p["bytes_total"])
+    print(f"\r[{bar:<30}] {frac:6.1%} {done}/{total}", end="", flush=True)
 
 
 def cmd_drop(args: argparse.Namespace) -> int:
     result = _ask(args, "drop")
     if result is None:
         return 1
-    print(f"dropped {_human(result['dropped_bytes'])}")
+    print(f"dropped {format_size(result['dropped_bytes'])}")
     return 0
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)

@@ -37,6 +37,15 @@ def parse_size(text: str | int, *, name: str = "size") -> int:
     return value
 
 
+def format_size(n: float) -> str:
+    """Bytes for people: '512 B', '3.5 GiB' (the inverse direction of parse_size)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 def parse_ttl(text: str | float, *, name: str = "metadata-ttl") -> float:
     """Parse a TTL in seconds, or 'forever'."""
     if isinstance(text, str) and text.strip().lower() in ("forever", "inf", "infinite"):

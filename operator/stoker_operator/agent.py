@@ -13,21 +13,16 @@ import argparse
 import logging
 import threading
 import time
-from datetime import datetime, timezone
 
 from fusecore import control
 
 from .kube import Kube, load_config
-from .plan import READY_AT, node_should_warm
+from .plan import READY_AT, node_should_warm, timestamp
 from .source import VolumeRef, read_secrets
 
 log = logging.getLogger(__name__)
 REPORT_EVERY = 2.0  # seconds between progress patches while warming
 RECHECK_EVERY = 30.0  # seconds between KeepWarm checks of a warm cache
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _plan_of(obj: dict) -> tuple:
@@ -115,7 +110,7 @@ class CacheWorker:
         self._last_report = now
         meta = self.obj["metadata"]
         self.agent.kube.patch_cache_status(meta["namespace"], meta["name"],
-                                           {"nodes": {self.agent.node: dict(entry, updated=_now())}})
+                                           {"nodes": {self.agent.node: dict(entry, updated=timestamp())}})
 
     def release(self, *, report: bool) -> None:
         """Give the memory back; remove this node's entry (that is what the operator's finalizer waits for)."""

@@ -11,6 +11,8 @@ from datetime import datetime, timezone
 
 from kubernetes.utils.quantity import parse_quantity
 
+from fusecore.config import format_size as human
+
 WARM_FRACTION = 0.9  # a mount warms at most this share of its cache budget (fusecore DataPath.warm)
 MIN_CACHE_BYTES = 64 * 1024**2  # smallest budget a plan gives a mount (room for blocks and in-flight GETs)
 READY_AT = 0.98  # a node whose cache holds this share of what it was asked to warm is Ready
@@ -49,12 +51,9 @@ def quantity_bytes(text: str, *, what: str = "cacheSize") -> int:
     return int(math.ceil(value))
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+def timestamp() -> str:
+    """Now, as Kubernetes writes times in status (RFC 3339, UTC, seconds)."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def node_matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
@@ -130,7 +129,7 @@ def aggregate(status: dict) -> Aggregate:
 
 def merge_conditions(existing: list[dict], updates: dict[str, tuple[str, str, str]], now: str | None = None) -> list[dict]:
     """Conditions with updates applied; lastTransitionTime changes only when the status changes."""
-    now = now or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    now = now or timestamp()
     by_type = {c["type"]: dict(c) for c in existing or []}
     for kind, (status, reason, message) in updates.items():
         old = by_type.get(kind)

@@ -48,3 +48,12 @@ def test_mount_config_validates_knobs():
     cfg = MountConfig(store=store, cache_size=64 * 1024**2, block_size=1024**2)
     assert cfg.inflight_limit <= cfg.cache_size // 8
     assert cfg.prefetch_limit <= cfg.cache_size // 8
+
+
+def test_format_size_is_for_people():
+    from fusecore.config import format_size
+
+    assert format_size(512) == "512 B"
+    assert format_size(3.5 * 1024**3) == "3.5 GiB"
+    assert format_size(2 * 1024**5) == "2.0 PiB"
+    assert parse_size(format_size(64 * 1024**2).replace(" ", "")) == 64 * 1024**2
