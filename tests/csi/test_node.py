@@ -326,6 +326,11 @@ def test_a_held_volume_is_warmed_before_stage_and_kept_after_unstage(moto_server
         for key, body in dataset.items():
             assert read(os.path.join(staging, key.removeprefix("train/"))) == body
         assert control.call(sock, {"op": "stats"})["requests"]["get"] == gets  # served by the warmed cache
+        # A second DatasetCache with a larger plan grows the live cache; letting go shrinks it back.
+        volumes.hold("held", ctx, SECRETS, "ml/bigger", 128 * 1024**2)
+        assert control.call(sock, {"op": "stats"})["cache"]["budget"] == 128 * 1024**2
+        volumes.release("held", "ml/bigger")
+        assert control.call(sock, {"op": "stats"})["cache"]["budget"] == 96 * 1024**2
         volumes.unstage("held", staging)
         assert not is_mounted(staging) and control.call(sock, {"op": "stats"})["pid"] == stats["pid"]
         volumes.release("held", "ml/imagenet")
@@ -389,3 +394,18 @@ def test_wrong_credentials_are_permission_denied_and_never_logged(plugin, tmp_pa
     assert code == grpc.StatusCode.PERMISSION_DENIED and "access denied" in details.lower()
     assert "wrong-secret-value-77" not in details + plugin.log()
     assert not is_mounted(staging)
+
+
+def test_start_up_unmounts_mounts_no_record_names(plugin, moto_server, bucket, dataset, tmp_path):
+    import subprocess
+    import sys
+
+    plugin.kill_server()
+    orphan = os.path.join(plugin.state_dir, "mounts", "orphan")
+    os.makedirs(orphan)
+    subprocess.run([sys.executable, "-m", "stoker", "mount", f"s3://{bucket}", orphan, "--endpoint-url",
+                    moto_server.endpoint, "--log-file", str(tmp_path / "orphan.log")], check=True, timeout=120)
+    assert fs_type(orphan) == "fuse.stoker"
+    plugin.start()
+    assert not is_mounted(orphan)
+    assert "no volume record names it" in plugin.log()
