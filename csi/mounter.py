@@ -18,7 +18,8 @@ import subprocess
 import sys
 from typing import Protocol
 
-from fusecore.mounts import NOT_READY_STATUS
+from fusecore.config import ConfigError, parse_s3_url
+from fusecore.mounts import NOT_READY_STATUS, detach_top, mount_fuse_fd, top_mount
 
 log = logging.getLogger(__name__)
 
@@ -44,19 +45,49 @@ def _check_argv(argv: list[str]) -> None:
 
 
 class ProcessMounter:
-    """Runs `stoker mount` (detached, own session) from this process."""
+    """Mounts /dev/fuse at the volume's path itself, then runs `stoker mount --fuse-fd` (detached,
+    own session) to serve it.
+
+    Mounting here, with mount(2), lets a new mount go on top of a dead one (libfuse's own mount
+    stat()s the mount point first, which fails with ENOTCONN there): that is how a repaired mount
+    reaches every bind of the old one and every container's view of them (see csi/volumes.py).
+    """
 
     def start(self, argv: list[str], env: dict[str, str], timeout: float) -> None:
         _check_argv(argv)
+        mountpoint = argv[2] if len(argv) > 2 else ""
+        try:
+            bucket, _ = parse_s3_url(argv[1] if len(argv) > 1 else "")
+        except ConfigError as exc:
+            raise MountFailed(str(exc)) from None
+        try:
+            fd = mount_fuse_fd(mountpoint, f"stoker:{bucket}", allow_other="--allow-other" in argv,
+                               uid=os.getuid(), gid=os.getgid())
+        except OSError as exc:
+            raise MountFailed(f"cannot mount at {mountpoint}: {exc.strerror}") from None
+        device = (top_mount(mountpoint) or _NO_MOUNT).device
+        try:
+            self._serve(argv, fd, env, timeout)
+        except MountFailed:
+            os.close(fd)
+            fd = -1
+            detach_top(mountpoint, device)  # never leave the dead mount of a process that did not start
+            raise
+        finally:
+            if fd >= 0:
+                os.close(fd)  # the serving process holds it now: its death aborts the connection
+
+    @staticmethod
+    def _serve(argv: list[str], fd: int, env: dict[str, str], timeout: float) -> None:
         child_env = dict(os.environ)
         if env:  # keys from the volume's secret replace whatever this process has
             for var in _CREDENTIAL_VARS:
                 child_env.pop(var, None)
             child_env.update(env)
-        cmd = [sys.executable, "-m", "stoker", *argv, "--ready-timeout", str(timeout)]
+        cmd = [sys.executable, "-m", "stoker", *argv, "--fuse-fd", str(fd), "--ready-timeout", str(timeout)]
         try:
             result = subprocess.run(cmd, env=child_env, capture_output=True, text=True, timeout=timeout + 30,
-                                    stdin=subprocess.DEVNULL)
+                                    stdin=subprocess.DEVNULL, pass_fds=(fd,))
         except subprocess.TimeoutExpired:
             raise MountNotReady(f"the mount did not become ready within {timeout:g}s") from None
         if result.returncode == NOT_READY_STATUS:
@@ -66,6 +97,13 @@ class ProcessMounter:
 
     def healthy(self) -> str | None:
         return None
+
+
+class _NoMount:
+    device = ""
+
+
+_NO_MOUNT = _NoMount()
 
 
 def _reason(stderr: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import http.server
 import logging
 import os
 import signal
@@ -13,6 +14,7 @@ from concurrent import futures
 import grpc
 from google.protobuf import text_format
 
+from . import csi_pb2 as pb
 from . import csi_pb2_grpc as rpc
 from .attributes import looks_like_credential
 from .controller import ControllerService
@@ -20,7 +22,7 @@ from .metrics import serve_metrics
 from .mounter import Mounter, ProcessMounter, RemoteMounter, serve_mounter
 from .node import IdentityService, NodeService
 from .state import StateDir
-from .volumes import VolumeManager
+from .volumes import DEFAULT_KUBELET_DIR, VolumeManager
 
 log = logging.getLogger("stoker.csi")
 
@@ -95,6 +97,40 @@ def _watch(volumes: VolumeManager, interval: float, stop: threading.Event) -> No
         volumes.check_all()
 
 
+def probe_over_socket(path: str, timeout: float = 5.0) -> str | None:
+    """Call Probe on our own gRPC socket, as kubelet's side would: None when ready, else why not."""
+    try:
+        with grpc.insecure_channel(f"unix://{path}") as channel:
+            reply = rpc.IdentityStub(channel).Probe(pb.ProbeRequest(), timeout=timeout)
+    except grpc.RpcError as exc:
+        return f"{exc.code().name}: {exc.details()}"
+    return None if reply.ready.value else "Probe answered not ready"
+
+
+def serve_health(socket: str, port: int, addr: str) -> http.server.ThreadingHTTPServer:
+    """`GET /healthz` for the liveness probe: 200 while the driver answers Probe on its socket."""
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if self.path.split("?")[0] != "/healthz":
+                self.send_error(404)
+                return
+            problem = probe_over_socket(socket)
+            body = (problem or "ok").encode() + b"\n"
+            self.send_response(503 if problem else 200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer((addr, port), Health)
+    threading.Thread(target=server.serve_forever, name="healthz", daemon=True).start()
+    return server
+
+
 def cmd_csi(args: argparse.Namespace) -> int:
     _logging(args.log_level)
     path = socket_path(args.endpoint)
@@ -103,7 +139,8 @@ def cmd_csi(args: argparse.Namespace) -> int:
     if args.mode in ("node", "all"):
         if not args.node_id:
             raise SystemExit("stoker csi: --node-id is required for the node service")
-        volumes = VolumeManager(StateDir(args.state_dir), mounter, ready_timeout=args.mount_timeout)
+        volumes = VolumeManager(StateDir(args.state_dir), mounter, kubelet_dir=args.kubelet_dir,
+                                ready_timeout=args.mount_timeout)
         repaired = volumes.check_all(sweep_orphans=True)  # start-up: repair broken volumes, drop stale ones
         log.info("found %d volume(s) in %s; repaired %d", len(volumes.state.records()), args.state_dir, len(repaired))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -113,6 +150,8 @@ def cmd_csi(args: argparse.Namespace) -> int:
     server.add_insecure_port(f"unix://{path}")
     server.start()
     log.info("serving CSI %s services on %s (node id %s)", args.mode, path, args.node_id)
+    if args.health_port:
+        serve_health(path, args.health_port, args.health_addr)
     stop = threading.Event()
     if volumes is not None:
         threading.Thread(target=_watch, args=(volumes, args.health_interval, stop), daemon=True,
@@ -154,6 +193,10 @@ def add_commands(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     c.add_argument("--node-id", default=os.environ.get("NODE_ID", ""), help="this node's name (node mode)")
     c.add_argument("--mode", choices=("node", "controller", "all"), default="node")
     c.add_argument("--state-dir", default="/var/lib/stoker-csi", help="where volume records survive restarts")
+    c.add_argument("--kubelet-dir", default=DEFAULT_KUBELET_DIR,
+                   help="kubelet's root directory: volumes are mounted at its staging paths")
+    c.add_argument("--health-port", type=int, help="serve GET /healthz (the driver answers Probe) on this port")
+    c.add_argument("--health-addr", default="0.0.0.0")
     c.add_argument("--mounter-socket", help="ask `stoker csi-mounter` on this socket to start mounts "
                                             "(default: start them from this process, detached)")
     c.add_argument("--mount-timeout", type=float, default=60.0, help="seconds for a mount to become ready")

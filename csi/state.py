@@ -15,8 +15,9 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class VolumeRecord:
-    """One volume on this node: its FUSE mount lives at `mount_path` (in the state directory);
-    kubelet's staging path and every published target are read-only bind mounts of it."""
+    """One volume on this node: its FUSE mount lives at `mount_path` (kubelet's staging path of the
+    volume, or the target of an inline volume); every published target is a read-only bind of it
+    that follows it (see csi/volumes.py)."""
 
     volume_id: str
     mount_path: str
@@ -24,7 +25,7 @@ class VolumeRecord:
     secrets: dict[str, str] = field(repr=False)
     ephemeral: bool = False
     staging_path: str | None = None
-    targets: dict[str, str] = field(default_factory=dict)  # bind target -> how it was published
+    targets: dict[str, str] = field(default_factory=dict)  # target -> how it was published
     holders: dict[str, int] = field(default_factory=dict)  # DatasetCache -> the cache budget it planned
 
     @property
@@ -33,7 +34,12 @@ class VolumeRecord:
         return max(self.holders.values()) if self.holders else None
 
     def binds(self) -> list[str]:
-        return ([self.staging_path] if self.staging_path else []) + list(self.targets)
+        """The targets that are binds of the mount (an inline volume's target is the mount itself)."""
+        return [t for t in self.targets if t != self.mount_path]
+
+    def paths(self) -> list[str]:
+        """Every path at which kubelet or a pod sees this volume."""
+        return [self.mount_path, *([self.staging_path] if self.staging_path else []), *self.binds()]
 
     def in_use(self) -> bool:
         return bool(self.staging_path or self.targets or self.holders)
@@ -51,7 +57,7 @@ def volume_key(volume_id: str) -> str:
 class StateDir:
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
-        for sub in ("volumes", "run", "logs", "mounts"):
+        for sub in ("volumes", "run", "logs"):
             os.makedirs(os.path.join(self.root, sub), mode=0o700, exist_ok=True)
         os.chmod(self.root, 0o700)
 
@@ -60,9 +66,6 @@ class StateDir:
 
     def control_socket(self, volume_id: str) -> str:
         return os.path.join(self.root, "run", volume_key(volume_id) + ".sock")
-
-    def mount_path(self, volume_id: str) -> str:
-        return os.path.join(self.root, "mounts", volume_key(volume_id))
 
     def log_file(self, volume_id: str) -> str:
         return os.path.join(self.root, "logs", volume_key(volume_id) + ".log")

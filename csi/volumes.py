@@ -1,25 +1,37 @@
 """Node-side volume lifecycle over fusecore mounts: stage, publish, hold for warming, repair.
 
 Knows nothing of gRPC or Kubernetes objects: the servicer (node.py) and the warm agent map onto
-it, and errors.py maps what it raises. Each volume has one Stoker mount on the node, at its own
-path in the state directory; kubelet's staging path and every published target are read-only bind
-mounts of it. So all pods on the node share one cache, and a DatasetCache can warm a volume before
-any pod has staged it (and keep it after the last pod left).
+it, and errors.py maps what it raises.
+
+Layout (why: kubelet's rules, see docs/operations.md and tests/support/kubelet.py):
+- A volume's one FUSE mount per node lives at kubelet's own staging path for it
+  (`<kubelet>/plugins/kubernetes.io/csi/csi.stoker.dev/<sha256 of the volume id>/globalmount`), and
+  nowhere else. Kubelet refuses to unstage while the same filesystem is mounted outside that path,
+  so a private mount elsewhere would keep every volume (and its cache) on the node forever.
+- A DatasetCache that holds a volume before any pod staged it mounts it at that same path, so the
+  later NodeStageVolume finds it warm; after the last pod, NodeUnstageVolume keeps it while held.
+- Each published target is a read-only bind of the staging mount that *follows* it (a slave of it,
+  shared with its own copies). A container's view of the target (rslave, HostToContainer) follows it
+  too. When a mount process dies, repair mounts a new FUSE filesystem on top of the dead one at the
+  staging path; the kernel propagates that mount onto every target and into every running container.
+  Unmounting a target (every layer) never travels back to the staging mount or other targets.
+- Inline (ephemeral) volumes have no staging path: the FUSE mount lives at the target.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import logging
 import os
-import subprocess
 import threading
 from dataclasses import dataclass
 from typing import Iterator
 
 from fusecore import control
 from fusecore.config import Credentials
-from fusecore.mounts import fs_type, is_mounted, mount_entries, unmount, wait_unmounted
+from fusecore.mounts import bind_follower, fs_type, is_mounted, mount_table, top_mount, unmount_stack
 from fusecore.store import S3Store
 
 from .attributes import VolumeSpec, credentials_env, parse_secrets, parse_volume_context
@@ -29,8 +41,16 @@ from .state import StateDir, VolumeRecord
 
 log = logging.getLogger(__name__)
 
+DRIVER_NAME = "csi.stoker.dev"
 STOKER_FS_TYPE = "fuse.stoker"
-UNMOUNT_TIMEOUT = 10.0
+DEFAULT_KUBELET_DIR = "/var/lib/kubelet"
+LOCK_WAIT = 5.0  # seconds a call waits for another operation on the same volume before ABORTED
+
+
+def kubelet_staging_path(kubelet_dir: str, volume_id: str) -> str:
+    """Where kubelet (1.25 and later) stages a persistent volume of this driver."""
+    digest = hashlib.sha256(volume_id.encode()).hexdigest()
+    return os.path.join(kubelet_dir, "plugins", "kubernetes.io", "csi", DRIVER_NAME, digest, "globalmount")
 
 
 @dataclass
@@ -42,16 +62,17 @@ class Health:
 
 
 class VolumeLocks:
-    """One lock per volume id; a second caller gets VolumeBusy (gRPC ABORTED), never waits."""
+    """One lock per volume id; a second caller waits up to `wait` seconds (a health check or repair
+    takes about that long), then gets VolumeBusy (gRPC ABORTED, which kubelet retries)."""
 
     def __init__(self) -> None:
-        self._guard = threading.Lock()
+        self._guard = threading.Condition()
         self._held: set[str] = set()
 
     @contextlib.contextmanager
-    def hold(self, volume_id: str) -> Iterator[None]:
+    def hold(self, volume_id: str, wait: float = 0.0) -> Iterator[None]:
         with self._guard:
-            if volume_id in self._held:
+            if not self._guard.wait_for(lambda: volume_id not in self._held, timeout=wait):
                 raise VolumeBusy(f"another operation on volume {volume_id!r} is in progress")
             self._held.add(volume_id)
         try:
@@ -59,16 +80,19 @@ class VolumeLocks:
         finally:
             with self._guard:
                 self._held.discard(volume_id)
+                self._guard.notify_all()
 
 
 class VolumeManager:
-    def __init__(self, state: StateDir, mounter: Mounter, *, ready_timeout: float = 60.0,
-                 check_store: bool = True):
+    def __init__(self, state: StateDir, mounter: Mounter, *, kubelet_dir: str = DEFAULT_KUBELET_DIR,
+                 ready_timeout: float = 60.0, check_store: bool = True):
         self.state = state
         self.mounter = mounter
+        self.kubelet_dir = os.path.abspath(kubelet_dir)
         self.ready_timeout = ready_timeout
         self.check_store = check_store
         self.locks = VolumeLocks()
+        self.lock_wait = LOCK_WAIT
         self._problems: dict[str, str] = {}  # volume id -> why its mount is broken right now
 
     # ---- stage / unstage
@@ -76,37 +100,39 @@ class VolumeManager:
     def stage(self, volume_id: str, staging_path: str, context: dict[str, str], secrets: dict[str, str]) -> None:
         spec = parse_volume_context(context)
         creds = parse_secrets(secrets)
-        with self.locks.hold(volume_id):
+        staging_path = os.path.abspath(staging_path)
+        with self.locks.hold(volume_id, self.lock_wait):
             record = self.state.load(volume_id)
             if record is None:
                 if is_mounted(staging_path):
                     raise Conflict(f"{staging_path} is already a mount point")
-                record = VolumeRecord(volume_id, self.state.mount_path(volume_id), dict(context), dict(secrets))
+                record = VolumeRecord(volume_id, staging_path, dict(context), dict(secrets))
                 self._mount(record, spec, creds)
             else:
                 self._check_same_volume(record, spec)
-                if record.staging_path not in (None, staging_path):
-                    raise Conflict(f"volume {volume_id!r} is already staged at {record.staging_path}")
-                self._ensure_serving(record)
-            if not is_mounted(staging_path):
-                self._bind(record, staging_path)
+                if record.mount_path != staging_path:
+                    raise Conflict(f"volume {volume_id!r} is mounted at {record.mount_path} on this node, not at "
+                                   f"the staging path {staging_path} (is --kubelet-dir kubelet's root directory?)")
+                self._repair(record)
             record.staging_path = staging_path
             self.state.save(record)
             log.info("staged volume %s (%s) at %s", volume_id, spec.source, staging_path)
 
     def unstage(self, volume_id: str, staging_path: str) -> None:
-        with self.locks.hold(volume_id):
+        staging_path = os.path.abspath(staging_path)
+        with self.locks.hold(volume_id, self.lock_wait):
             record = self.state.load(volume_id)
-            if record is None or record.staging_path != staging_path:
+            if record is None or record.ephemeral or record.mount_path != staging_path:
                 if fs_type(staging_path) == STOKER_FS_TYPE:
                     self._unmount(staging_path)  # ours, but no record knows it any more
                 return
-            live = [t for t in record.targets if is_mounted(t)]
+            live = [t for t in record.binds() if is_mounted(t)]
             if live:
                 raise NotStaged(f"volume {volume_id!r} is still published at {', '.join(live)}; unpublish first")
-            if is_mounted(staging_path):
-                self._unmount(staging_path)
             record.staging_path = None
+            record.targets.clear()
+            if record.holders:
+                log.info("unstaged volume %s; its mount stays for %s", volume_id, ", ".join(record.holders))
             self._retire_or_save(record)
             log.info("unstaged volume %s from %s", volume_id, staging_path)
 
@@ -115,26 +141,33 @@ class VolumeManager:
     def publish(self, volume_id: str, staging_path: str, target: str, how: str,
                 context: dict[str, str], secrets: dict[str, str]) -> None:
         spec = parse_volume_context(context)
+        target = os.path.abspath(target)
         if spec.ephemeral:
             return self._publish_ephemeral(volume_id, target, how, spec, context, secrets)
-        with self.locks.hold(volume_id):
+        staging_path = os.path.abspath(staging_path)
+        with self.locks.hold(volume_id, self.lock_wait):
             record = self.state.load(volume_id)
-            if record is None or record.ephemeral or record.staging_path != staging_path:
+            if record is None or record.ephemeral or record.mount_path != staging_path:
                 raise NotStaged(f"volume {volume_id!r} is not staged at {staging_path!r}")
             self._publish_target(record, target, how)
 
     def _publish_ephemeral(self, volume_id: str, target: str, how: str, spec: VolumeSpec,
                            context: dict[str, str], secrets: dict[str, str]) -> None:
         creds = parse_secrets(secrets)
-        with self.locks.hold(volume_id):
+        with self.locks.hold(volume_id, self.lock_wait):
             record = self.state.load(volume_id)
             if record is None:
-                record = VolumeRecord(volume_id, self.state.mount_path(volume_id), dict(context), dict(secrets),
-                                      ephemeral=True)
+                if is_mounted(target):
+                    raise Conflict(f"{target} is already a mount point")
+                record = VolumeRecord(volume_id, target, dict(context), dict(secrets), ephemeral=True)
                 self._mount(record, spec, creds)
-            elif target not in record.targets:
-                raise Conflict(f"ephemeral volume {volume_id!r} is already published at {', '.join(record.targets)}")
-            self._publish_target(record, target, how)
+            elif record.mount_path != target:
+                raise Conflict(f"ephemeral volume {volume_id!r} is already published at {record.mount_path}")
+            elif record.targets.get(target, how) != how:
+                raise Conflict(f"volume {volume_id!r} is already published at {target} with another capability")
+            record.targets[target] = how
+            self.state.save(record)
+            log.info("published inline volume %s at %s", volume_id, target)
 
     def _publish_target(self, record: VolumeRecord, target: str, how: str) -> None:
         if target in record.targets:
@@ -142,21 +175,25 @@ class VolumeManager:
                 raise Conflict(f"volume {record.volume_id!r} is already published at {target} with another capability")
         elif is_mounted(target):
             raise Conflict(f"{target} is already a mount point")
-        if not is_mounted(target):
+        if not self._follows(record, target):
             self._bind(record, target)
         record.targets[target] = how
         self.state.save(record)
         log.info("published volume %s at %s", record.volume_id, target)
 
     def unpublish(self, volume_id: str, target: str) -> None:
-        with self.locks.hold(volume_id):
+        target = os.path.abspath(target)
+        with self.locks.hold(volume_id, self.lock_wait):
             record = self.state.load(volume_id)
-            if is_mounted(target) and (record is not None and target in record.targets
-                                       or fs_type(target) == STOKER_FS_TYPE):
-                self._unmount(target)
-            if record is not None and target in record.targets:
+            ours = record is not None and target in record.targets
+            if ours or fs_type(target) == STOKER_FS_TYPE:
+                self._unmount(target)  # every layer: the bind and what repairs stacked on it
+            if record is not None and ours:
                 del record.targets[target]
-                self._retire_or_save(record)
+                if record.ephemeral:
+                    self._forget(record)
+                else:
+                    self._retire_or_save(record)
             _remove_dir(target)
             log.info("unpublished volume %s from %s", volume_id, target)
 
@@ -165,13 +202,17 @@ class VolumeManager:
     def hold(self, volume_id: str, context: dict[str, str], secrets: dict[str, str], holder: str,
              cache_size: int) -> str:
         """Keep the volume mounted on this node for `holder` (a DatasetCache) with the largest budget its
-        holders planned; returns the mount's control socket, through which it is warmed."""
+        holders planned; returns the mount's control socket, through which it is warmed.
+
+        Before any pod staged the volume, it is mounted at the staging path kubelet will use for it."""
         spec = parse_volume_context(context)
-        with self.locks.hold(volume_id):
+        with self.locks.hold(volume_id, self.lock_wait):
             record = self.state.load(volume_id)
             if record is None:
-                record = VolumeRecord(volume_id, self.state.mount_path(volume_id), dict(context), dict(secrets),
-                                      holders={holder: cache_size})
+                path = kubelet_staging_path(self.kubelet_dir, volume_id)
+                if is_mounted(path):
+                    raise Conflict(f"{path} is already a mount point")
+                record = VolumeRecord(volume_id, path, dict(context), dict(secrets), holders={holder: cache_size})
                 self._mount(record, spec, parse_secrets(secrets))
             else:
                 self._check_same_volume(record, spec)
@@ -183,7 +224,7 @@ class VolumeManager:
 
     def release(self, volume_id: str, holder: str) -> None:
         """`holder` no longer needs the cache: give the memory back, and stop the mount if unused."""
-        with self.locks.hold(volume_id):
+        with self.locks.hold(volume_id, self.lock_wait):
             record = self.state.load(volume_id)
             if record is None or holder not in record.holders:
                 return
@@ -197,19 +238,20 @@ class VolumeManager:
 
     def find(self, volume_id: str, path: str) -> VolumeRecord:
         record = self.state.load(volume_id)
-        if record is None or path not in (record.mount_path, *record.binds()):
+        if record is None or os.path.abspath(path) not in record.paths():
             raise UnknownVolume(f"volume {volume_id!r} is not staged or published at {path!r} on this node")
         return record
 
     def health(self, record: VolumeRecord) -> Health:
-        if not is_mounted(record.mount_path):
+        top = top_mount(record.mount_path)
+        if top is None or top.fs_type != STOKER_FS_TYPE:
             return Health(True, f"the volume's mount at {record.mount_path} is gone")
         stats = self._mount_stats(record)
         if isinstance(stats, str):
             return Health(True, f"the mount process is gone or not answering ({stats})")
-        missing = [path for path in record.binds() if not is_mounted(path)]
-        if missing:
-            return Health(True, f"not mounted at {missing[0]}")
+        behind = [path for path in record.binds() if not self._follows(record, path)]
+        if behind:
+            return Health(True, f"{behind[0]} does not show the volume's mount")
         cache = stats.get("cache", {})
         return Health(False, "mounted and serving", int(cache.get("bytes", 0)), int(cache.get("budget", 0)))
 
@@ -223,12 +265,11 @@ class VolumeManager:
     def check_all(self, *, sweep_orphans: bool = False) -> list[str]:
         """Find broken mounts and repair them, drop stale ones; returns the ids of volumes repaired.
 
-        `sweep_orphans` (start-up only, before serving) also unmounts mounts in the state directory that
-        no record names: while serving, a mount exists briefly before its record is saved.
+        `sweep_orphans` (start-up only, before serving) also unmounts Stoker mounts at this driver's
+        staging paths that no record names: while serving, a mount exists briefly before its record.
         """
         repaired = []
-        records = self.state.records()
-        for record in records:
+        for record in self.state.records():
             try:
                 with self.locks.hold(record.volume_id):
                     current = self.state.load(record.volume_id)
@@ -240,8 +281,8 @@ class VolumeManager:
                     self._problems[current.volume_id] = health.message
                     log.warning("volume %s is broken (%s); repairing", current.volume_id, health.message)
                     self._repair(current)
-                    log.warning("volume %s recovered: mounted again and bound again at %d path(s)",
-                                current.volume_id, len(current.binds()))
+                    log.warning("volume %s recovered: serving again at %s and %d target(s)",
+                                current.volume_id, current.mount_path, len(current.binds()))
                     repaired.append(current.volume_id)
             except VolumeBusy:
                 continue
@@ -253,48 +294,53 @@ class VolumeManager:
         return repaired
 
     def _forget_if_stale(self, record: VolumeRecord) -> bool:
-        """Kubelet removed a staging or target directory: that use of the volume is over."""
+        """Kubelet removed a staging or target directory: that use of the volume is over.
+
+        A directory is removed only when nothing is mounted there and it does not exist: a dead
+        FUSE mount answers ENOTCONN to every look, and that is a mount to repair, not a removal."""
         changed = False
-        if record.staging_path and not os.path.isdir(record.staging_path):
+        if record.staging_path and _removed(record.staging_path):
             record.staging_path, changed = None, True
-        for target in [t for t in record.targets if not os.path.isdir(t)]:
+        for target in [t for t in record.targets if _removed(t)]:
             del record.targets[target]
             changed = True
         if not changed:
             return False
-        for path in record.binds():
-            if not os.path.isdir(path) and is_mounted(path):
-                unmount(path)
         log.warning("volume %s: dropped paths kubelet removed", record.volume_id)
+        if record.ephemeral:
+            self._forget(record)
+            return True
         return self._retire_or_save(record)
 
     def _unmount_orphans(self, known: set[str]) -> None:
-        folder = os.path.join(self.state.root, "mounts") + os.sep
-        for point, kind in mount_entries():
-            if point.startswith(folder) and point not in known and kind == STOKER_FS_TYPE:
+        folder = os.path.dirname(kubelet_staging_path(self.kubelet_dir, "x").rstrip("/"))
+        folder = os.path.dirname(folder) + os.sep
+        for point in sorted({m.point for m in mount_table() if m.fs_type == STOKER_FS_TYPE}):
+            if point.startswith(folder) and point not in known:
                 log.warning("unmounting %s: no volume record names it", point)
-                unmount(point)
+                unmount_stack(point)
 
     def _repair(self, record: VolumeRecord) -> None:
-        """Mount again if the mount is dead, then bind every path that lost its bind (the lock is held)."""
-        if not self._ensure_serving(record):
-            for path in record.binds():
-                if not is_mounted(path):
-                    self._bind(record, path)
+        """Serve again (a new mount on top of the dead one), then bind any target the kernel did
+        not carry the new mount to (the lock is held)."""
+        self._ensure_serving(record)
+        for path in record.binds():
+            if not self._follows(record, path):
+                self._bind(record, path)
 
     def _ensure_serving(self, record: VolumeRecord) -> bool:
-        """Mount again at the same path if the mount is dead, and re-bind every bind of the dead one;
-        returns whether it had to."""
-        if is_mounted(record.mount_path) and isinstance(self._mount_stats(record), dict):
+        """Mount again at the same path if the mount is dead, on top of the dead one, so that the new
+        mount propagates to every target and container; returns whether it had to."""
+        top = top_mount(record.mount_path)
+        if top is not None and top.fs_type == STOKER_FS_TYPE and isinstance(self._mount_stats(record), dict):
             return False
-        if is_mounted(record.mount_path):
-            unmount(record.mount_path)  # dead FUSE connection: lazy unmount
         self._mount(record, parse_volume_context(record.context), parse_secrets(record.secrets))
-        for path in record.binds():
-            if is_mounted(path):
-                unmount(path)  # a bind of the dead mount
-            self._bind(record, path)
         return True
+
+    def _follows(self, record: VolumeRecord, path: str) -> bool:
+        """Whether a lookup of `path` reaches the volume's current mount."""
+        top, mine = top_mount(path), top_mount(record.mount_path)
+        return top is not None and mine is not None and top.device == mine.device
 
     def _mount_stats(self, record: VolumeRecord) -> dict | str:
         """The mount process's stats, or why it did not answer."""
@@ -312,19 +358,20 @@ class VolumeManager:
     def _mount(self, record: VolumeRecord, spec: VolumeSpec, creds: Credentials | None) -> None:
         if self.check_store:  # typed errors (no bucket, denied, unreachable) before a process starts
             S3Store(spec.store_config(creds, max_attempts=2)).check()
-        os.makedirs(record.mount_path, exist_ok=True)
+        _make_dir(record.mount_path)
         argv = spec.mount_argv(record.mount_path, self.state.control_socket(record.volume_id),
                                self.state.log_file(record.volume_id), cache_size=record.cache_size)
         self.mounter.start(argv, credentials_env(creds), self.ready_timeout)
-        if not is_mounted(record.mount_path):
+        top = top_mount(record.mount_path)
+        if top is None or top.fs_type != STOKER_FS_TYPE:
             raise StillMounted(f"the mount process reported ready but {record.mount_path} is not mounted")
 
     def _bind(self, record: VolumeRecord, path: str) -> None:
-        os.makedirs(path, exist_ok=True)
-        result = subprocess.run(["mount", "--bind", "-o", "ro", record.mount_path, path],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            raise StillMounted(f"bind mount at {path} failed: {result.stderr.strip()}")
+        _make_dir(path)
+        try:
+            bind_follower(record.mount_path, path)
+        except OSError as exc:
+            raise StillMounted(f"bind mount at {path} failed: {exc.strerror}") from None
 
     def _resize(self, record: VolumeRecord, cache_size: int) -> None:
         control.call(self.state.control_socket(record.volume_id), {"op": "resize", "cache_size": cache_size})
@@ -334,17 +381,23 @@ class VolumeManager:
         if record.in_use():
             self.state.save(record)
             return False
-        if is_mounted(record.mount_path):
-            self._unmount(record.mount_path)
-        self.state.delete(record.volume_id)
-        self._problems.pop(record.volume_id, None)
+        self._forget(record)
+        if record.mount_path == kubelet_staging_path(self.kubelet_dir, record.volume_id):
+            _remove_dir(record.mount_path)  # kubelet removes it after an unstage too; a hold made it
+            _remove_dir(os.path.dirname(record.mount_path), quiet=True)
         log.info("stopped the mount of volume %s", record.volume_id)
         return True
 
+    def _forget(self, record: VolumeRecord) -> None:
+        """Unmount the volume's mount (its process ends with it) and drop the record."""
+        self._unmount(record.mount_path)
+        self.state.delete(record.volume_id)
+        self._problems.pop(record.volume_id, None)
+
     def _unmount(self, path: str) -> None:
-        problem = unmount(path)
-        if problem or not wait_unmounted(path, UNMOUNT_TIMEOUT):
-            raise StillMounted(f"could not unmount {path}: {problem or 'still in mountinfo'}")
+        problem = unmount_stack(path)
+        if problem:
+            raise StillMounted(f"could not unmount {problem}")
 
 
 def own_cache_size(record: VolumeRecord) -> int:
@@ -352,10 +405,32 @@ def own_cache_size(record: VolumeRecord) -> int:
     return int(dict(parse_volume_context(record.context).knobs).get("cacheSize", 4 * 1024**3))
 
 
-def _remove_dir(path: str) -> None:
+def _make_dir(path: str) -> None:
+    """Create a mount point; one that exists with a dead mount on it (ENOTCONN) is fine too."""
+    try:
+        os.makedirs(path, mode=0o750)
+    except FileExistsError:
+        pass
+
+
+def _removed(path: str) -> bool:
+    """Kubelet removed this directory (nothing is mounted there and it does not exist)."""
+    if is_mounted(path):
+        return False
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def _remove_dir(path: str, *, quiet: bool = False) -> None:
     try:
         os.rmdir(path)
     except FileNotFoundError:
         pass
     except OSError as exc:
-        log.warning("could not remove %s: %s", path, exc)
+        if not quiet and exc.errno != errno.ENOTEMPTY:
+            log.warning("could not remove %s: %s", path, exc)

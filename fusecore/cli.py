@@ -47,6 +47,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--log-level", default="INFO")
     m.add_argument("--ready-timeout", type=float, default=DEFAULT_READY_TIMEOUT, help=argparse.SUPPRESS)
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    m.add_argument("--fuse-fd", type=int, help=argparse.SUPPRESS)  # a /dev/fuse the caller mounted already
     m.set_defaults(func=cmd_mount)
 
     u = sub.add_parser("unmount", help="unmount a Stoker mount")
@@ -95,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> MountConfig:
         read_deadline=args.read_deadline,
         uid=args.uid,
         gid=args.gid,
+        fuse_fd=args.fuse_fd,
     )
 
 
@@ -136,7 +138,7 @@ def _mount_in_background(args: argparse.Namespace, cfg: MountConfig) -> int:
     read_fd, write_fd = os.pipe()
     argv = [sys.executable, "-m", "stoker", *_child_argv(sys.argv[1:]), "--foreground", "--ready-fd", str(write_fd)]
     with open(log_file, "ab") as log:
-        child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(write_fd,),
+        child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(write_fd,) if cfg.fuse_fd is None else (write_fd, cfg.fuse_fd),
                                  start_new_session=True, close_fds=True)
     os.close(write_fd)
     answer = _read_ready(read_fd, args.ready_timeout)
@@ -152,7 +154,7 @@ def _mount_in_background(args: argparse.Namespace, cfg: MountConfig) -> int:
     else:
         reason = f"the mount process exited (status {child.wait()}); see {log_file}"
     child.wait()
-    if answer in (None, "") and is_mounted(cfg.mountpoint):
+    if answer in (None, "") and cfg.fuse_fd is None and is_mounted(cfg.mountpoint):
         unmount(cfg.mountpoint)  # our child got as far as mounting: never leave that dead mount behind
     print(f"stoker mount: {reason}", file=sys.stderr)
     return status

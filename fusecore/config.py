@@ -116,6 +116,7 @@ class MountConfig:
     read_deadline: float = 60.0  # a read waiting longer than this for the store fails with EIO
     uid: int | None = None
     gid: int | None = None
+    fuse_fd: int | None = None  # an open /dev/fuse already mounted at `mountpoint` by the caller
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

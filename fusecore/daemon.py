@@ -50,7 +50,8 @@ def run_mount(cfg: MountConfig, ready: ReadyCallback) -> int:
     """Mount and serve in this process; returns the exit status."""
     tune_malloc()
     try:
-        check_mountpoint(cfg.mountpoint)
+        if cfg.fuse_fd is None:
+            check_mountpoint(cfg.mountpoint)
         store = S3Store(cfg.store)
         store.check()
     except (MountError, StoreError) as exc:
@@ -73,8 +74,10 @@ async def _serve(cfg: MountConfig, datapath: DataPath, ready: ReadyCallback) -> 
     options |= {"ro", f"fsname=stoker:{cfg.store.bucket}", "subtype=stoker"}
     if cfg.allow_other:
         options.add("allow_other")
+    # With a descriptor the caller already mounted (see fusecore.fusefd), libfuse only serves it.
+    where = cfg.mountpoint if cfg.fuse_fd is None else f"/dev/fd/{cfg.fuse_fd}"
     try:
-        pyfuse3.init(fs, cfg.mountpoint, options)
+        pyfuse3.init(fs, where, options)
     except RuntimeError as exc:
         raise MountError(f"cannot mount at {cfg.mountpoint}: {exc}") from None
     try:

@@ -1,13 +1,20 @@
-"""What the kernel has mounted, from /proc/self/mountinfo: also right for a FUSE mount whose
-process died, where every access fails with ENOTCONN."""
+"""What the kernel has mounted, from /proc/self/mountinfo (also right for a FUSE mount whose
+process died, where every access fails with ENOTCONN), and the few mount(2) calls Stoker makes.
+
+mount(2) is called directly (ctypes), not through mount(8): mount(8) canonicalises the target
+with stat(), which fails with ENOTCONN on a dead FUSE mount, and repair mounts on top of one.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import re
 import shutil
 import subprocess
 import time
+from dataclasses import dataclass
 
 NOT_READY_STATUS = 124  # exit status of `stoker mount` whose mount did not become ready (like timeout(1))
 
@@ -19,16 +26,124 @@ def _unescape(field: str) -> str:
     return _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), field)
 
 
-def mount_entries(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, str]]:
-    """(mount point, filesystem type) of every mount, in mount order."""
-    entries = []
+@dataclass(frozen=True)
+class MountInfo:
+    """One line of mountinfo (proc(5)): enough to tell stacked mounts and their devices apart."""
+
+    mount_id: int
+    parent_id: int
+    device: str  # "major:minor"
+    root: str  # the directory of the filesystem that is mounted here (a bind may mount a subdirectory)
+    point: str
+    fs_type: str
+    propagation: tuple[str, ...]  # optional fields: shared:N, master:N, ...
+
+
+def mount_table(mountinfo: str = "/proc/self/mountinfo") -> list[MountInfo]:
+    """Every mount, in mount order (a mount stacked on a path comes after the one below it)."""
+    table = []
     with open(mountinfo) as f:
         for line in f:
             left, _, right = line.partition(" - ")
             fields = left.split()
-            if len(fields) >= 5 and right:
-                entries.append((_unescape(fields[4]), right.split()[0]))
-    return entries
+            if len(fields) >= 6 and right:
+                table.append(MountInfo(int(fields[0]), int(fields[1]), fields[2], _unescape(fields[3]),
+                                       _unescape(fields[4]), right.split()[0], tuple(fields[6:])))
+    return table
+
+
+def mount_entries(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, str]]:
+    """(mount point, filesystem type) of every mount, in mount order."""
+    return [(m.point, m.fs_type) for m in mount_table(mountinfo)]
+
+
+def top_mount(path: str) -> MountInfo | None:
+    """The mount a lookup of `path` reaches (the last one stacked there), or None."""
+    target = os.path.abspath(path)
+    found = None
+    for entry in mount_table():
+        if entry.point == target:
+            found = entry
+    return found
+
+
+def stack_depth(path: str) -> int:
+    """How many mounts are stacked at `path`."""
+    target = os.path.abspath(path)
+    return sum(1 for entry in mount_table() if entry.point == target)
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_SLAVE = 1, 2, 4, 4096, 16384, 1 << 19
+
+
+def _mount(source: str, target: str, fs: str | None, flags: int, data: str | None) -> None:
+    if _libc.mount(source.encode(), target.encode(), fs.encode() if fs else None, flags,
+                   data.encode() if data else None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount at {target}: {os.strerror(err)}")
+
+
+def mount_fuse_fd(target: str, fsname: str, *, allow_other: bool, uid: int, gid: int) -> int:
+    """Open /dev/fuse and mount it read-only at `target` (on top of whatever is there, a dead
+    mount included); returns the descriptor, to be served by a `stoker mount --fuse-fd`."""
+    fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+    options = f"fd={fd},rootmode=40000,user_id={uid},group_id={gid},default_permissions"
+    try:
+        _mount(fsname, target, "fuse.stoker", MS_RDONLY | MS_NOSUID | MS_NODEV,
+               options + (",allow_other" if allow_other else ""))
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+_SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442  # the same on every architecture
+_OPEN_TREE_CLONE, _AT_FDCWD, _AT_EMPTY_PATH, _MOVE_MOUNT_F_EMPTY_PATH = 1, -100, 0x1000, 0x4
+MS_SHARED = 1 << 20
+_READ_ONLY_ATTRS = 0x1 | 0x2 | 0x4  # MOUNT_ATTR_RDONLY | NOSUID | NODEV
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+def _syscall(number: int, *args: object) -> int:
+    result = _libc.syscall(ctypes.c_long(number), *args)
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return result
+
+
+def _set_attr(fd: int, attr_set: int = 0, propagation: int = 0) -> None:
+    attr = _MountAttr(attr_set, 0, propagation, 0)
+    _syscall(_SYS_MOUNT_SETATTR, ctypes.c_int(fd), b"", ctypes.c_uint(_AT_EMPTY_PATH), ctypes.byref(attr),
+             ctypes.c_size_t(ctypes.sizeof(attr)))
+
+
+def bind_follower(source: str, target: str) -> None:
+    """Bind `source` read-only at `target` as a mount that receives what is mounted on `source` later
+    (a slave of it) and shares the rest with its own copies (in every namespace that sees `target`).
+
+    Mounting a new filesystem on `source` then reaches `target` and every container's view of it,
+    and unmounting `target` (each layer) travels to its own copies only, never back to `source`.
+    """
+    try:
+        fd = _syscall(_SYS_OPEN_TREE, ctypes.c_int(_AT_FDCWD), source.encode(),
+                      ctypes.c_uint(_OPEN_TREE_CLONE | os.O_CLOEXEC))
+    except OSError as exc:
+        raise OSError(exc.errno, f"bind of {source}: {exc.strerror}") from exc
+    try:
+        _set_attr(fd, _READ_ONLY_ATTRS, MS_SLAVE)
+        _set_attr(fd, 0, MS_SHARED)
+        _syscall(_SYS_MOVE_MOUNT, ctypes.c_int(fd), b"", ctypes.c_int(_AT_FDCWD), target.encode(),
+                 ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH))
+    except OSError as exc:
+        raise OSError(exc.errno, f"bind at {target}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
 
 
 def is_mounted(path: str) -> bool:
@@ -59,6 +174,30 @@ def unmount(path: str) -> str | None:
     if is_mounted(mp):
         return first.stderr.strip() or f"{mp} is still mounted"
     return None
+
+
+MNT_DETACH = 2
+
+
+def detach_top(path: str, device: str) -> None:
+    """Lazily unmount the topmost mount at `path` if it is still the one of `device`."""
+    top = top_mount(path)
+    if top is not None and top.device == device:
+        _libc.umount2(os.path.abspath(path).encode(), MNT_DETACH)
+
+
+def unmount_stack(path: str) -> str | None:
+    """Unmount every mount stacked at `path`, top first (a dead FUSE layer lazily); returns None
+    once mountinfo no longer shows the path, else why it still does."""
+    target = os.path.abspath(path).encode()
+    for _ in range(64):
+        if not is_mounted(path):
+            return None
+        if _libc.umount2(target, 0) != 0 and _libc.umount2(target, MNT_DETACH) != 0:
+            err = ctypes.get_errno()
+            if is_mounted(path):
+                return f"{path}: {os.strerror(err)}"
+    return None if not is_mounted(path) else f"{path} is still mounted"
 
 
 def wait_unmounted(path: str, timeout: float) -> bool:

@@ -24,8 +24,14 @@ READ_ONLY_MANY = pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume(),
 class Plugin:
     """`stoker csi-mounter` + `stoker csi --mounter-socket`, as the DaemonSet runs them."""
 
-    def __init__(self, tmp_path, *, mode: str = "node", separate_mounter: bool = True, health_interval: float = 0.5):
+    def __init__(self, tmp_path, *, mode: str = "node", separate_mounter: bool = True, health_interval: float = 0.5,
+                 kubelet_dir: str | None = None, own_namespaces: bool = False):
         self.tmp_path = tmp_path
+        self.kubelet_dir = kubelet_dir or str(tmp_path / "kubelet")
+        # Each process in its own mount namespace whose kubelet dir is a peer of ours: what the
+        # DaemonSet's containers get with mountPropagation: Bidirectional (containerd makes their
+        # root rshared then).
+        self.prefix = ["unshare", "--mount", "--propagation", "unchanged"] if own_namespaces else []
         self.health_interval = health_interval
         self.mode = mode
         self.separate_mounter = separate_mounter
@@ -40,7 +46,7 @@ class Plugin:
 
     def start_mounter(self) -> None:
         log = open(self.tmp_path / "mounter.log", "ab")
-        self.mounter = subprocess.Popen([sys.executable, "-m", "stoker", "csi-mounter", "--socket",
+        self.mounter = subprocess.Popen([*self.prefix, sys.executable, "-m", "stoker", "csi-mounter", "--socket",
                                          self.mounter_socket], stdout=log, stderr=log)
         assert wait_until(lambda: os.path.exists(self.mounter_socket), 30), "mounter did not start"
 
@@ -50,8 +56,9 @@ class Plugin:
         if os.path.exists(self.socket):
             os.unlink(self.socket)
         log = open(self.log_path, "ab")
-        argv = [sys.executable, "-m", "stoker", "csi", "--endpoint", f"unix://{self.socket}", "--node-id",
+        argv = [*self.prefix, sys.executable, "-m", "stoker", "csi", "--endpoint", f"unix://{self.socket}", "--node-id",
                 "node-a", "--mode", self.mode, "--state-dir", self.state_dir, "--health-interval", str(self.health_interval),
+                "--kubelet-dir", self.kubelet_dir,
                 "--mount-timeout", "60", "--metrics-port", str(self.metrics_port), "--metrics-addr", "127.0.0.1"]
         if self.mode != "controller" and self.separate_mounter:
             argv += ["--mounter-socket", self.mounter_socket]

@@ -16,6 +16,8 @@ from csi import csi_pb2 as pb
 from fusecore import control
 from fusecore.mounts import fs_type, is_mounted, unmount
 
+from tests.support.waiting import unmount_everything_under
+
 from .conftest import READ_ONLY_MANY, SECRETS, requires_fuse, volume_context, wait_until
 
 pytestmark = [pytest.mark.integration, requires_fuse]
@@ -309,14 +311,15 @@ def test_without_a_separate_mounter_mounts_outlive_the_server(local_plugin, moto
 def test_a_held_volume_is_warmed_before_stage_and_kept_after_unstage(moto_server, bucket, dataset, tmp_path):
     from csi.mounter import ProcessMounter
     from csi.state import StateDir
-    from csi.volumes import VolumeManager
+    from csi.volumes import VolumeManager, kubelet_staging_path
 
-    volumes = VolumeManager(StateDir(str(tmp_path / "state")), ProcessMounter())
+    kubelet_dir = str(tmp_path / "kubelet")
+    volumes = VolumeManager(StateDir(str(tmp_path / "state")), ProcessMounter(), kubelet_dir=kubelet_dir)
     ctx = volume_context(bucket, moto_server.endpoint, prefix="train")
-    staging = str(tmp_path / "staging")
-    os.makedirs(staging)
+    staging = kubelet_staging_path(kubelet_dir, "held")  # where kubelet will stage it
     sock = volumes.hold("held", ctx, SECRETS, "ml/imagenet", 96 * 1024**2)
     try:
+        assert fs_type(staging) == "fuse.stoker"  # the held mount waits where kubelet stages, and nowhere else
         final = list(control.request(sock, {"op": "warm", "paths": []}, timeout=120))[-1]
         assert final["bytes_done"] == sum(len(b) for b in dataset.values()) and final["errors"] == 0
         stats = control.call(sock, {"op": "stats"})
@@ -332,15 +335,12 @@ def test_a_held_volume_is_warmed_before_stage_and_kept_after_unstage(moto_server
         volumes.release("held", "ml/bigger")
         assert control.call(sock, {"op": "stats"})["cache"]["budget"] == 96 * 1024**2
         volumes.unstage("held", staging)
-        assert not is_mounted(staging) and control.call(sock, {"op": "stats"})["pid"] == stats["pid"]
+        assert is_mounted(staging) and control.call(sock, {"op": "stats"})["pid"] == stats["pid"]  # still held
         volumes.release("held", "ml/imagenet")
-        assert not is_mounted(volumes.state.mount_path("held")) and volumes.state.records() == []
+        assert not is_mounted(staging) and volumes.state.records() == []
+        assert not os.path.exists(staging)
     finally:
-        for path in (staging, volumes.state.mount_path("held")):
-            if is_mounted(path):
-                from fusecore.mounts import unmount
-
-                unmount(path)
+        unmount_everything_under(kubelet_dir)
 
 
 def test_a_broken_volume_is_reported_abnormal_until_repaired(slow_repair_plugin, moto_server, bucket, dataset,
@@ -365,17 +365,15 @@ def test_start_up_drops_volumes_whose_paths_kubelet_removed(plugin, moto_server,
 
     ctx = volume_context(bucket, moto_server.endpoint)
     staging, target = stage_and_publish(plugin, "gone", ctx, tmp_path)
-    mount_path = StateDir(plugin.state_dir).mount_path("gone")
     plugin.kill_server()
     # What a node reboot leaves: no mounts, and kubelet removed the directories of pods that went away.
     os.kill(control_stats(plugin, "gone")["pid"], signal.SIGKILL)
-    for path in (target, staging, mount_path):
+    for path in (target, staging):
         assert unmount(path) is None
     os.rmdir(target)
     os.rmdir(staging)
     plugin.start()
     assert StateDir(plugin.state_dir).records() == []
-    assert not is_mounted(mount_path)
     assert "dropped paths kubelet removed" in plugin.log()
 
 
@@ -400,8 +398,10 @@ def test_start_up_unmounts_mounts_no_record_names(plugin, moto_server, bucket, d
     import subprocess
     import sys
 
+    from csi.volumes import kubelet_staging_path
+
     plugin.kill_server()
-    orphan = os.path.join(plugin.state_dir, "mounts", "orphan")
+    orphan = kubelet_staging_path(plugin.kubelet_dir, "orphan")
     os.makedirs(orphan)
     subprocess.run([sys.executable, "-m", "stoker", "mount", f"s3://{bucket}", orphan, "--endpoint-url",
                     moto_server.endpoint, "--log-file", str(tmp_path / "orphan.log")], check=True, timeout=120)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from fusecore.mounts import is_mounted, mount_entries, unmount
+from fusecore.mounts import mount_entries, unmount_stack
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.1):
@@ -19,8 +19,7 @@ def wait_for(predicate, timeout: float, interval: float = 0.1):
 
 
 def unmount_everything_under(root: str) -> None:
-    """Tear down what a test left mounted below `root`: binds first (deepest paths), then FUSE mounts."""
+    """Tear down what a test left mounted below `root` (every layer), deepest paths first."""
     points = {point for point, _ in mount_entries() if point.startswith(str(root))}
     for point in sorted(points, key=len, reverse=True):
-        if is_mounted(point):
-            unmount(point)
+        unmount_stack(point)

@@ -1,0 +1,252 @@
+"""Whole pod lifecycles through tests/support/kubelet.py: kubelet's real rules (paths, call order, the
+unstage refs check) and containers with an rslave view of their targets, against the real node plugin
+and mounter, each in its own mount namespace as in the DaemonSet (kubelet dir Bidirectional)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from fusecore import control
+from fusecore.mounts import mount_table
+from tests.support.kubelet import Kubelet, PodVolume, UnstageRefused, device_mount_refs, has_mount_refs
+
+from .conftest import SECRETS, Plugin, requires_fuse, volume_context, wait_until
+
+pytestmark = [pytest.mark.integration, requires_fuse]
+
+
+def sha(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
+@pytest.fixture
+def dataset(s3, bucket):
+    files = {f"train/part-{i}.bin": os.urandom(200_000 + i) for i in range(3)}
+    files["train/big.bin"] = os.urandom(16 * 1024 * 1024)
+    for key, body in files.items():
+        s3.put_object(Bucket=bucket, Key=key, Body=body)
+    return files
+
+
+@pytest.fixture
+def node(tmp_path, moto_server):
+    """A node: kubelet's root, the plugin and mounter in their own namespaces, and the kubelet emulation."""
+    root = str(tmp_path / "kubelet")
+    os.makedirs(root)
+    plugin = Plugin(tmp_path, kubelet_dir=root, own_namespaces=True)
+    kubelet = Kubelet(root, plugin.socket)
+    plugin.start()
+    kubelet.reconnect(plugin.socket)
+    yield plugin, kubelet
+    kubelet.close()
+    plugin.stop()
+
+
+def pv(bucket, endpoint, handle="pv-imagenet", **extra) -> PodVolume:
+    return PodVolume("data", volume_context(bucket, endpoint, prefix="train", **extra), handle=handle,
+                     stage_secrets=SECRETS)
+
+
+def stoker_mounts() -> list[str]:
+    return [m.point for m in mount_table() if m.fs_type == "fuse.stoker"]
+
+
+def mount_pid(plugin, volume_id: str) -> int:
+    from csi.state import StateDir
+
+    return control.call(StateDir(plugin.state_dir).control_socket(volume_id), {"op": "stats"})["pid"]
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True,
+                          text=True).stdout.strip().startswith("Z")
+
+
+def test_the_emulated_refs_check_refuses_a_private_mount_elsewhere(tmp_path):
+    """The rule the emulation applies can fail: a second mount of the staging filesystem outside
+    kubelet's path (what the old private mount was) is a reference, kubelet's own binds are not."""
+    root = tmp_path / "root"
+    staging = root / "plugins/kubernetes.io/csi/csi.stoker.dev/abc/globalmount"
+    private, source = tmp_path / "state/mounts/abc", tmp_path / "fs"
+    for path in (staging, private, source):
+        path.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(source)], check=True)
+    try:
+        subprocess.run(["mount", "--bind", str(source), str(staging)], check=True)
+        assert device_mount_refs(str(staging)) == [str(source)]
+        assert has_mount_refs(str(staging), device_mount_refs(str(staging)))
+        subprocess.run(["umount", str(source)], check=True)
+        assert not has_mount_refs(str(staging), device_mount_refs(str(staging)))
+        subprocess.run(["mount", "--bind", str(staging), str(private)], check=True)
+        assert has_mount_refs(str(staging), device_mount_refs(str(staging)))
+    finally:
+        for path in (private, staging, source):
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_two_pods_share_one_cache_and_the_volume_is_unstaged_after_both(node, moto_server, bucket, dataset):
+    plugin, kubelet = node
+    volume = pv(bucket, moto_server.endpoint)
+    a = kubelet.run_pod("trainer-a", [volume])
+    assert a.container.read("data", "big.bin") == sha(dataset["train/big.bin"])
+    from csi.state import StateDir
+
+    sock = StateDir(plugin.state_dir).control_socket("pv-imagenet")
+    pid, gets = mount_pid(plugin, "pv-imagenet"), control.call(sock, {"op": "stats"})["requests"]["get"]
+    b = kubelet.run_pod("trainer-b", [volume])
+    assert b.container.read("data", "big.bin") == sha(dataset["train/big.bin"])
+    assert mount_pid(plugin, "pv-imagenet") == pid  # one mount process for both pods
+    assert control.call(sock, {"op": "stats"})["requests"]["get"] == gets  # the second pod read from the cache
+    staging = kubelet.staging_path("pv-imagenet")
+    assert stoker_mounts().count(staging) == 1 and not [p for p in stoker_mounts() if p.startswith(plugin.state_dir)]
+    kubelet.delete_pod(a)
+    assert b.container.read("data", "part-1.bin") == sha(dataset["train/part-1.bin"])
+    kubelet.delete_pod(b)  # the refs check passes and NodeUnstageVolume runs
+    assert kubelet.refused == [] and kubelet.staged == {}
+    assert wait_until(lambda: process_gone(pid), 10), "the mount process (and its cache) outlived the volume"
+    assert stoker_mounts() == []
+    assert not os.path.exists(os.path.dirname(staging))  # kubelet's removeMountDir cleaned up
+
+
+def test_a_container_reads_again_after_its_mount_process_is_killed_mid_read(node, moto_server, bucket, dataset):
+    plugin, kubelet = node
+    volume = pv(bucket, moto_server.endpoint, blockSize="1MiB", maxPrefetch="2MiB")
+    pod = kubelet.run_pod("trainer", [volume])
+    other = kubelet.run_pod("evaluator", [volume])
+    assert pod.container.read("data", "part-0.bin") == sha(dataset["train/part-0.bin"])
+    pid = mount_pid(plugin, "pv-imagenet")
+    results: list[str] = []
+    reader = threading.Thread(target=lambda: results.append(pod.container.read("data", "big.bin", timeout=60)))
+    reader.start()
+    time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    reader.join(90)
+    assert results and results[0] in (sha(dataset["train/big.bin"]), "errno 107", "errno 103", "errno 5"), results
+    killed_at = time.monotonic()
+
+    def reads_right() -> bool:
+        return pod.container.read("data", "big.bin") == sha(dataset["train/big.bin"])
+
+    assert wait_until(reads_right, 30, 0.2), plugin.log()
+    recovered_in = time.monotonic() - killed_at
+    assert other.container.read("data", "part-2.bin") == sha(dataset["train/part-2.bin"])
+    assert mount_pid(plugin, "pv-imagenet") != pid
+    assert not kubelet.volume_stats(pod, "data").volume_condition.abnormal
+    print(f"container read the right bytes again {recovered_in:.1f}s after kill -9")
+    kubelet.delete_pod(other)
+    kubelet.delete_pod(pod)  # every stacked layer goes; the refs check still passes
+    assert kubelet.refused == [] and stoker_mounts() == []
+
+
+def test_a_mount_that_died_while_the_plugin_was_down_is_repaired_for_the_container(node, moto_server, bucket,
+                                                                                    dataset):
+    plugin, kubelet = node
+    pod = kubelet.run_pod("trainer", [pv(bucket, moto_server.endpoint)])
+    plugin.kill_server()
+    os.kill(mount_pid(plugin, "pv-imagenet"), signal.SIGKILL)
+    assert pod.container.read("data", "part-0.bin", timeout=10).startswith("errno")
+    plugin.start()  # repairs before it serves
+    kubelet.reconnect(plugin.socket)
+    assert pod.container.read("data", "part-0.bin") == sha(dataset["train/part-0.bin"])
+    kubelet.delete_pod(pod)
+    assert kubelet.refused == [] and stoker_mounts() == []
+
+
+def test_repair_with_a_short_metadata_ttl_keeps_the_volume(node, moto_server, bucket, dataset):
+    """A dead mount answers ENOTCONN; that must never be taken for a directory kubelet removed."""
+    plugin, kubelet = node
+    pod = kubelet.run_pod("trainer", [pv(bucket, moto_server.endpoint, metadataTTL="1")])
+    assert pod.container.read("data", "part-1.bin") == sha(dataset["train/part-1.bin"])
+    time.sleep(1.2)
+    os.kill(mount_pid(plugin, "pv-imagenet"), signal.SIGKILL)
+    assert wait_until(lambda: pod.container.read("data", "part-1.bin") == sha(dataset["train/part-1.bin"]),
+                      30, 0.2), plugin.log()
+    assert not kubelet.volume_stats(pod, "data").volume_condition.abnormal
+    assert "dropped paths kubelet removed" not in plugin.log()
+    kubelet.delete_pod(pod)
+    assert stoker_mounts() == []
+
+
+def test_an_inline_volume_is_repaired_inside_the_container_and_cleaned_up(node, moto_server, bucket, dataset):
+    plugin, kubelet = node
+    inline = PodVolume("scratch", volume_context(bucket, moto_server.endpoint, prefix="train"),
+                       publish_secrets=SECRETS)
+    pod = kubelet.run_pod("notebook", [inline])
+    assert pod.container.read("scratch", "part-0.bin") == sha(dataset["train/part-0.bin"])
+    handle = pod.handles["scratch"]
+    os.kill(mount_pid(plugin, handle), signal.SIGKILL)
+    assert wait_until(lambda: pod.container.read("scratch", "part-0.bin") == sha(dataset["train/part-0.bin"]),
+                      30, 0.2), plugin.log()
+    pid = mount_pid(plugin, handle)
+    kubelet.delete_pod(pod)
+    assert wait_until(lambda: process_gone(pid), 10) and stoker_mounts() == []
+
+
+def test_a_dataset_cache_holds_the_volume_across_pods(tmp_path, moto_server, bucket, dataset):
+    """The warm agent's hold (in-process here, as inside `stoker csi`) mounts where kubelet will stage;
+    pods come and go, the cache stays warm, and letting go gives the memory back."""
+    from csi.mounter import RemoteMounter
+    from csi.node import IdentityService, NodeService
+    from csi.server import build_server
+    from csi.state import StateDir
+    from csi.volumes import VolumeManager
+
+    root = str(tmp_path / "kubelet")
+    os.makedirs(root)
+    plugin = Plugin(tmp_path, kubelet_dir=root, own_namespaces=True)
+    kubelet = Kubelet(root, plugin.socket)
+    plugin.start_mounter()
+    volumes = VolumeManager(StateDir(plugin.state_dir), RemoteMounter(plugin.mounter_socket), kubelet_dir=root)
+    import argparse
+
+    server = build_server(argparse.Namespace(mode="node", node_id="node-a"), volumes.mounter, volumes)
+    server.add_insecure_port(f"unix://{plugin.socket}")
+    server.start()
+    try:
+        kubelet.reconnect(plugin.socket)
+        volume = pv(bucket, moto_server.endpoint)
+        sock = volumes.hold("pv-imagenet", volume.attributes, SECRETS, "training/imagenet", 64 * 1024**2)
+        final = list(control.request(sock, {"op": "warm", "paths": []}, timeout=120))[-1]
+        assert final["errors"] == 0
+        gets = control.call(sock, {"op": "stats"})["requests"]["get"]
+        pid = control.call(sock, {"op": "stats"})["pid"]
+        for name in ("epoch-1", "epoch-2"):
+            pod = kubelet.run_pod(name, [volume])
+            assert pod.container.read("data", "big.bin") == sha(dataset["train/big.bin"])
+            kubelet.delete_pod(pod)  # unstaged: the refs check passes, the held mount stays
+            assert kubelet.refused == [] and kubelet.staged == {}
+            assert control.call(sock, {"op": "stats"})["pid"] == pid
+        assert control.call(sock, {"op": "stats"})["requests"]["get"] == gets  # both pods read the warm cache
+        volumes.release("pv-imagenet", "training/imagenet")
+        assert wait_until(lambda: process_gone(pid), 10) and stoker_mounts() == []
+    finally:
+        server.stop(0)
+        kubelet.close()
+        plugin.stop()
+
+
+def test_the_old_private_mount_layout_would_be_refused(tmp_path, node, moto_server, bucket, dataset):
+    """The emulation catches the bug it was built for: a second mount outside kubelet's path."""
+    plugin, kubelet = node
+    pod = kubelet.run_pod("trainer", [pv(bucket, moto_server.endpoint)])
+    private = tmp_path / "private"
+    private.mkdir()
+    subprocess.run(["mount", "--bind", kubelet.staging_path("pv-imagenet"), str(private)], check=True)
+    kubelet.unstage_attempts, kubelet.retry_pause = 2, 0.1
+    with pytest.raises(UnstageRefused, match="still mounted by other references"):
+        kubelet.delete_pod(pod)
+    subprocess.run(["umount", str(private)], check=True)
+    assert "pv-imagenet" in kubelet.staged  # still staged: kubelet would retry
+    kubelet._unmount_device("pv-imagenet")  # its retry, once the reference is gone
+    assert stoker_mounts() == []
