@@ -8,10 +8,13 @@ AttributeProblem naming the attribute (never a secret's value).
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
 from fusecore.config import ConfigError, Credentials, MountConfig, StoreConfig, parse_size, parse_ttl
+
+log = logging.getLogger(__name__)
 
 EPHEMERAL_KEY = "csi.storage.k8s.io/ephemeral"
 _KUBERNETES_PREFIXES = ("csi.storage.k8s.io/", "storage.kubernetes.io/")
@@ -69,8 +72,13 @@ KNOBS: dict[str, Knob] = {
     "gid": Knob("--gid", _positive_int, "gid"),
 }
 STORE_ATTRIBUTES = ("bucket", "prefix", "endpointUrl", "region")
-SECRET_KEYS = {"accessKeyId", "secretAccessKey", "sessionToken"}
-CONTROLLER_SECRET_KEYS = SECRET_KEYS | {"endpointUrl", "region"}
+# Each credential under the spellings Secrets shared with other tools use; any other key is ignored.
+SECRET_SPELLINGS = {
+    "accessKeyId": ("accessKeyId", "accessKeyID", "AWS_ACCESS_KEY_ID"),
+    "secretAccessKey": ("secretAccessKey", "AWS_SECRET_ACCESS_KEY"),
+    "sessionToken": ("sessionToken", "AWS_SESSION_TOKEN"),
+}
+SECRET_KEYS = {spelling for spellings in SECRET_SPELLINGS.values() for spelling in spellings}
 _CREDENTIAL_LOOKALIKES = {"accesskeyid", "secretaccesskey", "sessiontoken", "aws_access_key_id",
                           "aws_secret_access_key", "aws_session_token", "password", "secret", "token"}
 
@@ -185,17 +193,31 @@ def check_ranges(spec: VolumeSpec) -> MountConfig:
         raise AttributeProblem(f"volume attribute {text}") from None
 
 
-def parse_secrets(secrets: dict[str, str], *, allowed: set[str] = SECRET_KEYS) -> Credentials | None:
-    """Credentials from a CSI secrets map; None when empty (the node's own identity is used)."""
-    unknown = sorted(set(secrets) - allowed)
-    if unknown:
-        raise AttributeProblem(f"unknown secret key {unknown[0]!r} (known: {', '.join(sorted(allowed))})")
-    key_id, secret = secrets.get("accessKeyId", ""), secrets.get("secretAccessKey", "")
+def parse_secrets(secrets: dict[str, str]) -> Credentials | None:
+    """Credentials from a CSI secrets map; None when there is no secret. Keys that are no credential
+    are ignored (their names logged, never their values); a secret without credentials, or with two
+    spellings of one key that disagree, is refused."""
+    ignored = sorted(set(secrets) - SECRET_KEYS)
+    if ignored:
+        log.info("secret keys ignored (not credentials): %s", ", ".join(ignored))
+    found: dict[str, str] = {}
+    for name, spellings in SECRET_SPELLINGS.items():
+        values = {secrets[k] for k in spellings if secrets.get(k)}
+        if len(values) > 1:
+            raise AttributeProblem(f"secret has contradictory values for {name!r} under "
+                                   f"{', '.join(k for k in spellings if secrets.get(k))}")
+        if values:
+            found[name] = values.pop()
+    key_id, secret = found.get("accessKeyId", ""), found.get("secretAccessKey", "")
     if not key_id and not secret:
+        if secrets:  # a secret was given: it was meant to hold credentials
+            raise AttributeProblem("the secret holds no credentials: it needs accessKeyId and secretAccessKey "
+                                   f"(or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY); its keys: {', '.join(sorted(secrets))}")
         return None
     if not key_id or not secret:
-        raise AttributeProblem("secret needs both 'accessKeyId' and 'secretAccessKey'")
-    return Credentials(key_id, secret, secrets.get("sessionToken") or None)
+        raise AttributeProblem("secret needs both 'accessKeyId' and 'secretAccessKey' "
+                               "(or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)")
+    return Credentials(key_id, secret, found.get("sessionToken") or None)
 
 
 def credentials_env(creds: Credentials | None) -> dict[str, str]:

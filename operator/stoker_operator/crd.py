@@ -87,6 +87,8 @@ STATUS_SCHEMA = {
         "datasetSize": {"type": "string"},
         "objectCount": {"type": "integer", "format": "int64", "minimum": 0},
         "cacheBytesPerNode": {"type": "integer", "format": "int64", "minimum": 0},
+        "warmableBytes": {"type": "integer", "format": "int64", "minimum": 0,
+                          "description": "Bytes of the dataset that fit the per-node cache (what Ready means)"},
         "targetNodes": {"type": "array", "items": {"type": "string"}},
         "volume": {
             "type": "object",

@@ -40,6 +40,7 @@ class Plugin:
         self.mounter_socket = str(tmp_path / "mounter.sock")
         self.log_path = tmp_path / "csi.log"
         self.metrics_port = free_port()
+        self.health_port = free_port()
         self.mounter = None
         self.server = None
         self.channel = None
@@ -58,7 +59,7 @@ class Plugin:
         log = open(self.log_path, "ab")
         argv = [*self.prefix, sys.executable, "-m", "stoker", "csi", "--endpoint", f"unix://{self.socket}", "--node-id",
                 "node-a", "--mode", self.mode, "--state-dir", self.state_dir, "--health-interval", str(self.health_interval),
-                "--kubelet-dir", self.kubelet_dir,
+                "--kubelet-dir", self.kubelet_dir, "--health-port", str(self.health_port), "--health-addr", "127.0.0.1",
                 "--mount-timeout", "60", "--metrics-port", str(self.metrics_port), "--metrics-addr", "127.0.0.1"]
         if self.mode != "controller" and self.separate_mounter:
             argv += ["--mounter-socket", self.mounter_socket]

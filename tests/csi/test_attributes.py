@@ -44,6 +44,12 @@ def test_secrets():
                                       "AWS_SESSION_TOKEN": "tok"}
     with pytest.raises(AttributeProblem, match="secretAccessKey"):
         parse_secrets({"accessKeyId": "id"})
-    with pytest.raises(AttributeProblem, match="'pass'") as info:
-        parse_secrets({"pass": "hunter2"})
+    with pytest.raises(AttributeProblem, match="no credentials.*endpointUrl, pass") as info:
+        parse_secrets({"pass": "hunter2", "endpointUrl": "https://s3.example"})
     assert "hunter2" not in str(info.value)
+    shared = parse_secrets({"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "s3cr3t", "config": "x"})
+    assert (shared.access_key_id, shared.secret_access_key) == ("id", "s3cr3t")
+    assert parse_secrets({"accessKeyID": "id", "accessKeyId": "id", "secretAccessKey": "s"}).access_key_id == "id"
+    with pytest.raises(AttributeProblem, match="contradictory") as info:
+        parse_secrets({"accessKeyId": "id", "AWS_ACCESS_KEY_ID": "other", "secretAccessKey": "hunter2"})
+    assert "hunter2" not in str(info.value) and "other" not in str(info.value)

@@ -15,7 +15,12 @@ pytestmark = pytest.mark.integration
 
 
 def provisioner_secret(endpoint: str) -> dict[str, str]:
+    """The older arrangement: the store location in the provisioner secret (still honoured on delete)."""
     return dict(SECRETS, endpointUrl=endpoint, region="us-east-1")
+
+
+def store(endpoint: str) -> dict[str, str]:
+    return {"endpointUrl": endpoint, "region": "us-east-1"}
 
 
 def create(plugin, name, params, secrets, capacity=10 * 1024**3):
@@ -36,14 +41,18 @@ def test_controller_capabilities(controller_plugin):
 
 
 def test_create_is_idempotent_and_delete_retains_data_by_default(controller_plugin, moto_server, s3, bucket):
-    secret = provisioner_secret(moto_server.endpoint)
-    params = {"bucket": bucket, "prefix": "volumes", "cacheSize": "1GiB",
+    from csi.provision import Location, split_volume_id
+
+    secret = dict(SECRETS)  # credentials only: the StorageClass says where the store is
+    params = {"bucket": bucket, "prefix": "volumes", "cacheSize": "1GiB", **store(moto_server.endpoint),
               "csi.storage.k8s.io/pvc/name": "data"}
     first = create(controller_plugin, "pvc-123", params, secret).volume
     again = create(controller_plugin, "pvc-123", params, secret).volume
     assert first == again
-    assert first.volume_id == f"{bucket}/volumes/pvc-123/" and first.capacity_bytes == 10 * 1024**3
-    assert dict(first.volume_context) == {"bucket": bucket, "prefix": "volumes/pvc-123/", "cacheSize": "1GiB"}
+    assert split_volume_id(first.volume_id) == Location(bucket, "volumes/pvc-123/", moto_server.endpoint, "us-east-1")
+    assert first.capacity_bytes == 10 * 1024**3
+    assert dict(first.volume_context) == {"bucket": bucket, "prefix": "volumes/pvc-123/", "cacheSize": "1GiB",
+                                          **store(moto_server.endpoint)}
     marker = json.loads(s3.get_object(Bucket=bucket, Key="volumes/pvc-123/.stoker-volume.json")["Body"].read())
     assert marker["name"] == "pvc-123" and marker["on_delete"] == "Retain"
     code = pytest.raises(grpc.RpcError, create, controller_plugin, "pvc-123", params, secret, capacity=1).value.code()
@@ -55,7 +64,7 @@ def test_create_is_idempotent_and_delete_retains_data_by_default(controller_plug
 
 
 def test_delete_policy_removes_only_the_volume_prefix(controller_plugin, moto_server, s3, bucket):
-    secret = provisioner_secret(moto_server.endpoint)
+    secret = provisioner_secret(moto_server.endpoint)  # the older arrangement still works
     volume = create(controller_plugin, "pvc-9", {"bucket": bucket, "onDelete": "Delete"}, secret).volume
     inside = [f"pvc-9/shard-{i}" for i in range(3)]
     outside = ["pvc-9x/keep", "pvc-90/keep", "other/pvc-9/keep", "pvc-9"]
@@ -63,6 +72,10 @@ def test_delete_policy_removes_only_the_volume_prefix(controller_plugin, moto_se
         s3.put_object(Bucket=bucket, Key=key, Body=b"x")
     controller_plugin.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=volume.volume_id, secrets=secret))
     assert keys(s3, bucket) == set(outside)
+    s3.put_object(Bucket=bucket, Key="old/pvc-1/.stoker-volume.json", Body=b'{"on_delete": "Delete"}')
+    s3.put_object(Bucket=bucket, Key="old/pvc-1/shard", Body=b"x")
+    controller_plugin.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=f"{bucket}/old/pvc-1/", secrets=secret))
+    assert keys(s3, bucket) == set(outside)  # an id of the older form, location from the secret
     # An id that names a prefix without our marker (e.g. a static volume) is never touched.
     controller_plugin.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=f"{bucket}/other/", secrets=secret))
     assert keys(s3, bucket) == set(outside)

@@ -250,3 +250,49 @@ def test_the_old_private_mount_layout_would_be_refused(tmp_path, node, moto_serv
     assert "pv-imagenet" in kubelet.staged  # still staged: kubelet would retry
     kubelet._unmount_device("pv-imagenet")  # its retry, once the reference is gone
     assert stoker_mounts() == []
+
+
+def test_a_provisioned_volume_mounts_in_a_pod_and_deletes_with_one_credentials_secret(tmp_path, moto_server, s3,
+                                                                                      bucket):
+    """The example StorageClass's flow: the external-provisioner calls CreateVolume with the provisioner
+    secret, kubelet stages with the node-stage secret (the same Secret: credentials only), DeleteVolume
+    finds the store from the volume id alone."""
+    import yaml
+
+    from csi import csi_pb2 as pb
+    from tests.support.kubelet import READ_ONLY_MANY
+
+    with open(os.path.join(os.path.dirname(__file__), "../../deploy/examples/storageclass.yaml")) as f:
+        storage_class = next(d for d in yaml.safe_load_all(f) if d and d["kind"] == "StorageClass")
+    params = {k: v for k, v in storage_class["parameters"].items() if not k.startswith("csi.storage.k8s.io/")}
+    params.update(bucket=bucket, endpointUrl=moto_server.endpoint, region="us-east-1")
+    root = str(tmp_path / "kubelet")
+    os.makedirs(root)
+    plugin = Plugin(tmp_path, mode="all", kubelet_dir=root, own_namespaces=True)
+    kubelet = Kubelet(root, plugin.socket)
+    plugin.start()
+    try:
+        kubelet.reconnect(plugin.socket)
+        for policy in ("Retain", "Delete"):
+            made = plugin.controller.CreateVolume(pb.CreateVolumeRequest(
+                name=f"pvc-{policy.lower()}", capacity_range=pb.CapacityRange(required_bytes=1024**3),
+                volume_capabilities=[READ_ONLY_MANY], parameters=dict(params, onDelete=policy),
+                secrets=SECRETS), timeout=60).volume
+            body = os.urandom(300_000)
+            s3.put_object(Bucket=bucket, Key=made.volume_context["prefix"] + "shard-0", Body=body)
+            volume = PodVolume("data", dict(made.volume_context), handle=made.volume_id, stage_secrets=SECRETS)
+            pod = kubelet.run_pod("writer", [volume])
+            assert pod.container.read("data", "shard-0") == sha(body)
+            kubelet.delete_pod(pod)
+            assert kubelet.refused == []
+            plugin.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=made.volume_id, secrets=SECRETS),
+                                           timeout=60)
+            left = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket).get("Contents", [])}
+            prefix = made.volume_context["prefix"]
+            expected = {prefix + "shard-0"} if policy == "Retain" else set()
+            assert {k for k in left if k.startswith(prefix)} == expected
+        assert SECRETS["secretAccessKey"] not in plugin.log()
+    finally:
+        kubelet.close()
+        plugin.stop()
+

@@ -6,6 +6,7 @@ import hashlib
 import os
 import signal
 import threading
+import urllib.error
 import urllib.request
 
 import grpc
@@ -101,6 +102,19 @@ def test_probe_fails_while_the_mounter_is_down(plugin):
     plugin.mounter.wait()
     code, details = code_of(lambda: plugin.identity.Probe(pb.ProbeRequest()))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "mounter" in details
+
+
+def test_healthz_fails_while_the_driver_cannot_serve(plugin):
+    """What the chart's liveness probe asks: 200 while Probe answers on the driver's own socket."""
+    url = f"http://127.0.0.1:{plugin.health_port}/healthz"
+    assert urllib.request.urlopen(url, timeout=10).status == 200
+    plugin.mounter.kill()
+    plugin.mounter.wait()
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(url, timeout=10)
+    assert info.value.code == 503 and "mounter" in info.value.read().decode()
+    plugin.start_mounter()
+    assert urllib.request.urlopen(url, timeout=10).status == 200
 
 
 def test_stage_publish_read_unpublish_unstage(plugin, moto_server, bucket, dataset, tmp_path):

@@ -78,7 +78,7 @@ def test_the_node_pod_and_the_mounter_are_arranged_for_restarts_and_accounting()
     node, mounter = daemonsets["stoker-node"], daemonsets["stoker-mounter"]
     assert mounter["spec"]["updateStrategy"]["type"] == "OnDelete"  # upgrades of the plugin never kill mounts
     containers = {c["name"]: c for c in node["spec"]["template"]["spec"]["containers"]}
-    assert set(containers) == {"stoker-node", "node-driver-registrar", "liveness-probe"}
+    assert set(containers) == {"stoker-node", "node-driver-registrar"}
     plugin = containers["stoker-node"]
     assert {"mountPath": "/var/lib/kubelet", "name": "kubelet-dir", "mountPropagation": "Bidirectional"} in \
         plugin["volumeMounts"]
@@ -93,6 +93,31 @@ def test_the_node_pod_and_the_mounter_are_arranged_for_restarts_and_accounting()
     assert driver["metadata"]["name"] == "csi.stoker.dev"
     assert driver["spec"]["attachRequired"] is False and driver["spec"]["podInfoOnMount"] is True
     assert driver["spec"]["volumeLifecycleModes"] == ["Persistent", "Ephemeral"]
+
+
+def _probes(container: dict):
+    for kind in ("livenessProbe", "readinessProbe", "startupProbe"):
+        probe = container.get(kind)
+        if probe:
+            yield kind, probe
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_every_probe_port_resolves_in_its_own_container(name):
+    """kubelet (pkg/kubelet/prober, util.ResolvePort) looks a named port up among the ports of the probed
+    container only; a number is used as it is."""
+    checked = 0
+    for doc in render(VALUE_SETS[name]):
+        pod = doc.get("spec", {}).get("template", {}).get("spec")
+        for container in (pod or {}).get("containers", []):
+            names = {p["name"]: p["containerPort"] for p in container.get("ports", []) if "name" in p}
+            for kind, probe in _probes(container):
+                action = probe.get("httpGet") or probe.get("tcpSocket") or probe.get("grpc")
+                port = action["port"]
+                assert isinstance(port, int) or port in names, \
+                    f"{doc['metadata']['name']}/{container['name']} {kind}: port {port!r} is not one of {sorted(names)}"
+                checked += 1
+    assert checked >= 1
 
 
 def test_optional_parts_follow_the_values():

@@ -16,10 +16,14 @@ NAMESPACE = "ml"
 
 @pytest.fixture
 def kube(tmp_path):
+    from stoker_operator import crd
+
     with FakeKube() as fake:
+        fake.schemas["datasetcaches"] = crd.definition()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
         fake.kubeconfig_path = fake.kubeconfig(str(tmp_path / "kubeconfig"))
         fake.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
         yield fake
+        assert fake.pruned == [], f"the API server would drop fields the operator or an agent wrote: {fake.pruned}"
 
 
 def add_node(kube, name: str, memory: str = "16Gi", labels: dict | None = None, ready: bool = True) -> None:

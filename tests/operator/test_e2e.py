@@ -12,6 +12,7 @@ import time
 import pytest
 
 from csi.state import StateDir
+from csi.volumes import kubelet_staging_path
 from fusecore import control
 from fusecore.mounts import is_mounted
 from tests.conftest import requires_fuse
@@ -29,6 +30,7 @@ class NodePlugin:
     def __init__(self, kube, tmp_path):
         self.kube, self.tmp_path = kube, tmp_path
         self.state = StateDir(str(tmp_path / "state"))
+        self.kubelet_dir = str(tmp_path / "kubelet")
         self.proc = None
 
     def start(self) -> None:
@@ -37,7 +39,7 @@ class NodePlugin:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "stoker", "csi", "--endpoint", f"unix://{self.tmp_path}/csi.sock",
                  "--node-id", "gpu-1", "--state-dir", self.state.root, "--warm-agent", "--warm-recheck", "1",
-                 "--health-interval", "1"], stdout=logs, stderr=logs, env=env)
+                 "--health-interval", "1", "--kubelet-dir", self.kubelet_dir], stdout=logs, stderr=logs, env=env)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -120,7 +122,7 @@ def test_datasetcache_warms_a_real_mount_and_releases_the_gated_pod(kube, operat
     assert control.call(sock, {"op": "stats"})["requests"]["get"] > gets
     assert "Degraded" in wait_for_events(kube, {"Degraded"})
     # Deleting the DatasetCache releases the node's memory (the mount nobody else uses stops).
-    mount_path = node_plugin.state.mount_path("pv-imagenet")
+    mount_path = kubelet_staging_path(node_plugin.kubelet_dir, "pv-imagenet")  # where the warm mount lives
     kube.delete("stoker.dev/v1alpha1", "datasetcaches", "imagenet", NAMESPACE)
     assert kube.wait_for(lambda: cache(kube, "imagenet") is None, 60), (status(kube, "imagenet"), operator.log()[-2000:])
     assert wait_until(lambda: not is_mounted(mount_path), 30)

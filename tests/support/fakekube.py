@@ -89,6 +89,29 @@ def json_patch(doc, ops):
     return doc
 
 
+def prune(value, schema: dict, path: str, pruned: list[str]):
+    """The API server's pruning of custom resources (structural schemas): fields the schema does not
+    declare are dropped, unless x-kubernetes-preserve-unknown-fields; `pruned` collects their paths."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return value
+    if isinstance(value, dict):
+        properties, extra = schema.get("properties"), schema.get("additionalProperties")
+        out = {}
+        for key, item in value.items():
+            if properties is not None and key in properties:
+                out[key] = prune(item, properties[key], f"{path}.{key}", pruned)
+            elif isinstance(extra, dict):
+                out[key] = prune(item, extra, f"{path}.{key}", pruned)
+            elif properties is None and extra is None and schema.get("type") != "object":
+                out[key] = item
+            else:
+                pruned.append(f"{path}.{key}")
+        return out
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [prune(item, schema["items"], f"{path}[]", pruned) for item in value]
+    return value
+
+
 def _selector_matches(selector: str, labels: dict) -> bool:
     for clause in filter(None, (selector or "").split(",")):
         if "!=" in clause:
@@ -111,6 +134,8 @@ class FakeKube:
         self._events: list[tuple[int, tuple, str, dict]] = []
         self._rv = 100
         self.requests: list[tuple[str, str]] = []
+        self.pruned: list[str] = []  # fields the API server would have dropped (see prune)
+        self.schemas: dict[str, dict] = {}  # plural -> openAPIV3Schema of a custom resource
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
@@ -176,6 +201,11 @@ class FakeKube:
         return next(p for p, k, _, _ in table if k == kind)
 
     def _store(self, key, obj, event_type) -> dict:
+        schema = self.schemas.get(key[1])
+        if schema is not None:
+            kept = {k: obj[k] for k in ("apiVersion", "kind", "metadata") if k in obj}
+            body = prune({k: v for k, v in obj.items() if k not in kept}, schema, key[1], self.pruned)
+            obj = {**body, **kept}
         self._rv += 1
         meta = obj.setdefault("metadata", {})
         meta["resourceVersion"] = str(self._rv)
