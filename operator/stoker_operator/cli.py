@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import getpass
 import logging
+import os
+import socket
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
@@ -19,8 +22,21 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     o.set_defaults(func=cmd_operator)
 
 
+def ensure_identity() -> None:
+    """kopf names this replica from POD_ID, else from the user name, which a container running as a
+    uid without a passwd entry (the chart's 65532) does not have: fall back to host name and pid."""
+    if os.environ.get("POD_ID"):
+        return
+    try:
+        getpass.getuser()
+    except (KeyError, OSError):
+        os.environ["POD_ID"] = f"{socket.gethostname()}-{os.getpid()}"
+
+
 def cmd_operator(args: argparse.Namespace) -> int:
     import kopf
+
+    ensure_identity()
 
     from . import handlers  # noqa: F401 - registers the handlers
 
