@@ -4,6 +4,7 @@ validated against the Kubernetes OpenAPI schemas (kubernetes-validate)."""
 from __future__ import annotations
 
 import os
+import re
 
 import helm_python as helm
 import jsonschema
@@ -162,3 +163,23 @@ def test_operator_rbac_is_least_privilege():
 def test_values_schema_rejects_bad_values(bad):
     with pytest.raises(helm.HelmError):
         helm.Chart.load(CHART).validate_schema(bad)
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_every_stoker_container_command_is_one_the_cli_accepts(name):
+    """Each container of our image runs the entrypoint `stoker` with the rendered args: every flag the
+    chart passes must exist (a renamed flag would crash-loop the pod), with $(VAR) from its env."""
+    from stoker.cli import build_parser
+
+    parser, seen = build_parser(), 0
+    for doc in render(VALUE_SETS[name]):
+        pod = doc.get("spec", {}).get("template", {}).get("spec") or {}
+        for container in pod.get("containers", []):
+            if not container["image"].startswith("ghcr.io/stoker-dev/stoker"):
+                continue
+            env = {v["name"]: "from-env" for v in container.get("env", [])}
+            args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in container["args"]]
+            parsed = parser.parse_args(args)
+            assert callable(parsed.func), container["name"]
+            seen += 1
+    assert seen >= 2  # the node plugin and the mounter, in every value set
