@@ -54,8 +54,9 @@ def pv(bucket, endpoint, handle="pv-imagenet", **extra) -> PodVolume:
                      stage_secrets=SECRETS)
 
 
-def stoker_mounts() -> list[str]:
-    return [m.point for m in mount_table() if m.fs_type == "fuse.stoker"]
+def stoker_mounts(under: str) -> list[str]:
+    """Stoker mounts left below `under` (other mounts of the machine are not this test's)."""
+    return [m.point for m in mount_table() if m.fs_type == "fuse.stoker" and m.point.startswith(under)]
 
 
 def mount_pid(plugin, volume_id: str) -> int:
@@ -109,13 +110,13 @@ def test_two_pods_share_one_cache_and_the_volume_is_unstaged_after_both(node, mo
     assert mount_pid(plugin, "pv-imagenet") == pid  # one mount process for both pods
     assert control.call(sock, {"op": "stats"})["requests"]["get"] == gets  # the second pod read from the cache
     staging = kubelet.staging_path("pv-imagenet")
-    assert stoker_mounts().count(staging) == 1 and not [p for p in stoker_mounts() if p.startswith(plugin.state_dir)]
+    assert stoker_mounts(str(plugin.tmp_path)).count(staging) == 1 and not [p for p in stoker_mounts(str(plugin.tmp_path)) if p.startswith(plugin.state_dir)]
     kubelet.delete_pod(a)
     assert b.container.read("data", "part-1.bin") == sha(dataset["train/part-1.bin"])
     kubelet.delete_pod(b)  # the refs check passes and NodeUnstageVolume runs
     assert kubelet.refused == [] and kubelet.staged == {}
     assert wait_until(lambda: process_gone(pid), 10), "the mount process (and its cache) outlived the volume"
-    assert stoker_mounts() == []
+    assert stoker_mounts(str(plugin.tmp_path)) == []
     assert not os.path.exists(os.path.dirname(staging))  # kubelet's removeMountDir cleaned up
 
 
@@ -146,7 +147,7 @@ def test_a_container_reads_again_after_its_mount_process_is_killed_mid_read(node
     print(f"container read the right bytes again {recovered_in:.1f}s after kill -9")
     kubelet.delete_pod(other)
     kubelet.delete_pod(pod)  # every stacked layer goes; the refs check still passes
-    assert kubelet.refused == [] and stoker_mounts() == []
+    assert kubelet.refused == [] and stoker_mounts(str(plugin.tmp_path)) == []
 
 
 def test_a_mount_that_died_while_the_plugin_was_down_is_repaired_for_the_container(node, moto_server, bucket,
@@ -160,7 +161,7 @@ def test_a_mount_that_died_while_the_plugin_was_down_is_repaired_for_the_contain
     kubelet.reconnect(plugin.socket)
     assert pod.container.read("data", "part-0.bin") == sha(dataset["train/part-0.bin"])
     kubelet.delete_pod(pod)
-    assert kubelet.refused == [] and stoker_mounts() == []
+    assert kubelet.refused == [] and stoker_mounts(str(plugin.tmp_path)) == []
 
 
 def test_repair_with_a_short_metadata_ttl_keeps_the_volume(node, moto_server, bucket, dataset):
@@ -175,7 +176,7 @@ def test_repair_with_a_short_metadata_ttl_keeps_the_volume(node, moto_server, bu
     assert not kubelet.volume_stats(pod, "data").volume_condition.abnormal
     assert "dropped paths kubelet removed" not in plugin.log()
     kubelet.delete_pod(pod)
-    assert stoker_mounts() == []
+    assert stoker_mounts(str(plugin.tmp_path)) == []
 
 
 def test_an_inline_volume_is_repaired_inside_the_container_and_cleaned_up(node, moto_server, bucket, dataset):
@@ -190,7 +191,7 @@ def test_an_inline_volume_is_repaired_inside_the_container_and_cleaned_up(node, 
                       30, 0.2), plugin.log()
     pid = mount_pid(plugin, handle)
     kubelet.delete_pod(pod)
-    assert wait_until(lambda: process_gone(pid), 10) and stoker_mounts() == []
+    assert wait_until(lambda: process_gone(pid), 10) and stoker_mounts(str(plugin.tmp_path)) == []
 
 
 def test_a_dataset_cache_holds_the_volume_across_pods(tmp_path, moto_server, bucket, dataset):
@@ -229,7 +230,7 @@ def test_a_dataset_cache_holds_the_volume_across_pods(tmp_path, moto_server, buc
             assert control.call(sock, {"op": "stats"})["pid"] == pid
         assert control.call(sock, {"op": "stats"})["requests"]["get"] == gets  # both pods read the warm cache
         volumes.release("pv-imagenet", "training/imagenet")
-        assert wait_until(lambda: process_gone(pid), 10) and stoker_mounts() == []
+        assert wait_until(lambda: process_gone(pid), 10) and stoker_mounts(str(plugin.tmp_path)) == []
     finally:
         server.stop(0)
         kubelet.close()
@@ -249,7 +250,7 @@ def test_the_old_private_mount_layout_would_be_refused(tmp_path, node, moto_serv
     subprocess.run(["umount", str(private)], check=True)
     assert "pv-imagenet" in kubelet.staged  # still staged: kubelet would retry
     kubelet._unmount_device("pv-imagenet")  # its retry, once the reference is gone
-    assert stoker_mounts() == []
+    assert stoker_mounts(str(plugin.tmp_path)) == []
 
 
 def test_a_provisioned_volume_mounts_in_a_pod_and_deletes_with_one_credentials_secret(tmp_path, moto_server, s3,
