@@ -114,7 +114,14 @@ def test_healthz_fails_while_the_driver_cannot_serve(plugin):
         urllib.request.urlopen(url, timeout=10)
     assert info.value.code == 503 and "mounter" in info.value.read().decode()
     plugin.start_mounter()
-    assert urllib.request.urlopen(url, timeout=10).status == 200
+
+    def healthy() -> bool:
+        try:
+            return urllib.request.urlopen(url, timeout=10).status == 200
+        except urllib.error.HTTPError:
+            return False
+
+    assert wait_until(healthy, 30, 0.2)
 
 
 def test_stage_publish_read_unpublish_unstage(plugin, moto_server, bucket, dataset, tmp_path):
