@@ -65,17 +65,15 @@ class ProcessMounter:
                                uid=os.getuid(), gid=os.getgid())
         except OSError as exc:
             raise MountFailed(f"cannot mount at {mountpoint}: {exc.strerror}") from None
-        device = (top_mount(mountpoint) or _NO_MOUNT).device
+        mounted = top_mount(mountpoint)
         try:
             self._serve(argv, fd, env, timeout)
         except MountFailed:
-            os.close(fd)
-            fd = -1
-            detach_top(mountpoint, device)  # never leave the dead mount of a process that did not start
+            if mounted is not None:  # never leave the mount of a process that did not start
+                detach_top(mountpoint, mounted.device)
             raise
         finally:
-            if fd >= 0:
-                os.close(fd)  # the serving process holds it now: its death aborts the connection
+            os.close(fd)  # the serving process holds it now: its death aborts the connection
 
     @staticmethod
     def _serve(argv: list[str], fd: int, env: dict[str, str], timeout: float) -> None:
@@ -97,13 +95,6 @@ class ProcessMounter:
 
     def healthy(self) -> str | None:
         return None
-
-
-class _NoMount:
-    device = ""
-
-
-_NO_MOUNT = _NoMount()
 
 
 def _reason(stderr: str) -> str:

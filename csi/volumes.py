@@ -47,10 +47,15 @@ DEFAULT_KUBELET_DIR = "/var/lib/kubelet"
 LOCK_WAIT = 5.0  # seconds a call waits for another operation on the same volume before ABORTED
 
 
+def driver_staging_dir(kubelet_dir: str) -> str:
+    """The directory under which kubelet stages every volume of this driver."""
+    return os.path.join(kubelet_dir, "plugins", "kubernetes.io", "csi", DRIVER_NAME)
+
+
 def kubelet_staging_path(kubelet_dir: str, volume_id: str) -> str:
     """Where kubelet (1.25 and later) stages a persistent volume of this driver."""
     digest = hashlib.sha256(volume_id.encode()).hexdigest()
-    return os.path.join(kubelet_dir, "plugins", "kubernetes.io", "csi", DRIVER_NAME, digest, "globalmount")
+    return os.path.join(driver_staging_dir(kubelet_dir), digest, "globalmount")
 
 
 @dataclass
@@ -175,7 +180,7 @@ class VolumeManager:
                 raise Conflict(f"volume {record.volume_id!r} is already published at {target} with another capability")
         elif is_mounted(target):
             raise Conflict(f"{target} is already a mount point")
-        if not self._follows(record, target):
+        if self._behind(record, [target]):
             self._bind(record, target)
         record.targets[target] = how
         self.state.save(record)
@@ -188,12 +193,9 @@ class VolumeManager:
             ours = record is not None and target in record.targets
             if ours or fs_type(target) == STOKER_FS_TYPE:
                 self._unmount(target)  # every layer: the bind and what repairs stacked on it
-            if record is not None and ours:
+            if ours:
                 del record.targets[target]
-                if record.ephemeral:
-                    self._forget(record)
-                else:
-                    self._retire_or_save(record)
+                self._retire_or_save(record)  # an inline volume's mount was at the target: it stops
             _remove_dir(target)
             log.info("unpublished volume %s from %s", volume_id, target)
 
@@ -216,7 +218,7 @@ class VolumeManager:
                 self._mount(record, spec, parse_secrets(secrets))
             else:
                 self._check_same_volume(record, spec)
-                self._ensure_serving(record)
+                self._repair(record)
                 record.holders[holder] = cache_size
                 self._resize(record, record.cache_size)
             self.state.save(record)
@@ -243,13 +245,10 @@ class VolumeManager:
         return record
 
     def health(self, record: VolumeRecord) -> Health:
-        top = top_mount(record.mount_path)
-        if top is None or top.fs_type != STOKER_FS_TYPE:
-            return Health(True, f"the volume's mount at {record.mount_path} is gone")
-        stats = self._mount_stats(record)
+        stats = self._serving(record)
         if isinstance(stats, str):
-            return Health(True, f"the mount process is gone or not answering ({stats})")
-        behind = [path for path in record.binds() if not self._follows(record, path)]
+            return Health(True, stats)
+        behind = self._behind(record)
         if behind:
             return Health(True, f"{behind[0]} does not show the volume's mount")
         cache = stats.get("cache", {})
@@ -307,40 +306,37 @@ class VolumeManager:
         if not changed:
             return False
         log.warning("volume %s: dropped paths kubelet removed", record.volume_id)
-        if record.ephemeral:
-            self._forget(record)
-            return True
         return self._retire_or_save(record)
 
     def _unmount_orphans(self, known: set[str]) -> None:
-        folder = os.path.dirname(kubelet_staging_path(self.kubelet_dir, "x").rstrip("/"))
-        folder = os.path.dirname(folder) + os.sep
+        folder = driver_staging_dir(self.kubelet_dir) + os.sep
         for point in sorted({m.point for m in mount_table() if m.fs_type == STOKER_FS_TYPE}):
             if point.startswith(folder) and point not in known:
                 log.warning("unmounting %s: no volume record names it", point)
                 unmount_stack(point)
 
     def _repair(self, record: VolumeRecord) -> None:
-        """Serve again (a new mount on top of the dead one), then bind any target the kernel did
-        not carry the new mount to (the lock is held)."""
-        self._ensure_serving(record)
-        for path in record.binds():
-            if not self._follows(record, path):
-                self._bind(record, path)
+        """Serve again if the mount is dead, with a new mount on top of the dead one (it propagates to
+        every target and container), then bind any target the new mount did not reach (the lock is held)."""
+        if isinstance(self._serving(record), str):
+            self._mount(record, parse_volume_context(record.context), parse_secrets(record.secrets))
+        for path in self._behind(record):
+            self._bind(record, path)
 
-    def _ensure_serving(self, record: VolumeRecord) -> bool:
-        """Mount again at the same path if the mount is dead, on top of the dead one, so that the new
-        mount propagates to every target and container; returns whether it had to."""
+    def _serving(self, record: VolumeRecord) -> dict | str:
+        """The stats of the volume's live mount, or why its mount is not serving."""
         top = top_mount(record.mount_path)
-        if top is not None and top.fs_type == STOKER_FS_TYPE and isinstance(self._mount_stats(record), dict):
-            return False
-        self._mount(record, parse_volume_context(record.context), parse_secrets(record.secrets))
-        return True
+        if top is None or top.fs_type != STOKER_FS_TYPE:
+            return f"the volume's mount at {record.mount_path} is gone"
+        stats = self._mount_stats(record)
+        return stats if isinstance(stats, dict) else f"the mount process is gone or not answering ({stats})"
 
-    def _follows(self, record: VolumeRecord, path: str) -> bool:
-        """Whether a lookup of `path` reaches the volume's current mount."""
-        top, mine = top_mount(path), top_mount(record.mount_path)
-        return top is not None and mine is not None and top.device == mine.device
+    def _behind(self, record: VolumeRecord, paths: list[str] | None = None) -> list[str]:
+        """Those of `paths` (default: every bind) where a lookup does not reach the volume's current mount."""
+        table = mount_table()
+        mine = top_mount(record.mount_path, table)
+        tops = {path: top_mount(path, table) for path in (record.binds() if paths is None else paths)}
+        return [path for path, top in tops.items() if mine is None or top is None or top.device != mine.device]
 
     def _mount_stats(self, record: VolumeRecord) -> dict | str:
         """The mount process's stats, or why it did not answer."""

@@ -74,7 +74,7 @@ async def _serve(cfg: MountConfig, datapath: DataPath, ready: ReadyCallback) -> 
     options |= {"ro", f"fsname=stoker:{cfg.store.bucket}", "subtype=stoker"}
     if cfg.allow_other:
         options.add("allow_other")
-    # With a descriptor the caller already mounted (see fusecore.fusefd), libfuse only serves it.
+    # With a descriptor the caller already mounted (see fusecore.mounts.mount_fuse_fd), libfuse only serves it.
     where = cfg.mountpoint if cfg.fuse_fd is None else f"/dev/fd/{cfg.fuse_fd}"
     try:
         pyfuse3.init(fs, where, options)

@@ -57,24 +57,19 @@ def mount_entries(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, st
     return [(m.point, m.fs_type) for m in mount_table(mountinfo)]
 
 
-def top_mount(path: str) -> MountInfo | None:
-    """The mount a lookup of `path` reaches (the last one stacked there), or None."""
+def top_mount(path: str, table: list[MountInfo] | None = None) -> MountInfo | None:
+    """The mount a lookup of `path` reaches (the last one stacked there), or None; `table` saves
+    reading mountinfo again when several paths are looked up."""
     target = os.path.abspath(path)
     found = None
-    for entry in mount_table():
+    for entry in mount_table() if table is None else table:
         if entry.point == target:
             found = entry
     return found
 
 
-def stack_depth(path: str) -> int:
-    """How many mounts are stacked at `path`."""
-    target = os.path.abspath(path)
-    return sum(1 for entry in mount_table() if entry.point == target)
-
-
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_SLAVE = 1, 2, 4, 4096, 16384, 1 << 19
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_SLAVE, MS_SHARED = 1, 2, 4, 1 << 19, 1 << 20
 
 
 def _mount(source: str, target: str, fs: str | None, flags: int, data: str | None) -> None:
@@ -100,7 +95,6 @@ def mount_fuse_fd(target: str, fsname: str, *, allow_other: bool, uid: int, gid:
 
 _SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442  # the same on every architecture
 _OPEN_TREE_CLONE, _AT_FDCWD, _AT_EMPTY_PATH, _MOVE_MOUNT_F_EMPTY_PATH = 1, -100, 0x1000, 0x4
-MS_SHARED = 1 << 20
 _READ_ONLY_ATTRS = 0x1 | 0x2 | 0x4  # MOUNT_ATTR_RDONLY | NOSUID | NODEV
 
 

@@ -197,8 +197,9 @@ def test_an_inline_volume_is_repaired_inside_the_container_and_cleaned_up(node, 
 def test_a_dataset_cache_holds_the_volume_across_pods(tmp_path, moto_server, bucket, dataset):
     """The warm agent's hold (in-process here, as inside `stoker csi`) mounts where kubelet will stage;
     pods come and go, the cache stays warm, and letting go gives the memory back."""
+    import argparse
+
     from csi.mounter import RemoteMounter
-    from csi.node import IdentityService, NodeService
     from csi.server import build_server
     from csi.state import StateDir
     from csi.volumes import VolumeManager
@@ -209,8 +210,6 @@ def test_a_dataset_cache_holds_the_volume_across_pods(tmp_path, moto_server, buc
     kubelet = Kubelet(root, plugin.socket)
     plugin.start_mounter()
     volumes = VolumeManager(StateDir(plugin.state_dir), RemoteMounter(plugin.mounter_socket), kubelet_dir=root)
-    import argparse
-
     server = build_server(argparse.Namespace(mode="node", node_id="node-a"), volumes.mounter, volumes)
     server.add_insecure_port(f"unix://{plugin.socket}")
     server.start()

@@ -10,6 +10,8 @@ import pytest
 import yaml
 from kubernetes.utils.quantity import parse_quantity
 
+from fusecore.config import parse_size
+
 from .test_chart import ROOT, by_kind, render
 from .test_manifests import EXAMPLES
 
@@ -35,12 +37,12 @@ def documented_installs() -> list[dict]:
 
 def example_caches() -> list[tuple[str, int]]:
     """(where, bytes) of every cache size an example asks for (PV attributes, StorageClass parameters,
-    inline volumes, DatasetCaches with an explicit size)."""
+    inline volumes, DatasetCaches with an explicit size), parsed as the driver parses them."""
     found = []
     for path in EXAMPLES:
         for doc in yaml.safe_load_all(open(path)):
             for where, size in _cache_sizes(doc or {}):
-                found.append((f"{os.path.basename(path)}: {where}", int(parse_quantity(size.replace("iB", "i")))))
+                found.append((f"{os.path.basename(path)}: {where}", parse_size(size)))
     return found
 
 

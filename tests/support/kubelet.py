@@ -106,14 +106,16 @@ def has_mount_refs(mount_path: str, refs: list[str]) -> bool:
 
 
 def _remove_mount_dir(path: str) -> None:
-    """pkg/volume/csi removeMountDir: leave a mounted directory alone, else remove it and vol_data.json."""
+    """pkg/volume/csi removeMountDir: leave a mounted directory alone, else remove it, the
+    vol_data.json beside it and their directory."""
     if is_mounted(path):
         return
-    for victim in (path, os.path.join(os.path.dirname(path), "vol_data.json"), os.path.dirname(path)):
+    parent = os.path.dirname(path)
+    for remove, victim in ((os.rmdir, path), (os.unlink, os.path.join(parent, "vol_data.json")), (os.rmdir, parent)):
         try:
-            os.rmdir(victim) if victim != os.path.join(os.path.dirname(path), "vol_data.json") else os.unlink(victim)
+            remove(victim)
         except FileNotFoundError:
-            pass
+            continue  # kubelet ignores "does not exist" at each step
         except OSError:
             return
 
