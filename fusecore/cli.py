@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -96,8 +97,19 @@ def config_from_args(args: argparse.Namespace) -> MountConfig:
         read_deadline=args.read_deadline,
         uid=args.uid,
         gid=args.gid,
-        fuse_fd=args.fuse_fd,
+        fuse_fd=None if args.fuse_fd is None else _fuse_fd(args.fuse_fd),
     )
+
+
+def _fuse_fd(fd: int) -> int:
+    """--fuse-fd must be an open /dev/fuse descriptor (the mounter mounted it already)."""
+    try:
+        given, fuse = os.fstat(fd), os.stat("/dev/fuse")
+    except OSError:
+        given = fuse = None
+    if given is None or not stat.S_ISCHR(given.st_mode) or given.st_rdev != fuse.st_rdev:
+        raise ConfigError(f"fuse-fd: {fd} is not an open /dev/fuse descriptor")
+    return fd
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
@@ -137,8 +149,9 @@ def _mount_in_background(args: argparse.Namespace, cfg: MountConfig) -> int:
     os.makedirs(os.path.dirname(log_file), mode=0o700, exist_ok=True)
     read_fd, write_fd = os.pipe()
     argv = [sys.executable, "-m", "stoker", *_child_argv(sys.argv[1:]), "--foreground", "--ready-fd", str(write_fd)]
+    inherited = (write_fd,) if cfg.fuse_fd is None else (write_fd, cfg.fuse_fd)
     with open(log_file, "ab") as log:
-        child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(write_fd,) if cfg.fuse_fd is None else (write_fd, cfg.fuse_fd),
+        child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=inherited,
                                  start_new_session=True, close_fds=True)
     os.close(write_fd)
     answer = _read_ready(read_fd, args.ready_timeout)

@@ -81,6 +81,20 @@ def test_delete_policy_removes_only_the_volume_prefix(controller_plugin, moto_se
     assert keys(s3, bucket) == set(outside)
 
 
+@pytest.mark.parametrize("volume_id", [
+    "stoker1:p=vols%2Fpvc-1%2F",              # no bucket
+    "stoker1:b=data&p=vols%2Fpvc-1",          # a prefix that is not a folder
+    "stoker1:b=data&p=vols%2F%2Fpvc-1%2F",    # an empty segment
+    "stoker1:b=data",                         # no prefix: the whole bucket is never a volume
+    "pvc-1",                                  # neither form
+])
+def test_ids_this_controller_did_not_make_are_never_acted_on(volume_id):
+    from csi.provision import delete_volume, split_volume_id
+
+    assert split_volume_id(volume_id) is None
+    assert delete_volume(volume_id, SECRETS) == 0  # nothing deleted, no store contacted
+
+
 def test_create_and_validate_errors(controller_plugin, moto_server, bucket):
     secret = provisioner_secret(moto_server.endpoint)
 

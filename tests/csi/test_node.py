@@ -108,6 +108,9 @@ def test_healthz_fails_while_the_driver_cannot_serve(plugin):
     """What the chart's liveness probe asks: 200 while Probe answers on the driver's own socket."""
     url = f"http://127.0.0.1:{plugin.health_port}/healthz"
     assert urllib.request.urlopen(url, timeout=10).status == 200
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(url.replace("/healthz", "/metrics"), timeout=10)
+    assert info.value.code == 404  # it serves /healthz and nothing else
     plugin.mounter.kill()
     plugin.mounter.wait()
     with pytest.raises(urllib.error.HTTPError) as info:

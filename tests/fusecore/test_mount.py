@@ -191,6 +191,20 @@ def test_wrong_credentials_fail_before_mounting_and_the_secret_is_never_printed(
     assert secret not in result.stderr + result.stdout + logs
 
 
+def test_a_fuse_fd_that_is_not_open_fails_with_a_clear_error(s3, bucket, mounts):
+    """--fuse-fd (the mounter hands over a /dev/fuse it mounted): a descriptor that is not open, or
+    not /dev/fuse, is refused in one line before anything starts."""
+    result = mounts.run(f"s3://{bucket}", "--fuse-fd", "987")
+    assert result.returncode == 2 and result.stderr.strip() == \
+        "stoker mount: fuse-fd: 987 is not an open /dev/fuse descriptor"
+    with open(os.devnull) as other:
+        result = subprocess.run([sys.executable, "-m", "stoker", "mount", f"s3://{bucket}", result.mountpoint,
+                                 "--fuse-fd", str(other.fileno())], pass_fds=(other.fileno(),),
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "is not an open /dev/fuse descriptor" in result.stderr
+    assert not os.path.ismount(result.args[5])
+
+
 def test_unreachable_endpoint_fails_quickly(mounts):
     started = time.monotonic()
     result = mounts.run("s3://b", "--max-attempts", "2", endpoint="http://127.0.0.1:9")
