@@ -145,7 +145,9 @@ def test_a_container_reads_again_after_its_mount_process_is_killed_mid_read(node
     assert mount_pid(plugin, "pv-imagenet") != pid
     assert not kubelet.volume_stats(pod, "data").volume_condition.abnormal
     print(f"container read the right bytes again {recovered_in:.1f}s after kill -9")
-    kubelet.delete_pod(other)
+    kubelet.delete_pod(other)  # unmounting its stacked layers must not travel back to the staging mount
+    assert pod.container.read("data", "part-1.bin") == sha(dataset["train/part-1.bin"])
+    assert not kubelet.volume_stats(pod, "data").volume_condition.abnormal
     kubelet.delete_pod(pod)  # every stacked layer goes; the refs check still passes
     assert kubelet.refused == [] and stoker_mounts(str(plugin.tmp_path)) == []
 

@@ -47,6 +47,30 @@ def test_locks_refuse_a_second_holder_and_free_on_exit():
         pass
 
 
+def test_a_second_caller_waits_its_turn_for_a_short_while():
+    """RPCs wait briefly for a health check or repair holding the volume, instead of ABORTED at once."""
+    import threading
+    import time
+
+    locks = VolumeLocks()
+    entered = threading.Event()
+
+    def busy() -> None:
+        with locks.hold("a"):
+            entered.set()
+            time.sleep(0.5)
+
+    worker = threading.Thread(target=busy)
+    worker.start()
+    assert entered.wait(5)
+    with pytest.raises(VolumeBusy):
+        with locks.hold("a", wait=0.05):
+            pass
+    with locks.hold("a", wait=5):  # granted once the first holder is done
+        assert not worker.is_alive()
+    worker.join()
+
+
 def test_overlapping_calls_on_one_volume_get_aborted(tmp_path):
     mounter = HeldMounter()
     volumes = VolumeManager(StateDir(str(tmp_path / "state")), mounter, check_store=False)
