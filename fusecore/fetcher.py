@@ -47,9 +47,9 @@ class ByteBudget:
 class _Pending:
     """The shared future of one block GET; readers may take bytes as soon as they arrive."""
 
-    __slots__ = ("done", "data", "error", "demanded", "visit", "buffer", "progress")
+    __slots__ = ("done", "data", "error", "demanded", "visit", "buffer", "progress", "queued")
 
-    def __init__(self, demanded: bool, visit: Hashable | None):
+    def __init__(self, demanded: bool, visit: Hashable | None, queued: int = 0):
         self.done = trio.Event()
         self.data: Buffer | None = None
         self.error: StoreError | None = None
@@ -57,6 +57,7 @@ class _Pending:
         self.visit = visit
         self.buffer: Buffer | None = None  # being filled; valid up to progress.received
         self.progress = Progress()
+        self.queued = queued  # bytes a prefetch promised, until its GET reserves them in the cache
 
 
 class Fetcher:
@@ -147,22 +148,22 @@ class Fetcher:
                 wanted: Callable[[], bool] = lambda: True, queued: int = 0) -> _Pending:
         if self._nursery is None:
             raise RuntimeError("Fetcher.start() was not called")
-        pending = _Pending(demanded, visit)
+        pending = _Pending(demanded, visit, queued)
         self._pending[key] = pending
-        self._nursery.start_soon(self._run, key, obj, pending, wanted, queued)
+        self._nursery.start_soon(self._run, key, obj, pending, wanted)
         return pending
 
-    async def _run(self, key: BlockKey, obj: ObjectInfo, pending: _Pending, wanted: Callable[[], bool],
-                   queued: int = 0) -> None:
+    def _settle(self, pending: _Pending) -> None:
+        """A prefetch's promised bytes are now reserved in the cache (or never will be)."""
+        self._queued -= pending.queued
+        pending.queued = 0
+
+    async def _run(self, key: BlockKey, obj: ObjectInfo, pending: _Pending, wanted: Callable[[], bool]) -> None:
         try:
             if pending.demanded:
-                self._queued -= queued
-                queued = 0
                 pending.data = await self._fetch(key, obj, pending)
             else:
                 async with self._prefetch_slots:
-                    self._queued -= queued
-                    queued = 0
                     if pending.demanded or wanted():
                         pending.data = await self._fetch(key, obj, pending)
             if pending.data is not None:
@@ -179,7 +180,7 @@ class Fetcher:
             elif not pending.demanded:
                 log.info("prefetch of %s block %d failed: %s", obj.key, key.index, exc)
         finally:
-            self._queued -= queued
+            self._settle(pending)
             del self._pending[key]
             pending.done.set()
 
@@ -188,6 +189,7 @@ class Fetcher:
         nbytes = end - start
         await self._bytes.acquire(nbytes)
         self.cache.reserve(nbytes)
+        self._settle(pending)  # promised until here: waiting for the byte budget must not free room
         self.metrics.inflight_requests.inc()
         self.metrics.inflight_bytes.inc(nbytes)
         try:
@@ -216,6 +218,10 @@ class Fetcher:
         finally:
             self.metrics.inflight_requests.dec()
             self.metrics.inflight_bytes.dec(nbytes)
-            self.cache.release(nbytes)
-            await self._bytes.release(nbytes)
+            try:
+                await self._bytes.release(nbytes)
+            finally:
+                # Last, with no await after it: the caller puts the block in the cache before any other
+                # task runs, so the bytes never look free in between (a prefetch could claim them twice).
+                self.cache.release(nbytes)
 

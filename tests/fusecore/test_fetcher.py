@@ -219,3 +219,32 @@ def test_a_body_that_breaks_off_is_resumed_not_restarted():
     run(body)
     assert out[0] == payload[:BLOCK]
     assert store.ranges == [("k", 0, BLOCK), ("k", 40_000, BLOCK)]
+
+
+def test_prefetches_never_claim_more_room_than_the_staging_cap():
+    """Bytes a prefetch promised stay promised while it waits for the byte budget and until its block
+    is staged: otherwise later prefetches overcommit the room, and staged blocks are dropped unread
+    (and fetched a second time when the reader comes)."""
+    store = FakeStore()
+    info = store.put("shards", b"y" * (64 * BLOCK))
+    store.faults.latency = 0.02
+    fetcher, cache = make(store, budget=2 * 1024 * KiB, inflight=2 * BLOCK)  # room: 4 blocks, 2 in flight
+    issued = set()
+
+    async def body(nursery):
+        fetcher.start(nursery)
+        with trio.move_on_after(3):
+            while len(issued) < 64:  # a read-ahead that takes every bit of room it is given
+                for index in range(64):
+                    if index not in issued:
+                        if not fetcher.prefetch(info, index):
+                            break
+                        issued.add(index)
+                await trio.sleep(0)
+        while fetcher.inflight:
+            await trio.sleep(0.01)
+
+    run(body)
+    assert cache.transient_room >= 0 and len(issued) >= 4
+    assert cache.stats().prefetch_dropped == 0, "staged prefetches were dropped before anyone read them"
+    assert store.calls["get"] == len(issued)
