@@ -12,11 +12,12 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from fusecore.config import ConfigError, Credentials, MountConfig, StoreConfig, parse_size, parse_ttl
+from fusecore.config import ConfigError, Credentials, Identity, MountConfig, StoreConfig, parse_size, parse_ttl
 
 log = logging.getLogger(__name__)
 
 EPHEMERAL_KEY = "csi.storage.k8s.io/ephemeral"
+TOKENS_KEY = "csi.storage.k8s.io/serviceAccount.tokens"  # the pod's service-account tokens (bearer secrets)
 _KUBERNETES_PREFIXES = ("csi.storage.k8s.io/", "storage.kubernetes.io/")
 
 
@@ -49,29 +50,31 @@ def _seconds(text: str) -> float:
 
 @dataclass(frozen=True)
 class Knob:
-    """One tunable volume attribute and the `stoker mount` flag it becomes."""
+    """One tunable volume attribute and the MountConfig setting it becomes."""
 
-    flag: str
+    setting: str  # a MountConfig field, or "store.<StoreConfig field>"
     parse: Callable[[str], object]
-    config_name: str  # the name MountConfig/ConfigError uses for it
+    config_name: str  # the name ConfigError uses for it
 
 
 KNOBS: dict[str, Knob] = {
-    "cacheSize": Knob("--cache-size", lambda v: parse_size(v, name="cacheSize"), "cache-size"),
-    "blockSize": Knob("--block-size", lambda v: parse_size(v, name="blockSize"), "block-size"),
-    "maxPrefetch": Knob("--max-prefetch", lambda v: parse_size(v, name="maxPrefetch"), "max-prefetch"),
-    "maxConcurrency": Knob("--max-concurrency", _positive_int, "max-concurrency"),
-    "metadataTTL": Knob("--metadata-ttl", lambda v: parse_ttl(v, name="metadataTTL"), "metadata-ttl"),
-    "requestTimeout": Knob("--request-timeout", _seconds, "timeouts"),
-    "connectTimeout": Knob("--connect-timeout", _seconds, "timeouts"),
-    "maxAttempts": Knob("--max-attempts", _positive_int, "max-attempts"),
-    "readDeadline": Knob("--read-deadline", _seconds, "read-deadline"),
-    "readAheadKb": Knob("--read-ahead-kb", _positive_int, "read-ahead-kb"),
-    "kernelCache": Knob("--no-kernel-cache", _boolean, "kernel-cache"),
-    "uid": Knob("--uid", _positive_int, "uid"),
-    "gid": Knob("--gid", _positive_int, "gid"),
+    "cacheSize": Knob("cache_size", lambda v: parse_size(v, name="cacheSize"), "cache-size"),
+    "blockSize": Knob("block_size", lambda v: parse_size(v, name="blockSize"), "block-size"),
+    "maxPrefetch": Knob("max_prefetch", lambda v: parse_size(v, name="maxPrefetch"), "max-prefetch"),
+    "maxConcurrency": Knob("store.max_concurrency", _positive_int, "max-concurrency"),
+    "metadataTTL": Knob("metadata_ttl", lambda v: parse_ttl(v, name="metadataTTL"), "metadata-ttl"),
+    "requestTimeout": Knob("store.request_timeout", _seconds, "timeouts"),
+    "connectTimeout": Knob("store.connect_timeout", _seconds, "timeouts"),
+    "maxAttempts": Knob("store.max_attempts", _positive_int, "max-attempts"),
+    "readDeadline": Knob("read_deadline", _seconds, "read-deadline"),
+    "readAheadKb": Knob("read_ahead_kb", _positive_int, "read-ahead-kb"),
+    "kernelCache": Knob("kernel_cache", _boolean, "kernel-cache"),
+    "uid": Knob("uid", _positive_int, "uid"),
+    "gid": Knob("gid", _positive_int, "gid"),
 }
 STORE_ATTRIBUTES = ("bucket", "prefix", "endpointUrl", "region")
+AUTH_SOURCES = ("secret", "pod", "node")  # csi/auth.py
+AUTH_ATTRIBUTES = ("authenticationSource", "roleArn", "stsEndpointUrl")
 # Each credential under the spellings Secrets shared with other tools use; any other key is ignored.
 SECRET_SPELLINGS = {
     "accessKeyId": ("accessKeyId", "accessKeyID", "AWS_ACCESS_KEY_ID"),
@@ -84,8 +87,8 @@ _CREDENTIAL_LOOKALIKES = {"accesskeyid", "secretaccesskey", "sessiontoken", "aws
 
 
 def looks_like_credential(key: str) -> bool:
-    """An attribute name under which someone probably put a secret by mistake."""
-    return key.lower() in _CREDENTIAL_LOOKALIKES
+    """An attribute name under which someone probably put a secret by mistake (or kubelet put the pod's tokens)."""
+    return key.lower() in _CREDENTIAL_LOOKALIKES or key == TOKENS_KEY
 
 
 @dataclass(frozen=True)
@@ -98,34 +101,33 @@ class VolumeSpec:
     region: str | None = None
     knobs: tuple[tuple[str, object], ...] = ()  # (attribute, parsed value), sorted
     ephemeral: bool = False
+    auth: str | None = None  # authenticationSource; None: 'secret' when the volume has one (csi/auth.py)
+    role_arn: str | None = None
+    sts_endpoint_url: str | None = None
 
     @property
     def source(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}"
 
-    def mount_argv(self, mountpoint: str, control_socket: str, log_file: str, *,
-                   cache_size: int | None = None) -> list[str]:
-        """Arguments of `stoker mount` for this volume (no credentials: those travel in the environment);
-        `cache_size` overrides the volume's own cacheSize (a DatasetCache's plan)."""
-        argv = ["mount", self.source, mountpoint, "--allow-other", "--control-socket", control_socket,
-                "--log-file", log_file]
-        if self.endpoint_url:
-            argv += ["--endpoint-url", self.endpoint_url]
-        if self.region:
-            argv += ["--region", self.region]
+    def mount_config(self, mountpoint: str, control_socket: str, *, credentials: Identity | None = None,
+                     cache_size: int | None = None) -> MountConfig:
+        """The mount's configuration; `cache_size` overrides the volume's own cacheSize (a DatasetCache's plan)."""
         knobs = dict(self.knobs)
         if cache_size is not None:
             knobs["cacheSize"] = cache_size
-        for name, value in sorted(knobs.items()):
-            knob = KNOBS[name]
-            if name == "kernelCache":
-                if not value:
-                    argv.append(knob.flag)
+        settings: dict[str, object] = {}
+        store: dict[str, object] = {}
+        for name, value in knobs.items():
+            setting = KNOBS[name].setting
+            if setting.startswith("store."):
+                store[setting[len("store."):]] = value
             else:
-                argv += [knob.flag, str(value)]
-        return argv
+                settings[setting] = value
+        return MountConfig(store=StoreConfig(bucket=self.bucket, prefix=self.prefix, endpoint_url=self.endpoint_url,
+                                             region=self.region, credentials=credentials, **store),
+                           mountpoint=mountpoint, control_socket=control_socket, allow_other=True, **settings)
 
-    def store_config(self, credentials: Credentials | None = None, **overrides) -> StoreConfig:
+    def store_config(self, credentials: Identity | None = None, **overrides) -> StoreConfig:
         """Where this volume's objects live, for a store client (checks, listing) outside the mount."""
         knobs = dict(self.knobs)
         settings = {"max_concurrency": int(knobs.get("maxConcurrency", 64)),
@@ -155,17 +157,25 @@ def parse_volume_context(context: dict[str, str]) -> VolumeSpec:
         elif looks_like_credential(key):
             raise AttributeProblem(f"volume attribute {key!r}: credentials are read only from the secret "
                                    "(nodeStageSecretRef / nodePublishSecretRef), never from attributes")
-        elif key in STORE_ATTRIBUTES:
+        elif key in STORE_ATTRIBUTES or key in AUTH_ATTRIBUTES:
             values[key] = raw.strip()
         elif key in KNOBS:
             values[key] = _parse(key, raw, KNOBS[key].parse)
         else:
-            known = ", ".join([*STORE_ATTRIBUTES, *KNOBS])
+            known = ", ".join([*STORE_ATTRIBUTES, *AUTH_ATTRIBUTES, *KNOBS])
             raise AttributeProblem(f"unknown volume attribute {key!r} (known: {known})")
     bucket = str(values.pop("bucket", "") or "")
     if not bucket:
         raise AttributeProblem("volume attribute 'bucket' is required")
     prefix = str(values.pop("prefix", "") or "").strip("/")
+    auth = str(values.pop("authenticationSource", "")) or None
+    if auth is not None and auth not in AUTH_SOURCES:
+        raise AttributeProblem(f"volume attribute 'authenticationSource': expected one of {', '.join(AUTH_SOURCES)}, "
+                               f"got {auth!r}")
+    role_arn = str(values.pop("roleArn", "")) or None
+    if role_arn is not None and not role_arn.startswith("arn:"):
+        raise AttributeProblem(f"volume attribute 'roleArn': expected an IAM role ARN (arn:...), got {role_arn!r}")
+    sts_endpoint = str(values.pop("stsEndpointUrl", "")) or None
     spec = VolumeSpec(
         bucket=bucket,
         prefix=f"{prefix}/" if prefix else "",
@@ -173,17 +183,18 @@ def parse_volume_context(context: dict[str, str]) -> VolumeSpec:
         region=str(values.pop("region", "")) or None,
         knobs=tuple(sorted(values.items())),
         ephemeral=ephemeral,
+        auth=auth,
+        role_arn=role_arn,
+        sts_endpoint_url=sts_endpoint,
     )
     check_ranges(spec)
     return spec
 
 
 def check_ranges(spec: VolumeSpec) -> MountConfig:
-    """Build the MountConfig the mount will build, so that range errors surface here, named."""
-    knobs = dict(spec.knobs)
+    """Build the MountConfig the mount will get, so that range errors surface here, named."""
     try:
-        return MountConfig(store=spec.store_config(), cache_size=int(knobs.get("cacheSize", 4 * 1024**3)),
-                           block_size=int(knobs.get("blockSize", 4 * 1024**2)))
+        return spec.mount_config("/", "/")
     except ConfigError as exc:
         text = str(exc)
         for name, knob in KNOBS.items():
@@ -218,16 +229,6 @@ def parse_secrets(secrets: dict[str, str]) -> Credentials | None:
         raise AttributeProblem("secret needs both 'accessKeyId' and 'secretAccessKey' "
                                "(or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)")
     return Credentials(key_id, secret, found.get("sessionToken") or None)
-
-
-def credentials_env(creds: Credentials | None) -> dict[str, str]:
-    """Environment for a mount process: keys from the secret, or nothing (default credential chain)."""
-    if creds is None:
-        return {}
-    env = {"AWS_ACCESS_KEY_ID": creds.access_key_id, "AWS_SECRET_ACCESS_KEY": creds.secret_access_key}
-    if creds.session_token:
-        env["AWS_SESSION_TOKEN"] = creds.session_token
-    return env
 
 
 def _parse(key: str, raw: str, parse: Callable[[str], object]):

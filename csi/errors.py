@@ -34,6 +34,10 @@ class Conflict(VolumeError):
     """The path is already used differently (a conflicting re-stage or re-publish)."""
 
 
+class PermissionDenied(VolumeError):
+    """The caller's identity may not use the volume's running mount (another principal's mount)."""
+
+
 class VolumeBusy(VolumeError):
     """Another operation on the same volume is in flight."""
 
@@ -54,6 +58,7 @@ STATUS_BY_ERROR: dict[type[Exception], grpc.StatusCode] = {
     NotStaged: grpc.StatusCode.FAILED_PRECONDITION,
     Conflict: grpc.StatusCode.ALREADY_EXISTS,
     VolumeBusy: grpc.StatusCode.ABORTED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     NotReady: grpc.StatusCode.FAILED_PRECONDITION,
     StillMounted: grpc.StatusCode.INTERNAL,
     BucketNotFound: grpc.StatusCode.NOT_FOUND,

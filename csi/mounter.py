@@ -1,109 +1,170 @@
 """Who starts mount processes: this process, or a separate long-lived mounter reached over a socket.
 
-Mount processes must outlive the CSI server. On a plain host `stoker mount` already detaches them
-(own session), so a restarted or killed `stoker csi` leaves them serving. In Kubernetes a container
-restart kills every process of the container, so the DaemonSet runs a second, rarely-changing
-container, `stoker csi-mounter`, that owns the mount processes; the node plugin asks it over a unix
-socket in a shared emptyDir. Upgrading or restarting the node plugin then leaves the mounts alone.
+Mount processes must outlive the CSI server. On a plain host they are detached (own session), so a
+restarted or killed `stoker csi` leaves them serving. In Kubernetes a container restart kills every
+process of the container, so the DaemonSet runs a second, rarely-changing container,
+`stoker csi-mounter`, that owns the mount processes; the node plugin asks it over a unix socket.
+
+The mounter runs mounts and nothing else. A request is one typed document: the mount's
+configuration (validated by fusecore.config, unknown settings refused), its credentials (as
+credentials, never as environment), and its log file. The mount point must be one of kubelet's
+paths for this driver, the control socket and log file must lie in the state directory, and the
+caller must be root or the mounter's own user (SO_PEERCRED). Anything else is answered with an error
+and runs nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import socket
 import socketserver
-import subprocess
-import sys
-from typing import Protocol
+import struct
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from fusecore.config import ConfigError, parse_s3_url
-from fusecore.mounts import NOT_READY_STATUS, detach_top, mount_fuse_fd, top_mount
+from fusecore.config import ConfigError, MountConfig, config_from_document, identity_document, identity_from_document, \
+    mount_document
+from fusecore.launch import LaunchFailed, NotReady, launch
+from fusecore.mounts import detach_top, mount_fuse_fd, top_mount
+
+from .layout import is_pod_target, is_staging_path
 
 log = logging.getLogger(__name__)
 
-_CREDENTIAL_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+# Variables through which a process would find credentials of its own; a mount given credentials
+# starts without them (and without the instance metadata service).
+_AMBIENT_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE",
+                 "AWS_DEFAULT_PROFILE", "AWS_ROLE_ARN", "AWS_ROLE_SESSION_NAME", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+                 "AWS_CONTAINER_AUTHORIZATION_TOKEN", "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE",
+                 "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE")
+_REQUEST_KEYS = {"op", "config", "credentials", "log_file", "timeout"}
+MAX_REQUEST = 1024 * 1024
 
 
 class MountFailed(RuntimeError):
-    """`stoker mount` did not mount; the message says why (never a credential)."""
+    """The mount did not start; the message says why (never a credential)."""
 
 
 class MountNotReady(MountFailed):
     """The mount did not become ready in time (and nothing is left mounted)."""
 
 
+class MountRefused(MountFailed):
+    """The request is not one the mounter runs (bad document, path outside its directories, caller)."""
+
+
+@dataclass(frozen=True)
+class MountRequest:
+    """One mount to start: configuration with credentials (None: the node's own), and its log file."""
+
+    config: MountConfig
+    log_file: str
+
+    def message(self, timeout: float) -> dict:
+        return {"op": "mount", "config": mount_document(self.config),
+                "credentials": identity_document(self.config.store.credentials), "log_file": self.log_file,
+                "timeout": timeout}
+
+    @classmethod
+    def from_message(cls, message: Any) -> tuple["MountRequest", float]:
+        if not isinstance(message, dict) or set(message) - _REQUEST_KEYS:
+            extra = sorted(set(message) - _REQUEST_KEYS) if isinstance(message, dict) else []
+            raise MountRefused(f"the mounter takes a mount document only (unexpected: {', '.join(extra) or 'type'})")
+        try:
+            config = config_from_document(message.get("config"), identity_from_document(message.get("credentials")))
+        except ConfigError as exc:
+            raise MountRefused(f"bad mount document: {exc}") from None
+        log_file, timeout = message.get("log_file"), message.get("timeout", 60)
+        if not isinstance(log_file, str) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 600:
+            raise MountRefused("bad mount document: log_file must be a path and timeout 0-600 seconds")
+        return cls(config, log_file), float(timeout)
+
+
+@dataclass(frozen=True)
+class MountRules:
+    """Where mounts may go: kubelet's paths for this driver, sockets and logs in the state directory."""
+
+    kubelet_dir: str
+    state_dir: str
+    allow_node_credentials: bool = False
+
+    def check(self, request: MountRequest) -> None:
+        cfg = request.config
+        if not (is_staging_path(self.kubelet_dir, cfg.mountpoint) or is_pod_target(self.kubelet_dir, cfg.mountpoint)):
+            raise MountRefused(f"mount point {cfg.mountpoint} is not a staging or pod volume path of this driver "
+                               f"under {self.kubelet_dir}")
+        if not _inside(os.path.join(self.state_dir, "run"), cfg.control_socket or "", ".sock"):
+            raise MountRefused("the control socket must lie in the state directory's run/")
+        if not _inside(os.path.join(self.state_dir, "logs"), request.log_file, ".log"):
+            raise MountRefused("the log file must lie in the state directory's logs/")
+        if cfg.metrics_port is not None:
+            raise MountRefused("mounts started by the mounter serve no metrics port (the node plugin exports them)")
+        if cfg.store.profile is not None:
+            raise MountRefused("mounts started by the mounter use no AWS profile")
+        if cfg.store.credentials is None and not self.allow_node_credentials:
+            raise MountRefused("mounts with the node's own credentials are disabled (--allow-node-credentials)")
+
+
+def _inside(folder: str, path: str, suffix: str) -> bool:
+    folder = os.path.normpath(os.path.abspath(folder))
+    return (path.startswith("/") and os.path.normpath(path) == path and os.path.dirname(path) == folder
+            and path.endswith(suffix) and "/" not in os.path.basename(path))
+
+
 class Mounter(Protocol):
-    def start(self, argv: list[str], env: dict[str, str], timeout: float) -> None: ...
+    def start(self, request: MountRequest, timeout: float) -> None: ...
     def healthy(self) -> str | None: ...
 
 
-def _check_argv(argv: list[str]) -> None:
-    if not argv or argv[0] != "mount":
-        raise MountFailed("the mounter only runs `stoker mount`")
-
-
 class ProcessMounter:
-    """Mounts /dev/fuse at the volume's path itself, then runs `stoker mount --fuse-fd` (detached,
-    own session) to serve it.
+    """Mounts /dev/fuse at the volume's path itself, then starts the detached serving process on it.
 
     Mounting here, with mount(2), lets a new mount go on top of a dead one (libfuse's own mount
     stat()s the mount point first, which fails with ENOTCONN there): that is how a repaired mount
     reaches every bind of the old one and every container's view of them (see csi/volumes.py).
     """
 
-    def start(self, argv: list[str], env: dict[str, str], timeout: float) -> None:
-        _check_argv(argv)
-        mountpoint = argv[2] if len(argv) > 2 else ""
+    def __init__(self, rules: MountRules):
+        self.rules = rules
+
+    def start(self, request: MountRequest, timeout: float) -> None:
+        self.rules.check(request)
+        cfg = request.config
         try:
-            bucket, _ = parse_s3_url(argv[1] if len(argv) > 1 else "")
-        except ConfigError as exc:
-            raise MountFailed(str(exc)) from None
-        try:
-            fd = mount_fuse_fd(mountpoint, f"stoker:{bucket}", allow_other="--allow-other" in argv,
+            fd = mount_fuse_fd(cfg.mountpoint, f"stoker:{cfg.store.bucket}", allow_other=cfg.allow_other,
                                uid=os.getuid(), gid=os.getgid())
         except OSError as exc:
-            raise MountFailed(f"cannot mount at {mountpoint}: {exc.strerror}") from None
-        mounted = top_mount(mountpoint)
+            raise MountFailed(f"cannot mount at {cfg.mountpoint}: {exc.strerror}") from None
+        mounted = top_mount(cfg.mountpoint)
         try:
-            self._serve(argv, fd, env, timeout)
-        except MountFailed:
+            launch(dataclasses.replace(cfg, fuse_fd=fd), log_file=request.log_file, ready_timeout=timeout,
+                   env=_child_env(cfg))
+        except LaunchFailed as exc:
             if mounted is not None:  # never leave the mount of a process that did not start
-                detach_top(mountpoint, mounted.device)
-            raise
+                detach_top(cfg.mountpoint, mounted.device)
+            raise (MountNotReady if isinstance(exc, NotReady) else MountFailed)(str(exc)) from None
         finally:
             os.close(fd)  # the serving process holds it now: its death aborts the connection
-
-    @staticmethod
-    def _serve(argv: list[str], fd: int, env: dict[str, str], timeout: float) -> None:
-        child_env = dict(os.environ)
-        if env:  # keys from the volume's secret replace whatever this process has
-            for var in _CREDENTIAL_VARS:
-                child_env.pop(var, None)
-            child_env.update(env)
-        cmd = [sys.executable, "-m", "stoker", *argv, "--fuse-fd", str(fd), "--ready-timeout", str(timeout)]
-        try:
-            result = subprocess.run(cmd, env=child_env, capture_output=True, text=True, timeout=timeout + 30,
-                                    stdin=subprocess.DEVNULL, pass_fds=(fd,))
-        except subprocess.TimeoutExpired:
-            raise MountNotReady(f"the mount did not become ready within {timeout:g}s") from None
-        if result.returncode == NOT_READY_STATUS:
-            raise MountNotReady(_reason(result.stderr))
-        if result.returncode != 0:
-            raise MountFailed(_reason(result.stderr))
 
     def healthy(self) -> str | None:
         return None
 
 
-def _reason(stderr: str) -> str:
-    lines = [line.removeprefix("stoker mount: ") for line in stderr.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else "stoker mount failed without a message"
+def _child_env(cfg: MountConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    if cfg.store.credentials is not None:
+        for var in _AMBIENT_VARS:
+            env.pop(var, None)
+        env["AWS_EC2_METADATA_DISABLED"] = "true"
+    return env
 
 
 class RemoteMounter:
-    """Client of `stoker csi-mounter` (JSON lines over a unix socket)."""
+    """Client of `stoker csi-mounter` (one JSON document per connection over a unix socket)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -122,10 +183,11 @@ class RemoteMounter:
             raise MountFailed(f"the mounter at {self.path} closed the connection")
         return json.loads(line)
 
-    def start(self, argv: list[str], env: dict[str, str], timeout: float) -> None:
-        reply = self._call({"op": "mount", "argv": argv, "env": env, "timeout": timeout}, timeout + 60)
+    def start(self, request: MountRequest, timeout: float) -> None:
+        reply = self._call(request.message(timeout), timeout + 60)
         if reply.get("error"):
-            raise (MountNotReady if reply.get("not_ready") else MountFailed)(reply["error"])
+            kind = {"not_ready": MountNotReady, "refused": MountRefused}.get(reply.get("kind"), MountFailed)
+            raise kind(reply["error"])
 
     def healthy(self) -> str | None:
         try:
@@ -135,44 +197,66 @@ class RemoteMounter:
         return None
 
 
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a unix socket (SO_PEERCRED)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
 class _Handler(socketserver.StreamRequestHandler):
+    server: "_Server"
+
     def handle(self) -> None:
-        try:
-            request = json.loads(self.rfile.readline())
-            op = request.get("op")
-            if op == "ping":
-                reply: dict = {"ok": True}
-            elif op == "mount":
-                reply = self._mount(request)
-            else:
-                reply = {"error": f"unknown op {op!r}"}
-        except (ValueError, AttributeError, TypeError):
-            reply = {"error": "malformed request"}
+        uid = peer_uid(self.connection)
+        if uid not in (0, os.getuid()):
+            log.warning("refused a request from uid %d", uid)
+            reply: dict = {"error": f"uid {uid} may not use the mounter", "kind": "refused"}
+        else:
+            reply = self._answer(self.rfile.readline(MAX_REQUEST))
         self.wfile.write(json.dumps(reply).encode() + b"\n")
 
-    def _mount(self, request: dict) -> dict:
-        argv = [str(a) for a in request.get("argv", [])]
+    def _answer(self, line: bytes) -> dict:
         try:
-            ProcessMounter().start(argv, {str(k): str(v) for k, v in request.get("env", {}).items()},
-                                   float(request.get("timeout", 60)))
+            request = json.loads(line)
+        except ValueError:
+            return {"error": "malformed request", "kind": "refused"}
+        op = request.get("op") if isinstance(request, dict) else None
+        if op == "ping":
+            return {"ok": True}
+        if op != "mount":
+            return {"error": f"unknown op {op!r}", "kind": "refused"}
+        try:
+            mount, timeout = MountRequest.from_message(request)
+            self.server.mounter.start(mount, timeout)
+        except MountRefused as exc:
+            log.warning("refused a mount request: %s", exc)
+            return {"error": str(exc), "kind": "refused"}
         except MountNotReady as exc:
-            return {"error": str(exc), "not_ready": True}
+            return {"error": str(exc), "kind": "not_ready"}
         except MountFailed as exc:
             return {"error": str(exc)}
-        log.info("mounted %s at %s", argv[1] if len(argv) > 1 else "?", argv[2] if len(argv) > 2 else "?")
+        cfg = mount.config
+        log.info("mounted s3://%s/%s at %s", cfg.store.bucket, cfg.store.prefix, cfg.mountpoint)
         return {"ok": True}
 
 
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
+    mounter: ProcessMounter
 
 
-def serve_mounter(path: str) -> None:
-    """Serve mount requests on `path` (mode 0600) until killed."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+def serve_mounter(path: str, rules: MountRules) -> None:
+    """Serve mount requests on `path` (mode 0600, root or our own user only) until killed."""
+    os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
     if os.path.exists(path):
         os.unlink(path)
-    with _Server(path, _Handler) as server:
+    old_mask = os.umask(0o177)  # the socket exists with mode 0600 from the start
+    try:
+        server = _Server(path, _Handler)
+    finally:
+        os.umask(old_mask)
+    with server:
+        server.mounter = ProcessMounter(rules)
         os.chmod(path, 0o600)
         log.info("mounter listening on %s", path)
         server.serve_forever()

@@ -19,10 +19,14 @@ from . import csi_pb2_grpc as rpc
 from .attributes import looks_like_credential
 from .controller import ControllerService
 from .metrics import serve_metrics
-from .mounter import Mounter, ProcessMounter, RemoteMounter, serve_mounter
+from .auth import DEFAULT_AUDIENCE, AuthPolicy
+from .layout import DEFAULT_KUBELET_DIR
+from .mounter import Mounter, MountRules, ProcessMounter, RemoteMounter, serve_mounter
 from .node import IdentityService, NodeService
-from .state import StateDir
-from .volumes import DEFAULT_KUBELET_DIR, VolumeManager
+from .state import SecretStore, StateDir
+from .volumes import VolumeManager
+
+DEFAULT_SECRETS_DIR = "/run/stoker-csi"  # tmpfs on systemd hosts
 
 log = logging.getLogger("stoker.csi")
 
@@ -134,13 +138,16 @@ def serve_health(socket: str, port: int, addr: str) -> http.server.ThreadingHTTP
 def cmd_csi(args: argparse.Namespace) -> int:
     _logging(args.log_level)
     path = socket_path(args.endpoint)
-    mounter: Mounter = RemoteMounter(args.mounter_socket) if args.mounter_socket else ProcessMounter()
+    rules = MountRules(os.path.abspath(args.kubelet_dir), os.path.abspath(args.state_dir), args.allow_node_credentials)
+    mounter: Mounter = RemoteMounter(args.mounter_socket) if args.mounter_socket else ProcessMounter(rules)
     volumes = None
     if args.mode in ("node", "all"):
         if not args.node_id:
             raise SystemExit("stoker csi: --node-id is required for the node service")
-        volumes = VolumeManager(StateDir(args.state_dir), mounter, kubelet_dir=args.kubelet_dir,
-                                ready_timeout=args.mount_timeout)
+        policy = AuthPolicy(allow_node_credentials=args.allow_node_credentials, audience=args.token_audience,
+                            role_lookup=_role_lookup(args.service_account_roles))
+        volumes = VolumeManager(StateDir(args.state_dir), mounter, secrets=SecretStore(args.secrets_dir),
+                                policy=policy, kubelet_dir=args.kubelet_dir, ready_timeout=args.mount_timeout)
         repaired = volumes.check_all(sweep_orphans=True)  # start-up: repair broken volumes, drop stale ones
         log.info("found %d volume(s) in %s; repaired %d", len(volumes.state.records()), args.state_dir, len(repaired))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -148,7 +155,11 @@ def cmd_csi(args: argparse.Namespace) -> int:
         os.unlink(path)
     server = build_server(args, mounter, volumes)
     server.add_insecure_port(f"unix://{path}")
-    server.start()
+    old_mask = os.umask(0o177 if volumes is not None else 0o117)  # node: kubelet (root) only
+    try:
+        server.start()
+    finally:
+        os.umask(old_mask)
     log.info("serving CSI %s services on %s (node id %s)", args.mode, path, args.node_id)
     if args.health_port:
         serve_health(path, args.health_port, args.health_addr)
@@ -172,10 +183,20 @@ def cmd_csi(args: argparse.Namespace) -> int:
     return 0
 
 
+def _role_lookup(enabled: bool):
+    """Role ARNs from service-account annotations, read through the API (the node's service account)."""
+    if not enabled:
+        return None
+    from .serviceaccounts import ServiceAccountRoles
+
+    return ServiceAccountRoles()
+
+
 def cmd_mounter(args: argparse.Namespace) -> int:
     _logging(args.log_level)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    serve_mounter(args.socket)
+    serve_mounter(args.socket, MountRules(os.path.abspath(args.kubelet_dir), os.path.abspath(args.state_dir),
+                                          args.allow_node_credentials))
     return 0
 
 
@@ -195,6 +216,14 @@ def add_commands(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     c.add_argument("--state-dir", default="/var/lib/stoker-csi", help="where volume records survive restarts")
     c.add_argument("--kubelet-dir", default=DEFAULT_KUBELET_DIR,
                    help="kubelet's root directory: volumes are mounted at its staging paths")
+    c.add_argument("--secrets-dir", default=DEFAULT_SECRETS_DIR,
+                   help="where the credentials of running mounts are kept for repairs (put it on tmpfs)")
+    c.add_argument("--allow-node-credentials", action="store_true",
+                   help="let volumes with authenticationSource: node use the node's own credentials")
+    c.add_argument("--token-audience", default=DEFAULT_AUDIENCE,
+                   help="audience of the service-account token used for authenticationSource: pod")
+    c.add_argument("--service-account-roles", action="store_true",
+                   help="read a pod's IAM role from its service account's eks.amazonaws.com/role-arn annotation")
     c.add_argument("--health-port", type=int, help="serve GET /healthz (the driver answers Probe) on this port")
     c.add_argument("--health-addr", default="0.0.0.0")
     c.add_argument("--mounter-socket", help="ask `stoker csi-mounter` on this socket to start mounts "
@@ -208,6 +237,11 @@ def add_commands(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
     m = sub.add_parser("csi-mounter", help="own the mount processes of the CSI node plugin (own container)")
     m.add_argument("--socket", default="/run/stoker-mounter/mounter.sock")
+    m.add_argument("--state-dir", default="/var/lib/stoker-csi",
+                   help="the node plugin's state directory: control sockets and logs of mounts lie there")
+    m.add_argument("--kubelet-dir", default=DEFAULT_KUBELET_DIR, help="mount only at kubelet's paths under it")
+    m.add_argument("--allow-node-credentials", action="store_true",
+                   help="run mounts that use this container's own credentials")
     m.add_argument("--log-level", default="INFO")
     m.set_defaults(func=cmd_mounter)
     return c

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import logging
 import os
 import threading
@@ -30,32 +29,21 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from fusecore import control
-from fusecore.config import Credentials
+from fusecore.config import identity_document
 from fusecore.mounts import bind_follower, fs_type, is_mounted, mount_table, top_mount, unmount_stack
 from fusecore.store import S3Store
 
-from .attributes import VolumeSpec, credentials_env, parse_secrets, parse_volume_context
-from .errors import Conflict, NotStaged, StillMounted, UnknownVolume, VolumeBusy
-from .mounter import Mounter
-from .state import StateDir, VolumeRecord
+from .attributes import TOKENS_KEY, VolumeSpec, parse_volume_context
+from .auth import AuthPolicy, MissingCredentials, Resolved, resolve, same_principal
+from .errors import Conflict, NotStaged, PermissionDenied, StillMounted, UnknownVolume, VolumeBusy
+from .layout import DEFAULT_KUBELET_DIR, DRIVER_NAME, driver_staging_dir, kubelet_staging_path  # noqa: F401
+from .mounter import MountFailed, Mounter, MountRequest
+from .state import SecretStore, StateDir, VolumeRecord
 
 log = logging.getLogger(__name__)
 
-DRIVER_NAME = "csi.stoker.dev"
 STOKER_FS_TYPE = "fuse.stoker"
-DEFAULT_KUBELET_DIR = "/var/lib/kubelet"
 LOCK_WAIT = 5.0  # seconds a call waits for another operation on the same volume before ABORTED
-
-
-def driver_staging_dir(kubelet_dir: str) -> str:
-    """The directory under which kubelet stages every volume of this driver."""
-    return os.path.join(kubelet_dir, "plugins", "kubernetes.io", "csi", DRIVER_NAME)
-
-
-def kubelet_staging_path(kubelet_dir: str, volume_id: str) -> str:
-    """Where kubelet (1.25 and later) stages a persistent volume of this driver."""
-    digest = hashlib.sha256(volume_id.encode()).hexdigest()
-    return os.path.join(driver_staging_dir(kubelet_dir), digest, "globalmount")
 
 
 @dataclass
@@ -89,10 +77,12 @@ class VolumeLocks:
 
 
 class VolumeManager:
-    def __init__(self, state: StateDir, mounter: Mounter, *, kubelet_dir: str = DEFAULT_KUBELET_DIR,
-                 ready_timeout: float = 60.0, check_store: bool = True):
+    def __init__(self, state: StateDir, mounter: Mounter, *, secrets: SecretStore, policy: AuthPolicy = AuthPolicy(),
+                 kubelet_dir: str = DEFAULT_KUBELET_DIR, ready_timeout: float = 60.0, check_store: bool = True):
         self.state = state
         self.mounter = mounter
+        self.secrets = secrets
+        self.policy = policy
         self.kubelet_dir = os.path.abspath(kubelet_dir)
         self.ready_timeout = ready_timeout
         self.check_store = check_store
@@ -104,20 +94,23 @@ class VolumeManager:
 
     def stage(self, volume_id: str, staging_path: str, context: dict[str, str], secrets: dict[str, str]) -> None:
         spec = parse_volume_context(context)
-        creds = parse_secrets(secrets)
+        auth = resolve(spec, context, secrets, self.policy)
         staging_path = os.path.abspath(staging_path)
         with self.locks.hold(volume_id, self.lock_wait):
             record = self.state.load(volume_id)
             if record is None:
                 if is_mounted(staging_path):
                     raise Conflict(f"{staging_path} is already a mount point")
-                record = VolumeRecord(volume_id, staging_path, dict(context), dict(secrets))
-                self._mount(record, spec, creds)
+                record = VolumeRecord(volume_id, staging_path, _stored(context))
+                if not auth.pending:  # a pod-identity volume mounts with the first pod's token (publish)
+                    self._mount(record, spec, auth)
             else:
                 self._check_same_volume(record, spec)
                 if record.mount_path != staging_path:
                     raise Conflict(f"volume {volume_id!r} is mounted at {record.mount_path} on this node, not at "
                                    f"the staging path {staging_path} (is --kubelet-dir kubelet's root directory?)")
+                if not auth.pending:
+                    self._adopt(record, spec, auth)
                 self._repair(record)
             record.staging_path = staging_path
             self.state.save(record)
@@ -145,31 +138,47 @@ class VolumeManager:
 
     def publish(self, volume_id: str, staging_path: str, target: str, how: str,
                 context: dict[str, str], secrets: dict[str, str]) -> None:
+        """Publish (or republish: kubelet repeats it to hand over fresh tokens) the volume at `target`."""
         spec = parse_volume_context(context)
         target = os.path.abspath(target)
         if spec.ephemeral:
             return self._publish_ephemeral(volume_id, target, how, spec, context, secrets)
         staging_path = os.path.abspath(staging_path)
+        auth = self._caller(spec, context, secrets)
         with self.locks.hold(volume_id, self.lock_wait):
             record = self.state.load(volume_id)
             if record is None or record.ephemeral or record.mount_path != staging_path:
                 raise NotStaged(f"volume {volume_id!r} is not staged at {staging_path!r}")
+            if auth is not None:
+                self._adopt(record, spec, auth)
             self._publish_target(record, target, how)
+
+    def _caller(self, spec: VolumeSpec, context: dict[str, str], secrets: dict[str, str]) -> Resolved | None:
+        """The identity a publish brings: the pod's token, or a publish secret; None: it brings none."""
+        if spec.auth != "pod" and not secrets:
+            return None
+        auth = resolve(spec, context, secrets, self.policy)
+        if auth.pending:
+            raise MissingCredentials("authenticationSource 'pod': kubelet sent no service-account token (the "
+                                     "CSIDriver csi.stoker.dev needs tokenRequests; is the chart's CSIDriver installed?)")
+        return auth
 
     def _publish_ephemeral(self, volume_id: str, target: str, how: str, spec: VolumeSpec,
                            context: dict[str, str], secrets: dict[str, str]) -> None:
-        creds = parse_secrets(secrets)
+        auth = self._caller(spec, context, secrets) or resolve(spec, context, secrets, self.policy)
         with self.locks.hold(volume_id, self.lock_wait):
             record = self.state.load(volume_id)
             if record is None:
                 if is_mounted(target):
                     raise Conflict(f"{target} is already a mount point")
-                record = VolumeRecord(volume_id, target, dict(context), dict(secrets), ephemeral=True)
-                self._mount(record, spec, creds)
+                record = VolumeRecord(volume_id, target, _stored(context), ephemeral=True)
+                self._mount(record, spec, auth)
             elif record.mount_path != target:
                 raise Conflict(f"ephemeral volume {volume_id!r} is already published at {record.mount_path}")
             elif record.targets.get(target, how) != how:
                 raise Conflict(f"volume {volume_id!r} is already published at {target} with another capability")
+            else:
+                self._adopt(record, spec, auth)
             record.targets[target] = how
             self.state.save(record)
             log.info("published inline volume %s at %s", volume_id, target)
@@ -208,16 +217,21 @@ class VolumeManager:
 
         Before any pod staged the volume, it is mounted at the staging path kubelet will use for it."""
         spec = parse_volume_context(context)
+        auth = resolve(spec, context, secrets, self.policy)
+        if auth.source == "pod":
+            raise MissingCredentials("a volume with authenticationSource 'pod' cannot be warmed before its pods run: "
+                                     "the warm agent has no pod identity (give the DatasetCache a secret)")
         with self.locks.hold(volume_id, self.lock_wait):
             record = self.state.load(volume_id)
             if record is None:
                 path = kubelet_staging_path(self.kubelet_dir, volume_id)
                 if is_mounted(path):
                     raise Conflict(f"{path} is already a mount point")
-                record = VolumeRecord(volume_id, path, dict(context), dict(secrets), holders={holder: cache_size})
-                self._mount(record, spec, parse_secrets(secrets))
+                record = VolumeRecord(volume_id, path, _stored(context), holders={holder: cache_size})
+                self._mount(record, spec, auth)
             else:
                 self._check_same_volume(record, spec)
+                self._adopt(record, spec, auth)
                 self._repair(record)
                 record.holders[holder] = cache_size
                 self._resize(record, record.cache_size)
@@ -245,6 +259,8 @@ class VolumeManager:
         return record
 
     def health(self, record: VolumeRecord) -> Health:
+        if not record.who:
+            return Health(False, "staged; mounts with the first pod's service-account token")
         stats = self._serving(record)
         if isinstance(stats, str):
             return Health(True, stats)
@@ -318,8 +334,10 @@ class VolumeManager:
     def _repair(self, record: VolumeRecord) -> None:
         """Serve again if the mount is dead, with a new mount on top of the dead one (it propagates to
         every target and container), then bind any target the new mount did not reach (the lock is held)."""
+        if not record.who:
+            return  # a pod-identity volume no pod published yet: nothing is mounted, nothing is broken
         if isinstance(self._serving(record), str):
-            self._mount(record, parse_volume_context(record.context), parse_secrets(record.secrets))
+            self._mount(record, parse_volume_context(record.context), self._saved(record))
         for path in self._behind(record):
             self._bind(record, path)
 
@@ -351,16 +369,57 @@ class VolumeManager:
         if record.ephemeral or parse_volume_context(record.context).location() != spec.location():
             raise Conflict(f"volume {record.volume_id!r} is already mounted on this node for another source")
 
-    def _mount(self, record: VolumeRecord, spec: VolumeSpec, creds: Credentials | None) -> None:
+    def _mount(self, record: VolumeRecord, spec: VolumeSpec, auth: Resolved) -> None:
         if self.check_store:  # typed errors (no bucket, denied, unreachable) before a process starts
-            S3Store(spec.store_config(creds, max_attempts=2)).check()
+            S3Store(spec.store_config(auth.identity, max_attempts=2)).check()
         _make_dir(record.mount_path)
-        argv = spec.mount_argv(record.mount_path, self.state.control_socket(record.volume_id),
-                               self.state.log_file(record.volume_id), cache_size=record.cache_size)
-        self.mounter.start(argv, credentials_env(creds), self.ready_timeout)
+        cfg = spec.mount_config(record.mount_path, self.state.control_socket(record.volume_id),
+                                credentials=auth.identity, cache_size=record.cache_size)
+        self.mounter.start(MountRequest(cfg, self.state.log_file(record.volume_id)), self.ready_timeout)
         top = top_mount(record.mount_path)
         if top is None or top.fs_type != STOKER_FS_TYPE:
             raise StillMounted(f"the mount process reported ready but {record.mount_path} is not mounted")
+        record.who = auth.who
+        self.secrets.save(record.volume_id, auth.identity)
+
+    def _adopt(self, record: VolumeRecord, spec: VolumeSpec, auth: Resolved) -> None:
+        """A caller brings its identity for the volume's mount (a stage, publish, republish or hold).
+
+        The same principal's newer credentials (a fresh token, rotated keys) reach the running mount
+        at once. Other keys are checked against the store before they share the mount, then replace
+        the old ones. Another pod identity, or node versus secret, never shares it."""
+        if not record.who:
+            self._mount(record, spec, auth)
+            return
+        if not same_principal(auth.who, record.who):
+            raise PermissionDenied(f"volume {record.volume_id!r} is mounted on this node as {_describe(record.who)}; "
+                                   f"a caller authenticating as {_describe(auth.who)} cannot share that mount")
+        if auth.who == record.who and self.secrets.load(record.volume_id) == auth.identity:
+            return
+        if auth.who != record.who and self.check_store:
+            S3Store(spec.store_config(auth.identity, max_attempts=2)).check()  # denied: PERMISSION_DENIED
+        self.secrets.save(record.volume_id, auth.identity)
+        record.who = auth.who
+        self.state.save(record)
+        try:
+            control.call(self.state.control_socket(record.volume_id),
+                         {"op": "credentials", "credentials": identity_document(auth.identity)}, timeout=10)
+        except (control.ControlError, OSError) as exc:
+            log.warning("volume %s: new credentials saved; the mount did not take them (%s)", record.volume_id, exc)
+            return
+        log.info("volume %s: the mount signs with new credentials (%s)", record.volume_id, _describe(auth.who))
+
+    def _saved(self, record: VolumeRecord) -> Resolved:
+        """The identity the volume was last mounted with, for a repair."""
+        if record.who == "node":
+            if not self.policy.allow_node_credentials:
+                raise MissingCredentials("node credentials are disabled; the volume cannot be mounted again")
+            return Resolved("node", None, "node")
+        identity = self.secrets.load(record.volume_id)
+        if identity is None:
+            raise MountFailed(f"the credentials of volume {record.volume_id!r} are gone from the secrets directory; "
+                              "kubelet's next stage or publish brings them again")
+        return Resolved(record.who.split(":", 1)[0], identity, record.who)
 
     def _bind(self, record: VolumeRecord, path: str) -> None:
         _make_dir(path)
@@ -388,12 +447,24 @@ class VolumeManager:
         """Unmount the volume's mount (its process ends with it) and drop the record."""
         self._unmount(record.mount_path)
         self.state.delete(record.volume_id)
+        self.secrets.delete(record.volume_id)
         self._problems.pop(record.volume_id, None)
 
     def _unmount(self, path: str) -> None:
         problem = unmount_stack(path)
         if problem:
             raise StillMounted(f"could not unmount {problem}")
+
+
+def _stored(context: dict[str, str]) -> dict[str, str]:
+    """A volume context as the record keeps it: without the pod's service-account tokens."""
+    return {k: v for k, v in context.items() if k != TOKENS_KEY}
+
+
+def _describe(who: str) -> str:
+    if who.startswith("pod:"):
+        return "service account " + who[len("pod:"):].split(":", 1)[0]
+    return {"node": "the node's own credentials"}.get(who, "a secret's keys" if who.startswith("secret:") else who)
 
 
 def own_cache_size(record: VolumeRecord) -> int:

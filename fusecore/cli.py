@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import stat
-import subprocess
 import sys
-import time
 
 from . import control
-from .config import ConfigError, MountConfig, StoreConfig, format_size, parse_s3_url, parse_size, parse_ttl
+from .config import (ConfigError, MountConfig, StoreConfig, config_from_document, format_size, identity_from_document,
+                     parse_s3_url, parse_size, parse_ttl)
+from .launch import MAX_DOCUMENT, LaunchFailed, NotReady, launch
 from .mounts import NOT_READY_STATUS, is_mounted, unmount
 
 DEFAULT_READY_TIMEOUT = 120.0
@@ -50,6 +51,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     m.add_argument("--fuse-fd", type=int, help=argparse.SUPPRESS)  # a /dev/fuse the caller mounted already
     m.set_defaults(func=cmd_mount)
+
+    # The serving process a mount starts (fusecore.launch): its configuration arrives on stdin.
+    v = sub.add_parser("serve-mount")
+    v.add_argument("--ready-fd", type=int)
+    v.add_argument("--fuse-fd", type=int)
+    v.set_defaults(func=cmd_serve_mount)
 
     u = sub.add_parser("unmount", help="unmount a Stoker mount")
     u.add_argument("mountpoint")
@@ -119,17 +126,41 @@ def cmd_mount(args: argparse.Namespace) -> int:
         print(f"stoker mount: {exc}", file=sys.stderr)
         return 2
     if args.foreground:
-        return _mount_here(cfg, args)
-    return _mount_in_background(args, cfg)
+        return _mount_here(cfg, args.log_level, args.ready_fd)
+    log_file = args.log_file or control.default_control_socket(cfg.mountpoint)[:-5] + ".log"
+    try:
+        launch(cfg, log_file=log_file, ready_timeout=args.ready_timeout, log_level=args.log_level)
+    except LaunchFailed as exc:
+        print(f"stoker mount: {exc}", file=sys.stderr)
+        return NOT_READY_STATUS if isinstance(exc, NotReady) else 1
+    return 0
 
 
-def _mount_here(cfg: MountConfig, args: argparse.Namespace) -> int:
+def cmd_serve_mount(args: argparse.Namespace) -> int:
+    """Serve the mount described by the JSON document on stdin (see fusecore.launch)."""
+    try:
+        doc = json.loads(sys.stdin.buffer.read(MAX_DOCUMENT + 1)[:MAX_DOCUMENT] or b"null")
+        if not isinstance(doc, dict) or set(doc) - {"config", "credentials", "log_level"}:
+            raise ConfigError("expected a document with config, credentials and log_level only")
+        cfg = config_from_document(doc.get("config"), identity_from_document(doc.get("credentials")))
+        if args.fuse_fd is not None:
+            cfg = dataclasses.replace(cfg, fuse_fd=_fuse_fd(args.fuse_fd))
+        level = str(doc.get("log_level") or "INFO")
+    except (ConfigError, ValueError) as exc:
+        message = f"stoker serve-mount: {exc}"
+        print(message, file=sys.stderr)
+        if args.ready_fd is not None:
+            os.write(args.ready_fd, f"ERR {exc}\n".encode())
+        return 2
+    return _mount_here(cfg, level, args.ready_fd)
+
+
+def _mount_here(cfg: MountConfig, log_level: str, ready_fd: int | None) -> int:
     from .daemon import run_mount  # pyfuse3 is needed only by the process that serves
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("botocore", "boto3", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    ready_fd = args.ready_fd
 
     def ready(error: str | None) -> None:
         nonlocal ready_fd
@@ -141,70 +172,6 @@ def _mount_here(cfg: MountConfig, args: argparse.Namespace) -> int:
             ready_fd = None
 
     return run_mount(cfg, ready)
-
-
-def _mount_in_background(args: argparse.Namespace, cfg: MountConfig) -> int:
-    """Start a detached serving process and return once it mounted (or say why it did not)."""
-    log_file = args.log_file or control.default_control_socket(cfg.mountpoint)[:-5] + ".log"
-    os.makedirs(os.path.dirname(log_file), mode=0o700, exist_ok=True)
-    read_fd, write_fd = os.pipe()
-    argv = [sys.executable, "-m", "stoker", *_child_argv(sys.argv[1:]), "--foreground", "--ready-fd", str(write_fd)]
-    inherited = (write_fd,) if cfg.fuse_fd is None else (write_fd, cfg.fuse_fd)
-    with open(log_file, "ab") as log:
-        child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=inherited,
-                                 start_new_session=True, close_fds=True)
-    os.close(write_fd)
-    answer = _read_ready(read_fd, args.ready_timeout)
-    if answer == "OK":
-        return 0
-    status = 1
-    if answer is None:
-        child.kill()
-        reason = f"the mount did not become ready within {args.ready_timeout:g}s"
-        status = NOT_READY_STATUS
-    elif answer.startswith("ERR "):
-        reason = answer[4:]
-    else:
-        reason = f"the mount process exited (status {child.wait()}); see {log_file}"
-    child.wait()
-    if answer in (None, "") and cfg.fuse_fd is None and is_mounted(cfg.mountpoint):
-        unmount(cfg.mountpoint)  # our child got as far as mounting: never leave that dead mount behind
-    print(f"stoker mount: {reason}", file=sys.stderr)
-    return status
-
-
-def _child_argv(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        if arg == "--ready-fd":
-            skip = True
-            continue
-        if arg == "--foreground" or arg.startswith("--ready-fd="):
-            continue
-        out.append(arg)
-    return out
-
-
-def _read_ready(fd: int, timeout: float) -> str | None:
-    import select
-
-    deadline = time.monotonic() + timeout
-    data = b""
-    with os.fdopen(fd, "rb", buffering=0) as pipe:
-        while b"\n" not in data:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            readable, _, _ = select.select([pipe], [], [], remaining)
-            if readable:
-                chunk = pipe.read(4096)
-                if not chunk:
-                    return "" if not data else data.decode()
-                data += chunk
-    return data.decode().strip()
 
 
 def cmd_unmount(args: argparse.Namespace) -> int:

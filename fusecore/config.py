@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -81,6 +83,21 @@ class Credentials:
 
 
 @dataclass(frozen=True)
+class WebIdentity:
+    """A pod's service-account token, exchanged for temporary keys with STS AssumeRoleWithWebIdentity
+    (refreshed before they expire, with the newest token handed over); the token is never printed."""
+
+    role_arn: str
+    token: str = field(repr=False)
+    session_name: str = "stoker"
+    sts_endpoint_url: str | None = None
+    sts_region: str | None = None
+
+
+Identity = Credentials | WebIdentity  # what a mount signs with; None where used means the default chain
+
+
+@dataclass(frozen=True)
 class StoreConfig:
     """Where the objects live and how to talk to the store."""
 
@@ -93,7 +110,7 @@ class StoreConfig:
     connect_timeout: float = 5.0
     request_timeout: float = 10.0  # per socket read; bounds a silent store
     max_attempts: int = 5  # botocore 'standard' retry mode (503 SlowDown, resets, ...)
-    credentials: Credentials | None = None  # None: boto3's default chain (environment, files, roles)
+    credentials: Identity | None = None  # None: boto3's default chain (environment, files, roles)
 
 
 @dataclass(frozen=True)
@@ -139,3 +156,96 @@ class MountConfig:
     def prefetch_limit(self) -> int:
         """Read-ahead of one sequential reader; also bounded by an eighth of the budget."""
         return max(self.block_size, min(self.max_prefetch, self.cache_size // 8))
+
+
+# ---- the mount's configuration as one JSON document (between processes: CSI plugin -> mounter -> mount)
+
+_PROCESS_LOCAL = {"fuse_fd", "extra", "credentials"}  # never travel in a document
+
+
+def _check_type(name: str, value: Any, kind: Any) -> Any:
+    """Accept `value` for a field annotated `kind` (as text: annotations are strings here)."""
+    allowed = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
+    options = [part.strip() for part in str(kind).split("|")]
+    if value is None and "None" in options:
+        return None
+    for option in options:
+        types = allowed.get(option)
+        if types and isinstance(value, types) and not (option in ("int", "float") and isinstance(value, bool)):
+            return float(value) if option == "float" else value
+    raise ConfigError(f"{name}: expected {kind}, got {type(value).__name__}")
+
+
+def _document_of(obj: Any) -> dict:
+    out = {}
+    for f in dataclasses.fields(obj):
+        if f.name in _PROCESS_LOCAL:
+            continue
+        value = getattr(obj, f.name)
+        out[f.name] = _document_of(value) if dataclasses.is_dataclass(value) else value
+    return out
+
+
+def _from_document(cls: type, doc: Any, where: str) -> Any:
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{where}: expected an object")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in _PROCESS_LOCAL}
+    unknown = sorted(set(doc) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown setting(s) {', '.join(unknown)}")
+    values = {}
+    for name, value in doc.items():
+        if name == "store":
+            values[name] = _from_document(StoreConfig, value, "store")
+        else:
+            values[name] = _check_type(f"{where}.{name}" if where != "config" else name, value, fields[name].type)
+    try:
+        return cls(**values)
+    except TypeError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def mount_document(cfg: MountConfig) -> dict:
+    """The configuration as plain JSON data, without credentials or process-local settings."""
+    return _document_of(cfg)
+
+
+def config_from_document(doc: Any, credentials: Identity | None = None) -> MountConfig:
+    """Parse and validate a mount document (unknown or mistyped settings raise ConfigError)."""
+    cfg = _from_document(MountConfig, doc, "config")
+    if not isinstance(doc.get("store"), dict):
+        raise ConfigError("config: store is required")
+    if not cfg.mountpoint.startswith("/"):
+        raise ConfigError("mountpoint: must be an absolute path")
+    return dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, credentials=credentials))
+
+
+def identity_document(identity: Identity | None) -> dict | None:
+    """Credentials as JSON data (for a 0600 socket or a pipe only: it holds secrets)."""
+    if identity is None:
+        return None
+    kind = "keys" if isinstance(identity, Credentials) else "webIdentity"
+    return {"kind": kind, **dataclasses.asdict(identity)}
+
+
+def identity_from_document(doc: Any) -> Identity | None:
+    if doc is None:
+        return None
+    if not isinstance(doc, dict) or doc.get("kind") not in ("keys", "webIdentity"):
+        raise ConfigError("credentials: expected an object with kind 'keys' or 'webIdentity'")
+    cls = Credentials if doc["kind"] == "keys" else WebIdentity
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    body = {k: v for k, v in doc.items() if k != "kind"}
+    unknown = sorted(set(body) - set(fields))
+    if unknown:
+        raise ConfigError(f"credentials: unknown field(s) {', '.join(unknown)}")
+    values = {k: _check_type(f"credentials.{k}", v, fields[k].type) for k, v in body.items()}
+    try:
+        identity = cls(**values)
+    except TypeError as exc:
+        raise ConfigError(f"credentials: {exc}") from None
+    first = identity.access_key_id if isinstance(identity, Credentials) else identity.role_arn
+    second = identity.secret_access_key if isinstance(identity, Credentials) else identity.token
+    if not first or not second:
+        raise ConfigError("credentials: empty key or token")
+    return identity

@@ -14,6 +14,7 @@ from typing import Iterator
 
 import trio
 
+from .config import identity_from_document
 from .datapath import DataPath
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,8 @@ async def _handle(datapath: DataPath, stream: trio.SocketStream) -> None:
                 await _send(stream, datapath.drop())
             elif op == "resize":
                 await _send(stream, datapath.resize(int(request["cache_size"])))
+            elif op == "credentials":
+                await _send(stream, datapath.rotate(identity_from_document(request.get("credentials"))))
             elif op == "warm":
                 paths = [str(p) for p in request.get("paths", [])]
                 result = await datapath.warm(paths, lambda progress: _send(stream, progress))

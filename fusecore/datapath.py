@@ -14,7 +14,7 @@ import trio
 
 from .blocks import block_count
 from .cache import BlockCache
-from .config import MountConfig
+from .config import Identity, MountConfig
 from .fetcher import Fetcher
 from .metrics import MountMetrics
 from .namespace import Namespace
@@ -27,6 +27,7 @@ class DataPath:
     def __init__(self, cfg: MountConfig, store: ObjectStore, metrics: MountMetrics | None = None):
         self.cfg = cfg
         self.store = store
+        self.rotations = 0  # credentials replaced while mounted
         self.metrics = metrics or MountMetrics()
         self.cache = BlockCache(cfg.cache_size)
         self.metrics.bind_cache(self.cache.stats)
@@ -80,6 +81,7 @@ class DataPath:
             "fuse_reads": {"count": self.reader.read_calls, "bytes_requested": self.reader.read_bytes},
             "errors": errors,
             "skipped_names": self.namespace.skipped_names,
+            "credential_rotations": self.rotations,
         }
 
     def resize(self, cache_size: int) -> dict:
@@ -90,6 +92,12 @@ class DataPath:
         self.fetcher.set_inflight_limit(self.cfg.inflight_limit)
         self.cache.resize(cache_size)
         return {"budget": self.cache.budget, "bytes": self.cache.stats().bytes}
+
+    def rotate(self, identity: Identity) -> dict:
+        """Sign with new credentials from now on (kubelet's republish or restage brought them)."""
+        self.store.rotate(identity)
+        self.rotations += 1
+        return {"rotated": True}
 
     def drop(self) -> dict:
         before = self.cache.stats().bytes

@@ -24,7 +24,8 @@ import botocore.httpsession
 import urllib3
 
 from .buffers import allocate
-from .config import StoreConfig
+from .config import Identity, StoreConfig
+from .credentials import RotatingCredentials, session_with
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class ObjectStore(Protocol):
     def head(self, key: str) -> ObjectInfo | None: ...
     def has_prefix(self, prefix: str) -> bool: ...
     def read_range(self, key: str, start: int, end: int, etag: str, into: memoryview, progress: Progress) -> None: ...
+    def rotate(self, identity: Identity) -> None: ...
 
 
 _PIECE = 256 * 1024  # progress is published after each piece of a body
@@ -137,14 +139,13 @@ def _translate(exc: Exception, what: str) -> StoreError:
     return StoreError(f"{what}: {type(exc).__name__}")
 
 
-def _session(cfg: StoreConfig) -> boto3.session.Session:
-    creds = cfg.credentials
-    if creds is not None:
-        return boto3.session.Session(aws_access_key_id=creds.access_key_id,
-                                     aws_secret_access_key=creds.secret_access_key,
-                                     aws_session_token=creds.session_token)
+def _session(cfg: StoreConfig) -> tuple[boto3.session.Session, RotatingCredentials | None]:
+    """A session that signs with the given credentials only, or boto3's default chain when none are given."""
+    if cfg.credentials is not None:
+        rotating = RotatingCredentials(cfg.credentials)
+        return session_with(rotating), rotating
     try:
-        return boto3.session.Session(profile_name=cfg.profile) if cfg.profile else boto3.session.Session()
+        return (boto3.session.Session(profile_name=cfg.profile) if cfg.profile else boto3.session.Session()), None
     except botocore.exceptions.ProfileNotFound as exc:
         raise AccessDenied(f"profile {cfg.profile!r} not found") from exc
 
@@ -155,7 +156,7 @@ class S3Store:
     def __init__(self, cfg: StoreConfig):
         self.cfg = cfg
         self.bucket = cfg.bucket
-        session = _session(cfg)
+        session, self._credentials = _session(cfg)
         config = botocore.config.Config(
             max_pool_connections=cfg.max_concurrency + 8,
             connect_timeout=cfg.connect_timeout,
@@ -166,6 +167,14 @@ class S3Store:
         )
         self._client = session.client("s3", endpoint_url=cfg.endpoint_url, region_name=cfg.region, config=config)
         self._gets = _PresignedGets(self._client, cfg) if _direct_gets_possible() else None
+
+    def rotate(self, identity: Identity) -> None:
+        """Sign every later request with `identity` (new keys, or a web identity's fresh token)."""
+        if self._credentials is None:
+            raise AccessDenied("this mount uses the default credential chain; it takes no credentials")
+        self._credentials.replace(identity)
+        if self._gets is not None:
+            self._gets.forget_urls()
 
     def check(self) -> None:
         """Fail early, with one clear reason, on a missing bucket, bad credentials or no store."""
@@ -282,6 +291,11 @@ class _PresignedGets:
         self._pool = urllib3.PoolManager(
             num_pools=4, maxsize=cfg.max_concurrency + 8, block=False, retries=False, ca_certs=ca,
             timeout=urllib3.Timeout(connect=cfg.connect_timeout, read=cfg.request_timeout))
+
+    def forget_urls(self) -> None:
+        """Sign again from now on (the credentials changed)."""
+        with self._lock:
+            self._urls.clear()
 
     def _url(self, key: str, *, fresh: bool = False) -> str:
         now = time.monotonic()

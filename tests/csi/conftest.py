@@ -25,7 +25,8 @@ class Plugin:
     """`stoker csi-mounter` + `stoker csi --mounter-socket`, as the DaemonSet runs them."""
 
     def __init__(self, tmp_path, *, mode: str = "node", separate_mounter: bool = True, health_interval: float = 0.5,
-                 kubelet_dir: str | None = None, own_namespaces: bool = False):
+                 kubelet_dir: str | None = None, own_namespaces: bool = False, args: tuple[str, ...] = (),
+                 mounter_args: tuple[str, ...] = ()):
         self.tmp_path = tmp_path
         self.kubelet_dir = kubelet_dir or str(tmp_path / "kubelet")
         # Each process in its own mount namespace whose kubelet dir is a peer of ours: what the
@@ -36,6 +37,9 @@ class Plugin:
         self.mode = mode
         self.separate_mounter = separate_mounter
         self.state_dir = str(tmp_path / "state")
+        self.secrets_dir = str(tmp_path / "secrets")
+        self.args = list(args)
+        self.mounter_args = list(mounter_args)
         self.socket = str(tmp_path / "csi.sock")
         self.mounter_socket = str(tmp_path / "mounter.sock")
         self.log_path = tmp_path / "csi.log"
@@ -48,7 +52,8 @@ class Plugin:
     def start_mounter(self) -> None:
         log = open(self.tmp_path / "mounter.log", "ab")
         self.mounter = subprocess.Popen([*self.prefix, sys.executable, "-m", "stoker", "csi-mounter", "--socket",
-                                         self.mounter_socket], stdout=log, stderr=log)
+                                         self.mounter_socket, "--state-dir", self.state_dir, "--kubelet-dir",
+                                         self.kubelet_dir, *self.mounter_args], stdout=log, stderr=log)
         assert wait_until(lambda: os.path.exists(self.mounter_socket), 30), "mounter did not start"
 
     def start(self) -> None:
@@ -60,13 +65,28 @@ class Plugin:
         argv = [*self.prefix, sys.executable, "-m", "stoker", "csi", "--endpoint", f"unix://{self.socket}", "--node-id",
                 "node-a", "--mode", self.mode, "--state-dir", self.state_dir, "--health-interval", str(self.health_interval),
                 "--kubelet-dir", self.kubelet_dir, "--health-port", str(self.health_port), "--health-addr", "127.0.0.1",
-                "--mount-timeout", "60", "--metrics-port", str(self.metrics_port), "--metrics-addr", "127.0.0.1"]
+                "--mount-timeout", "60", "--metrics-port", str(self.metrics_port), "--metrics-addr", "127.0.0.1",
+                "--secrets-dir", self.secrets_dir, *self.args]
         if self.mode != "controller" and self.separate_mounter:
             argv += ["--mounter-socket", self.mounter_socket]
         self.server = subprocess.Popen(argv, stdout=log, stderr=log)
         assert wait_until(lambda: os.path.exists(self.socket), 30), self.log()
         self.channel = grpc.insecure_channel(f"unix://{self.socket}")
         grpc.channel_ready_future(self.channel).result(timeout=30)
+
+    def staging(self, volume_id: str) -> str:
+        """Where kubelet stages `volume_id` (the directory exists, as kubelet makes it)."""
+        from csi.layout import kubelet_staging_path
+
+        path = kubelet_staging_path(self.kubelet_dir, volume_id)
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def target(self, pod: str, volume: str = "data") -> str:
+        """A pod's target path for a CSI volume (its parent exists, as kubelet makes it)."""
+        path = os.path.join(self.kubelet_dir, "pods", pod, "volumes", "kubernetes.io~csi", volume, "mount")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return path
 
     def kill_server(self) -> None:
         self.server.send_signal(signal.SIGKILL)
@@ -140,3 +160,17 @@ def volume_context(bucket: str, endpoint: str, **extra: str) -> dict[str, str]:
 
 
 __all__ = ["Plugin", "READ_ONLY_MANY", "SECRETS", "requires_fuse", "volume_context", "wait_until"]
+
+
+def make_volumes(tmp_path, mounter=None, *, kubelet_dir: str | None = None, policy=None, **kw):
+    """A VolumeManager in this process, with its state, secrets and mount rules under `tmp_path`."""
+    from csi.auth import AuthPolicy
+    from csi.mounter import MountRules, ProcessMounter
+    from csi.state import SecretStore, StateDir
+    from csi.volumes import VolumeManager
+
+    kubelet_dir = kubelet_dir or str(tmp_path / "kubelet")
+    state = StateDir(str(tmp_path / "state"))
+    mounter = mounter or ProcessMounter(MountRules(kubelet_dir, state.root))
+    return VolumeManager(state, mounter, secrets=SecretStore(str(tmp_path / "secrets")), policy=policy or AuthPolicy(),
+                         kubelet_dir=kubelet_dir, **kw)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from csi.attributes import AttributeProblem, credentials_env, parse_secrets, parse_volume_context
+from csi.attributes import AttributeProblem, parse_secrets, parse_volume_context
 
 
 def test_parses_store_location_and_knobs():
@@ -11,11 +11,13 @@ def test_parses_store_location_and_knobs():
                                  "kernelCache": "false", "maxConcurrency": "32",
                                  "csi.storage.k8s.io/pod.name": "p", "storage.kubernetes.io/csiProvisionerIdentity": "x"})
     assert (spec.bucket, spec.prefix, spec.endpoint_url, spec.region) == ("b", "data/train/", "http://s3:9000", "eu")
-    argv = spec.mount_argv("/mnt/x", "/run/x.sock", "/log")
-    assert argv[:3] == ["mount", "s3://b/data/train/", "/mnt/x"]
-    assert "--no-kernel-cache" in argv and argv[argv.index("--cache-size") + 1] == str(2 * 1024**3)
-    assert argv[argv.index("--metadata-ttl") + 1] == "inf"
-    assert "--allow-other" in argv and not spec.ephemeral
+    cfg = spec.mount_config("/mnt/x", "/run/x.sock")
+    assert (cfg.store.bucket, cfg.store.prefix, cfg.mountpoint, cfg.control_socket) == \
+        ("b", "data/train/", "/mnt/x", "/run/x.sock")
+    assert not cfg.kernel_cache and cfg.cache_size == 2 * 1024**3 and cfg.block_size == 8 * 1024**2
+    assert cfg.metadata_ttl == float("inf") and cfg.store.max_concurrency == 32
+    assert cfg.allow_other and not spec.ephemeral and cfg.store.credentials is None
+    assert spec.mount_config("/m", "/s", cache_size=64 << 20).cache_size == 64 << 20  # a DatasetCache's plan
 
 
 @pytest.mark.parametrize("attrs, named", [
@@ -40,8 +42,7 @@ def test_secrets():
     assert parse_secrets({}) is None
     creds = parse_secrets({"accessKeyId": "id", "secretAccessKey": "s3cr3t", "sessionToken": "tok"})
     assert "s3cr3t" not in repr(creds) and "tok" not in repr(creds)
-    assert credentials_env(creds) == {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "s3cr3t",
-                                      "AWS_SESSION_TOKEN": "tok"}
+    assert (creds.access_key_id, creds.secret_access_key, creds.session_token) == ("id", "s3cr3t", "tok")
     with pytest.raises(AttributeProblem, match="secretAccessKey"):
         parse_secrets({"accessKeyId": "id"})
     with pytest.raises(AttributeProblem, match="no credentials.*endpointUrl, pass") as info:

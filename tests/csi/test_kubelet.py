@@ -17,7 +17,7 @@ from fusecore import control
 from fusecore.mounts import mount_table
 from tests.support.kubelet import Kubelet, PodVolume, UnstageRefused, device_mount_refs, has_mount_refs
 
-from .conftest import SECRETS, Plugin, requires_fuse, volume_context, wait_until
+from .conftest import SECRETS, Plugin, make_volumes, requires_fuse, volume_context, wait_until
 
 pytestmark = [pytest.mark.integration, requires_fuse]
 
@@ -203,15 +203,13 @@ def test_a_dataset_cache_holds_the_volume_across_pods(tmp_path, moto_server, buc
 
     from csi.mounter import RemoteMounter
     from csi.server import build_server
-    from csi.state import StateDir
-    from csi.volumes import VolumeManager
 
     root = str(tmp_path / "kubelet")
     os.makedirs(root)
     plugin = Plugin(tmp_path, kubelet_dir=root, own_namespaces=True)
     kubelet = Kubelet(root, plugin.socket)
     plugin.start_mounter()
-    volumes = VolumeManager(StateDir(plugin.state_dir), RemoteMounter(plugin.mounter_socket), kubelet_dir=root)
+    volumes = make_volumes(tmp_path, RemoteMounter(plugin.mounter_socket), kubelet_dir=root)
     server = build_server(argparse.Namespace(mode="node", node_id="node-a"), volumes.mounter, volumes)
     server.add_insecure_port(f"unix://{plugin.socket}")
     server.start()

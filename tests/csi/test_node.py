@@ -19,7 +19,7 @@ from fusecore.mounts import fs_type, is_mounted, unmount
 
 from tests.support.waiting import unmount_everything_under
 
-from .conftest import READ_ONLY_MANY, SECRETS, requires_fuse, volume_context, wait_until
+from .conftest import READ_ONLY_MANY, SECRETS, make_volumes, requires_fuse, volume_context, wait_until
 
 pytestmark = [pytest.mark.integration, requires_fuse]
 
@@ -52,9 +52,8 @@ def unstage(plugin, volume_id, staging):
 
 
 def stage_and_publish(plugin, volume_id: str, ctx: dict, tmp_path) -> tuple[str, str]:
-    """Stage at tmp_path/staging and publish at tmp_path/target, as kubelet would; returns both paths."""
-    staging, target = str(tmp_path / "staging"), str(tmp_path / "target")
-    os.makedirs(staging)
+    """Stage at kubelet's staging path and publish at tmp_path/target, as kubelet would; returns both paths."""
+    staging, target = plugin.staging(volume_id), str(tmp_path / "target")
     stage(plugin, volume_id, staging, ctx)
     publish(plugin, volume_id, staging, target, ctx)
     return staging, target
@@ -129,8 +128,7 @@ def test_healthz_fails_while_the_driver_cannot_serve(plugin):
 
 def test_stage_publish_read_unpublish_unstage(plugin, moto_server, bucket, dataset, tmp_path):
     ctx = volume_context(bucket, moto_server.endpoint, prefix="train", cacheSize="256MiB")
-    staging, target = str(tmp_path / "staging"), str(tmp_path / "pod" / "mount")
-    os.makedirs(staging)
+    staging, target = plugin.staging("vol-1"), str(tmp_path / "pod" / "mount")
     stage(plugin, "vol-1", staging, ctx)
     assert fs_type(staging) == "fuse.stoker"
     publish(plugin, "vol-1", staging, target, ctx)
@@ -157,8 +155,7 @@ def test_stage_publish_read_unpublish_unstage(plugin, moto_server, bucket, datas
 
 def test_repeated_calls_are_idempotent(plugin, moto_server, bucket, dataset, tmp_path):
     ctx = volume_context(bucket, moto_server.endpoint)
-    staging, target = str(tmp_path / "staging"), str(tmp_path / "target")
-    os.makedirs(staging)
+    staging, target = plugin.staging("vol-2"), str(tmp_path / "target")
     for _ in range(2):
         stage(plugin, "vol-2", staging, ctx)
     pid = control_stats(plugin, "vol-2")["pid"]
@@ -175,8 +172,7 @@ def test_repeated_calls_are_idempotent(plugin, moto_server, bucket, dataset, tmp
 
 def test_error_codes(plugin, moto_server, bucket, dataset, tmp_path):
     ctx = volume_context(bucket, moto_server.endpoint)
-    staging, target = str(tmp_path / "staging"), str(tmp_path / "target")
-    os.makedirs(staging)
+    staging, target = plugin.staging("v"), str(tmp_path / "target")
     invalid = grpc.StatusCode.INVALID_ARGUMENT
     assert code_of(lambda: stage(plugin, "", staging, ctx))[0] == invalid
     assert code_of(lambda: stage(plugin, "v", "", ctx))[0] == invalid
@@ -224,9 +220,8 @@ def test_error_codes(plugin, moto_server, bucket, dataset, tmp_path):
 
 def test_two_targets_share_one_mount_and_one_cache(plugin, moto_server, bucket, dataset, tmp_path):
     ctx = volume_context(bucket, moto_server.endpoint)
-    staging = str(tmp_path / "staging")
+    staging = plugin.staging("shared")
     targets = [str(tmp_path / f"pod{i}" / "mount") for i in range(2)]
-    os.makedirs(staging)
     stage(plugin, "shared", staging, ctx)
     for target in targets:
         publish(plugin, "shared", staging, target, ctx)
@@ -244,7 +239,7 @@ def test_two_targets_share_one_mount_and_one_cache(plugin, moto_server, bucket, 
 def test_ephemeral_inline_volume(plugin, moto_server, bucket, dataset, tmp_path):
     ctx = volume_context(bucket, moto_server.endpoint, prefix="train", **{"csi.storage.k8s.io/ephemeral": "true",
                                                                         "csi.storage.k8s.io/pod.name": "trainer-0"})
-    target = str(tmp_path / "pod" / "inline")
+    target = plugin.target("pod-inline")
     cap = pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume(),
                               access_mode=pb.VolumeCapability.AccessMode(mode=1))
     for _ in range(2):
@@ -333,12 +328,10 @@ def test_without_a_separate_mounter_mounts_outlive_the_server(local_plugin, moto
 
 
 def test_a_held_volume_is_warmed_before_stage_and_kept_after_unstage(moto_server, bucket, dataset, tmp_path):
-    from csi.mounter import ProcessMounter
-    from csi.state import StateDir
-    from csi.volumes import VolumeManager, kubelet_staging_path
+    from csi.volumes import kubelet_staging_path
 
     kubelet_dir = str(tmp_path / "kubelet")
-    volumes = VolumeManager(StateDir(str(tmp_path / "state")), ProcessMounter(), kubelet_dir=kubelet_dir)
+    volumes = make_volumes(tmp_path, kubelet_dir=kubelet_dir)
     ctx = volume_context(bucket, moto_server.endpoint, prefix="train")
     staging = kubelet_staging_path(kubelet_dir, "held")  # where kubelet will stage it
     sock = volumes.hold("held", ctx, SECRETS, "ml/imagenet", 96 * 1024**2)
@@ -404,8 +397,7 @@ def test_start_up_drops_volumes_whose_paths_kubelet_removed(plugin, moto_server,
 def test_wrong_credentials_are_permission_denied_and_never_logged(plugin, tmp_path):
     from stoker.s3server import MotoServer
 
-    staging = str(tmp_path / "staging")
-    os.makedirs(staging)
+    staging = plugin.staging("denied")
     with MotoServer(env={"INITIAL_NO_AUTH_ACTION_COUNT": "1"}) as guarded:
         import boto3
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import threading
 
 import grpc
@@ -13,10 +14,12 @@ from csi import csi_pb2_grpc as rpc
 from csi.errors import VolumeBusy
 from csi.mounter import MountFailed
 from csi.server import build_server
-from csi.state import StateDir
 from csi.volumes import VolumeLocks, VolumeManager
 
-from .conftest import READ_ONLY_MANY
+from .conftest import READ_ONLY_MANY, make_volumes
+
+
+KEYS = {"accessKeyId": "a", "secretAccessKey": "b"}
 
 
 class HeldMounter:
@@ -26,7 +29,7 @@ class HeldMounter:
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def start(self, argv, env, timeout):
+    def start(self, request, timeout):
         self.entered.set()
         self.release.wait(30)
         raise MountFailed("held mounter does not mount")
@@ -73,7 +76,7 @@ def test_a_second_caller_waits_its_turn_for_a_short_while():
 
 def test_overlapping_calls_on_one_volume_get_aborted(tmp_path):
     mounter = HeldMounter()
-    volumes = VolumeManager(StateDir(str(tmp_path / "state")), mounter, check_store=False)
+    volumes = make_volumes(tmp_path, mounter, check_store=False)
     args = argparse.Namespace(mode="node", node_id="n1")
     server = build_server(args, mounter, volumes)
     sock = tmp_path / "csi.sock"
@@ -84,14 +87,16 @@ def test_overlapping_calls_on_one_volume_get_aborted(tmp_path):
         staging = tmp_path / "staging"
         staging.mkdir()
         request = pb.NodeStageVolumeRequest(volume_id="v", staging_target_path=str(staging),
-                                            volume_capability=READ_ONLY_MANY, volume_context={"bucket": "b"})
+                                            volume_capability=READ_ONLY_MANY, volume_context={"bucket": "b"},
+                                            secrets=KEYS)
         first = stub.NodeStageVolume.future(request)
         assert mounter.entered.wait(10)
         with pytest.raises(grpc.RpcError) as info:
             stub.NodeStageVolume(request, timeout=10)
         assert info.value.code() == grpc.StatusCode.ABORTED
         other = pb.NodeStageVolumeRequest(volume_id="w", staging_target_path=str(staging),
-                                          volume_capability=READ_ONLY_MANY, volume_context={"bucket": "b"})
+                                          volume_capability=READ_ONLY_MANY, volume_context={"bucket": "b"},
+                                          secrets=KEYS)
         mounter.release.set()
         with pytest.raises(grpc.RpcError) as info:
             first.result(timeout=10)
@@ -108,15 +113,17 @@ def test_overlapping_calls_on_one_volume_get_aborted(tmp_path):
 def test_a_mount_that_never_becomes_ready_is_an_error_and_leaves_nothing_mounted(tmp_path, moto_server, bucket):
     """A silent store: `stoker mount` gives up after the ready timeout; the call fails, nothing is mounted."""
     from csi.errors import status_for
-    from csi.mounter import MountNotReady, ProcessMounter
+    from csi.mounter import MountNotReady
     from fusecore.mounts import is_mounted
     from tests.support.faultproxy import FaultProxy
 
     from .conftest import SECRETS
 
-    volumes = VolumeManager(StateDir(str(tmp_path / "state")), ProcessMounter(), ready_timeout=3, check_store=False)
-    staging = tmp_path / "staging"
-    staging.mkdir()
+    from csi.layout import kubelet_staging_path
+
+    volumes = make_volumes(tmp_path, ready_timeout=3, check_store=False)
+    staging = kubelet_staging_path(str(tmp_path / "kubelet"), "slow")
+    os.makedirs(staging)
     with FaultProxy(moto_server.endpoint) as proxy:
         proxy.set("blackhole")
         with pytest.raises(MountNotReady) as info:
@@ -129,7 +136,7 @@ def test_a_mount_that_never_becomes_ready_is_an_error_and_leaves_nothing_mounted
 def test_a_volume_held_by_several_caches_keeps_the_largest_budget():
     from csi.state import VolumeRecord
 
-    record = VolumeRecord("v", "/m", {"bucket": "b"}, {})
+    record = VolumeRecord("v", "/m", {"bucket": "b"})
     assert record.cache_size is None and not record.in_use()
     record.holders.update({"ml/a": 2 << 30, "ml/b": 8 << 30})
     assert record.cache_size == 8 << 30 and record.in_use()

@@ -48,6 +48,10 @@ class FakeStore:
     def check(self) -> None:
         self.calls["check"] += 1
 
+    def rotate(self, identity) -> None:
+        self.calls["rotate"] += 1
+        self.identity = identity
+
     def list_dir(self, prefix: str):
         self.calls["list_dir"] += 1
         files, dirs = [], set()

@@ -1,0 +1,88 @@
+"""Start a detached mount process from a typed configuration and wait until it serves.
+
+The serving process (`stoker serve-mount`) reads one JSON document on stdin: the mount's
+configuration (fusecore.config's document), its credentials and its log level. Nothing else
+crosses: no argv to interpret, and credentials never sit in an argv or a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+
+from .config import MountConfig, identity_document, mount_document
+from .mounts import is_mounted, unmount
+
+MAX_DOCUMENT = 1024 * 1024  # bytes a serve-mount reads from stdin at most
+
+
+class LaunchFailed(RuntimeError):
+    """The mount did not start; the message says why (never a credential)."""
+
+
+class NotReady(LaunchFailed):
+    """The mount did not become ready in time; nothing is left mounted by it."""
+
+
+def serve_document(cfg: MountConfig, log_level: str = "INFO") -> bytes:
+    return json.dumps({"config": mount_document(cfg), "credentials": identity_document(cfg.store.credentials),
+                       "log_level": log_level}).encode()
+
+
+def launch(cfg: MountConfig, *, log_file: str, ready_timeout: float, log_level: str = "INFO",
+           env: dict[str, str] | None = None) -> None:
+    """Start `stoker serve-mount` in its own session for `cfg` and return once it mounted."""
+    os.makedirs(os.path.dirname(log_file) or ".", mode=0o700, exist_ok=True)
+    read_fd, write_fd = os.pipe()
+    argv = [sys.executable, "-m", "stoker", "serve-mount", "--ready-fd", str(write_fd)]
+    inherited = [write_fd]
+    if cfg.fuse_fd is not None:
+        argv += ["--fuse-fd", str(cfg.fuse_fd)]
+        inherited.append(cfg.fuse_fd)
+    log_fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log_fd, stderr=log_fd, pass_fds=inherited,
+                                 start_new_session=True, close_fds=True, env=env)
+    finally:
+        os.close(log_fd)
+        os.close(write_fd)
+    try:
+        child.stdin.write(serve_document(cfg, log_level))
+        child.stdin.close()
+    except OSError:
+        pass  # it died already: the ready pipe says why
+    answer = _read_ready(read_fd, ready_timeout)
+    if answer == "OK":
+        return
+    if answer is None:
+        child.kill()
+    status = child.wait()
+    if answer in (None, "") and cfg.fuse_fd is None and is_mounted(cfg.mountpoint):
+        unmount(cfg.mountpoint)  # the child got as far as mounting: never leave its dead mount behind
+    if answer is None:
+        raise NotReady(f"the mount did not become ready within {ready_timeout:g}s")
+    if answer.startswith("ERR "):
+        raise LaunchFailed(answer[4:])
+    raise LaunchFailed(f"the mount process exited (status {status}); see {log_file}")
+
+
+def _read_ready(fd: int, timeout: float) -> str | None:
+    """The child's one-line answer on the ready pipe; '' if it closed it without one, None on timeout."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    with os.fdopen(fd, "rb", buffering=0) as pipe:
+        while b"\n" not in data:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            readable, _, _ = select.select([pipe], [], [], remaining)
+            if readable:
+                chunk = pipe.read(4096)
+                if not chunk:
+                    return data.decode().strip()
+                data += chunk
+    return data.decode().strip()
