@@ -250,6 +250,12 @@ class VolumeManager:
             self._retire_or_save(record)
             log.info("released volume %s for %s", volume_id, holder)
 
+    def release_holder(self, holder: str) -> None:
+        """`holder` lets go of every volume it holds on this node."""
+        for record in self.state.records():
+            if holder in record.holders:
+                self.release(record.volume_id, holder)
+
     # ---- health and repair
 
     def find(self, volume_id: str, path: str) -> VolumeRecord:

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import threading
 import time
 
 from fusecore import control
 
-from .kube import Kube, load_config
+from .handover import handover_name, read_handover
+from .kube import Kube, NotFoundInCluster, load_config
 from .plan import READY_AT, node_should_warm, timestamp
-from .source import VolumeRef, read_secrets
 
 log = logging.getLogger(__name__)
 REPORT_EVERY = 2.0  # seconds between progress patches while warming
@@ -46,6 +47,7 @@ class CacheWorker:
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"warm {self.key}", daemon=True)
         self._last_report = 0.0
+        self.held: str | None = None  # the volume this worker holds (released by id, not by what status says)
 
     def update(self, obj: dict) -> None:
         replanned = _plan_of(obj) != _plan_of(self.obj)
@@ -70,11 +72,19 @@ class CacheWorker:
     def _keep_warm(self) -> None:
         status = self.obj.get("status") or {}
         spec = self.obj.get("spec") or {}
-        ref = VolumeRef.from_status(status["volume"])
-        secrets = read_secrets(ref, self.agent.kube)
+        meta = self.obj["metadata"]
+        try:
+            data, annotations = self.agent.kube.secret(self.agent.handover_namespace,
+                                                       handover_name(meta["namespace"], meta["name"]))
+        except NotFoundInCluster:
+            raise RuntimeError("the operator has not handed over this DatasetCache's volume yet") from None
+        handover = read_handover(meta["namespace"], meta["name"], data, annotations)
         goal = int(status.get("warmableBytes") or status.get("datasetBytes") or 0)
-        sock = self.agent.volumes.hold(ref.volume_id, ref.attributes, secrets, self.key,
+        if self.held is not None and self.held != handover.volume_id:
+            self.agent.volumes.release(self.held, self.key)
+        sock = self.agent.volumes.hold(handover.volume_id, handover.attributes, handover.secrets, self.key,
                                        int(status["cacheBytesPerNode"]))
+        self.held = handover.volume_id
         cached = control.call(sock, {"op": "stats"})["cache"]["bytes"]
         mine = (status.get("nodes") or {}).get(self.agent.node)
         if not node_should_warm(spec.get("policy", "Once"), mine, cached, goal):
@@ -114,17 +124,18 @@ class CacheWorker:
 
     def release(self, *, report: bool) -> None:
         """Give the memory back; remove this node's entry (that is what the operator's finalizer waits for)."""
-        status = self.obj.get("status") or {}
-        if status.get("volume"):
-            self.agent.volumes.release(VolumeRef.from_status(status["volume"]).volume_id, self.key)
+        self.agent.volumes.release_holder(self.key)  # whatever it holds, even from before a restart
+        self.held = None
         if report:
             meta = self.obj["metadata"]
             self.agent.kube.patch_cache_status(meta["namespace"], meta["name"], {"nodes": {self.agent.node: None}})
 
 
 class WarmAgent:
-    def __init__(self, volumes, node: str, kube: Kube, recheck: float = RECHECK_EVERY):
+    def __init__(self, volumes, node: str, kube: Kube, recheck: float = RECHECK_EVERY,
+                 handover_namespace: str = "stoker-system"):
         self.volumes = volumes
+        self.handover_namespace = handover_namespace
         self.recheck = recheck
         self.node = node
         self.kube = kube
@@ -180,6 +191,8 @@ def extend_csi(parser: argparse.ArgumentParser) -> None:
     """Add `--warm-agent` to `stoker csi`: the agent runs beside the node service, sharing its volumes."""
     parser.add_argument("--warm-agent", action="store_true",
                         help="warm DatasetCaches planned onto this node (needs Kubernetes API access)")
+    parser.add_argument("--handover-namespace", default=os.environ.get("POD_NAMESPACE", "stoker-system"),
+                        help="where the operator hands over DatasetCache volumes (the release namespace)")
     parser.add_argument("--warm-recheck", type=float, default=RECHECK_EVERY,
                         help=f"seconds between checks that a warm cache is still warm (default {RECHECK_EVERY:g})")
     previous = parser.get_default("node_extensions") or []
@@ -188,7 +201,8 @@ def extend_csi(parser: argparse.ArgumentParser) -> None:
         if not getattr(args, "warm_agent", False):
             return
         load_config()
-        agent = WarmAgent(volumes, args.node_id, Kube(), recheck=args.warm_recheck)
+        agent = WarmAgent(volumes, args.node_id, Kube(), recheck=args.warm_recheck,
+                          handover_namespace=args.handover_namespace)
         threading.Thread(target=agent.run, args=(stop,), name="warm-agent", daemon=True).start()
         log.info("warm agent watching DatasetCaches for node %s", args.node_id)
 

@@ -18,6 +18,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                    help="no peering: only safe with one replica (default: peer with other replicas)")
     o.add_argument("--peering", default="stoker", help="kopf peering name for several replicas")
     o.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL ('' to disable)")
+    o.add_argument("--handover-namespace", default=os.environ.get("POD_NAMESPACE", "stoker-system"),
+                   help="where DatasetCache volumes are handed to the node agents (the release namespace)")
     o.add_argument("--log-level", default="INFO")
     o.set_defaults(func=cmd_operator)
 
@@ -38,7 +40,9 @@ def cmd_operator(args: argparse.Namespace) -> int:
 
     ensure_identity()
 
-    from . import handlers  # noqa: F401 - registers the handlers
+    from . import handlers  # registers the handlers
+
+    handlers.HANDOVER_NAMESPACE = args.handover_namespace
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("botocore", "boto3", "urllib3", "kubernetes"):

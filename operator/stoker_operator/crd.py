@@ -95,8 +95,6 @@ STATUS_SCHEMA = {
             "properties": {
                 "id": {"type": "string"},
                 "attributes": {"type": "object", "additionalProperties": {"type": "string"}},
-                "secretRef": {"type": "object", "properties": {"name": {"type": "string"},
-                                                               "namespace": {"type": "string"}}},
             },
         },
         "nodes": {"type": "object", "additionalProperties": _NODE_STATUS},

@@ -7,10 +7,12 @@ whose entries each node's warm agent writes for its own node only (agent.py).
 from __future__ import annotations
 
 import logging
+import os
 
 import kopf
 
 from . import CACHE_ANNOTATION, GATE, GROUP, PLURAL, VERSION
+from .handover import LABELS, OWNER_ANNOTATION, handover_name, owner, secret_data
 from .kube import Kube, load_config
 from .plan import SpecProblem, aggregate, gate_release_patch, human, merge_conditions, size_cache, target_nodes
 from .source import StoreBusy, measure, read_secrets, resolve
@@ -20,6 +22,7 @@ FINALIZER = "stoker.dev/release-node-caches"
 RELEASE_WAIT_RETRIES = 60  # x 2 s: nodes that never answer do not block deletion forever
 
 _kube: Kube | None = None
+HANDOVER_NAMESPACE = os.environ.get("POD_NAMESPACE", "stoker-system")  # set by `stoker operator`
 
 
 def kube() -> Kube:
@@ -48,12 +51,14 @@ def plan(spec, status, meta, namespace, name, body, patch, reason, **_) -> None:
     generation = meta.get("generation")
     if reason == "resume" and status.get("observedGeneration") == generation and status.get("phase") not in (
             None, "Pending", "Sizing", "Failed"):
+        refresh_handover(dict(spec), namespace, name)
         return  # already planned for this generation: an operator restart re-warms nothing
     conditions = list(status.get("conditions") or [])
     try:
         ref = resolve(dict(spec), namespace, kube())
         secrets = read_secrets(ref, kube())
         dataset_bytes, objects = measure(ref, secrets, list(spec.get("paths") or []))
+        hand_over(namespace, name, ref, secrets)
         nodes = target_nodes(dict(spec.get("nodeSelector") or {}), kube().nodes())
         sizing = size_cache(dict(spec), dataset_bytes, objects, nodes)
     except StoreBusy as exc:  # the store is slow or away: try again, the spec may be fine
@@ -76,6 +81,21 @@ def plan(spec, status, meta, namespace, name, body, patch, reason, **_) -> None:
                                             f"nodes: {', '.join(n.name for n in nodes) or 'none'}")
     if not sizing.fits:
         kopf.warn(body, reason="CacheTooSmall", message=sizing.message)
+
+
+def hand_over(namespace: str, name: str, ref, secrets: dict[str, str]) -> None:
+    """Give the node agents the volume and its credentials, in the release namespace (handover.py)."""
+    kube().put_secret(HANDOVER_NAMESPACE, handover_name(namespace, name), secret_data(ref, secrets),
+                      {OWNER_ANNOTATION: owner(namespace, name)}, LABELS)
+
+
+def refresh_handover(spec: dict, namespace: str, name: str) -> None:
+    """Hand over the source's current credentials (a rotated Secret reaches the nodes this way)."""
+    try:
+        ref = resolve(spec, namespace, kube())
+        hand_over(namespace, name, ref, read_secrets(ref, kube()))
+    except SpecProblem as exc:
+        log.warning("%s/%s: credentials not refreshed: %s", namespace, name, exc)
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
@@ -128,9 +148,11 @@ def gated_pod(type, namespace, annotations, **_) -> None:
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=60, initial_delay=60, idle=30)
 def replan_on_node_changes(spec, status, meta, namespace, name, patch, **_) -> None:
-    """New or lost matching nodes: re-size and re-target without listing the dataset again."""
+    """New or lost matching nodes: re-size and re-target without listing the dataset again; hand
+    rotated credentials over (the agents pass them to the running mounts)."""
     if status.get("phase") in (None, "Failed", "Sizing") or status.get("observedGeneration") != meta.get("generation"):
         return
+    refresh_handover(dict(spec), namespace, name)
     nodes = target_nodes(dict(spec.get("nodeSelector") or {}), kube().nodes())
     if [n.name for n in nodes] == list(status.get("targetNodes") or []):
         return
@@ -145,11 +167,13 @@ def replan_on_node_changes(spec, status, meta, namespace, name, patch, **_) -> N
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)
-def release(status, body, retry, **_) -> None:
-    """Wait until every node agent has given its memory back (each removes its entry from status.nodes)."""
+def release(status, body, namespace, name, retry, **_) -> None:
+    """Wait until every node agent has given its memory back (each removes its entry from status.nodes),
+    then delete the handover."""
     holding = sorted((status.get("nodes") or {}).keys())
     if holding and retry < RELEASE_WAIT_RETRIES:
         raise kopf.TemporaryError(f"waiting for {', '.join(holding)} to release their caches", delay=2)
     if holding:
         kopf.warn(body, reason="ReleaseTimeout", message=f"nodes did not confirm the release: {', '.join(holding)}")
+    kube().delete_secret(HANDOVER_NAMESPACE, handover_name(namespace, name))
 

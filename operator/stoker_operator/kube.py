@@ -53,6 +53,36 @@ class Kube:
         secret = self._get(self.core.read_namespaced_secret, f"Secret {namespace}/{name}", name, namespace)
         return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
 
+    def secret(self, namespace: str, name: str) -> tuple[dict[str, str], dict[str, str]]:
+        """(data, annotations) of a Secret."""
+        secret = self._get(self.core.read_namespaced_secret, f"Secret {namespace}/{name}", name, namespace)
+        data = {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
+        return data, dict(secret.metadata.annotations or {})
+
+    def put_secret(self, namespace: str, name: str, data: dict[str, str], annotations: dict[str, str],
+                   labels: dict[str, str]) -> None:
+        """Create the Secret, or replace its data (the operator's handovers only)."""
+        encoded = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
+        body = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "data": encoded,
+                "metadata": {"name": name, "namespace": namespace, "annotations": annotations, "labels": labels}}
+        try:
+            self.core.create_namespaced_secret(namespace, body)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            current = self.core.read_namespaced_secret(name, namespace)
+            if (current.data or {}) != encoded or (current.metadata.annotations or {}) != annotations:
+                patch = {"data": {**{k: None for k in (current.data or {}) if k not in encoded}, **encoded},
+                         "metadata": {"annotations": annotations, "labels": labels}}
+                self.core.patch_namespaced_secret(name, namespace, patch, _content_type=MERGE_PATCH)
+
+    def delete_secret(self, namespace: str, name: str) -> None:
+        try:
+            self.core.delete_namespaced_secret(name, namespace)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
     def nodes(self) -> list[NodeInfo]:
         out = []
         for node in self.core.list_node().items:

@@ -24,13 +24,8 @@ class VolumeRef:
     secret_name: str | None = None
 
     def as_status(self) -> dict:
-        ref = {"name": self.secret_name, "namespace": self.secret_namespace} if self.secret_name else {}
-        return {"id": self.volume_id, "attributes": self.attributes, "secretRef": ref}
-
-    @classmethod
-    def from_status(cls, status: dict) -> "VolumeRef":
-        ref = status.get("secretRef") or {}
-        return cls(status["id"], dict(status.get("attributes") or {}), ref.get("namespace"), ref.get("name"))
+        """For people reading the status; no component acts on it (node agents read the handover)."""
+        return {"id": self.volume_id, "attributes": self.attributes}
 
 
 def resolve(spec: dict, namespace: str, kube: Kube) -> VolumeRef:
@@ -68,8 +63,11 @@ def _from_pvc(name: str, namespace: str, kube: Kube) -> VolumeRef:
 
 
 def read_secrets(ref: VolumeRef, kube: Kube) -> dict[str, str]:
+    """The credentials of the source; a source without any is refused (nothing falls back to the
+    operator's or a node's own identity)."""
     if not ref.secret_name:
-        return {}
+        raise SpecProblem("the source has no credentials: give source.s3 a secretRef, or use a PVC whose volume "
+                          "has a node-stage (or node-publish) secret")
     try:
         data = kube.secret_data(ref.secret_namespace, ref.secret_name)
     except NotFoundInCluster as exc:

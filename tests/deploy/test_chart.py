@@ -139,17 +139,6 @@ def test_optional_parts_follow_the_values():
     assert "Service" not in minimal and "Deployment" not in minimal
 
 
-def test_operator_rbac_is_least_privilege():
-    docs = render({})
-    role = next(d for d in by_kind(docs, "ClusterRole") if d["metadata"]["name"] == "stoker-operator")
-    verbs = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
-    assert verbs[("", "secrets")] == {"get"} and verbs[("", "pods")] == {"list", "watch", "patch"}
-    assert all("*" not in v and "delete" not in v for v in verbs.values())
-    node_role = next(d for d in by_kind(docs, "ClusterRole") if d["metadata"]["name"] == "stoker-node")
-    assert {r for rule in node_role["rules"] for r in rule["resources"]} == {"datasetcaches", "datasetcaches/status",
-                                                                              "secrets"}
-
-
 @pytest.mark.parametrize("bad", [
     {"node": {"cacheMemory": "lots"}},
     {"node": {"cacheMemory": "8GB"}},

@@ -109,7 +109,7 @@ def test_grafana_dashboard_uses_metrics_the_node_plugin_exports():
 
 
 def test_configuration_reference_names_every_value_and_attribute():
-    from csi.attributes import KNOBS, STORE_ATTRIBUTES
+    from csi.attributes import AUTH_ATTRIBUTES, KNOBS, STORE_ATTRIBUTES
 
     with open(os.path.join(ROOT, "docs", "configuration.md")) as f:
         doc = f.read()
@@ -127,5 +127,5 @@ def test_configuration_reference_names_every_value_and_attribute():
         f"`{v}".startswith(f"`{p}") for p in ("node.resources", "node.mounterResources", "operator.resources",
                                                "controller.resources"))]
     assert not missing, f"docs/configuration.md lacks {missing}"
-    attributes = [*STORE_ATTRIBUTES, *KNOBS, *crd.SPEC_SCHEMA["properties"]]
+    attributes = [*STORE_ATTRIBUTES, *AUTH_ATTRIBUTES, *KNOBS, *crd.SPEC_SCHEMA["properties"]]
     assert not [a for a in attributes if f"`{a}" not in doc]

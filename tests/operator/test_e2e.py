@@ -15,6 +15,7 @@ from csi.state import StateDir
 from csi.volumes import kubelet_staging_path
 from fusecore import control
 from fusecore.mounts import is_mounted
+from stoker_operator.handover import handover_name
 from tests.conftest import requires_fuse
 from tests.support.waiting import unmount_everything_under
 from tests.csi.conftest import SECRETS, wait_until
@@ -39,7 +40,8 @@ class NodePlugin:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "stoker", "csi", "--endpoint", f"unix://{self.tmp_path}/csi.sock",
                  "--node-id", "gpu-1", "--state-dir", self.state.root, "--warm-agent", "--warm-recheck", "1",
-                 "--health-interval", "1", "--kubelet-dir", self.kubelet_dir], stdout=logs, stderr=logs, env=env)
+                 "--health-interval", "1", "--kubelet-dir", self.kubelet_dir, "--secrets-dir",
+                 str(self.tmp_path / "secrets")], stdout=logs, stderr=logs, env=env)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -94,6 +96,17 @@ def test_datasetcache_warms_a_real_mount_and_releases_the_gated_pod(kube, operat
     sock = node_plugin.state.control_socket("pv-imagenet")
     stats = control.call(sock, {"op": "stats"})
     assert stats["cache"]["budget"] == st["cacheBytesPerNode"] and stats["cache"]["bytes"] >= total
+    # The volume and its credentials reached the node through the operator's handover in the release
+    # namespace (canonical keys only); a status rewritten by someone else is not acted on.
+    handover = kube.get("v1", "secrets", handover_name(NAMESPACE, "imagenet"), "stoker-system")
+    assert handover["metadata"]["annotations"]["stoker.dev/datasetcache"] == f"{NAMESPACE}/imagenet"
+    assert set(handover["data"]) == {"volume", "accessKeyId", "secretAccessKey"}
+    assert "secretRef" not in st["volume"]
+    s3.create_bucket(Bucket=f"{bucket}-elses")
+    kube.patch_status("stoker.dev/v1alpha1", "datasetcaches", "imagenet", NAMESPACE, {"volume": {
+        "id": "pv-forged", "attributes": {"bucket": f"{bucket}-elses", "endpointUrl": moto_server.endpoint}}})
+    time.sleep(3)  # the agent re-plans on the changed status and takes the volume from the handover again
+    assert [r.volume_id for r in node_plugin.state.records()] == ["pv-imagenet"]
     # The gated pod was released onto the warm node; the other gate stays.
     pod = kube.wait_for(lambda: (p := kube.get("v1", "pods", "trainer-0", NAMESPACE))
                         and len(p["spec"]["schedulingGates"]) == 1 and p, 30)
@@ -126,6 +139,7 @@ def test_datasetcache_warms_a_real_mount_and_releases_the_gated_pod(kube, operat
     kube.delete("stoker.dev/v1alpha1", "datasetcaches", "imagenet", NAMESPACE)
     assert kube.wait_for(lambda: cache(kube, "imagenet") is None, 60), (status(kube, "imagenet"), operator.log()[-2000:])
     assert wait_until(lambda: not is_mounted(mount_path), 30)
+    assert kube.get("v1", "secrets", handover_name(NAMESPACE, "imagenet"), "stoker-system") is None
 
 
 def test_a_dataset_larger_than_the_cache_warms_what_fits(kube, operator, node_plugin, moto_server, s3, bucket):
