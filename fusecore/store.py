@@ -107,7 +107,10 @@ class ObjectStore(Protocol):
 _PIECE = 256 * 1024  # progress is published after each piece of a body
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 _DENIED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden",
-           "InvalidToken", "ExpiredToken", "AllAccessDisabled"}
+           "InvalidToken", "ExpiredToken", "AllAccessDisabled",
+           # STS refusing a web identity (the pod's token) or keys while credentials are fetched
+           "InvalidIdentityToken", "IDPRejectedClaim", "ExpiredTokenException", "InvalidClientTokenId",
+           "AccessDeniedException"}
 _CHANGED = {"PreconditionFailed", "412", "InvalidRange", "416"}
 _NO_BUCKET = {"NoSuchBucket"}
 _RETRYABLE_STATUS = {429, 500, 502, 503, 504}

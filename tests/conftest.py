@@ -122,3 +122,14 @@ def mounts(tmp_path, moto_server):
     m = Mounts(tmp_path, moto_server.endpoint)
     yield m
     m.cleanup()
+
+
+@pytest.fixture(scope="session")
+def guarded():
+    """A moto server that enforces IAM, with users, a pod role and web-identity STS (tests/support/guarded.py)."""
+    from tests.support.guarded import start_guarded
+
+    server, store = start_guarded()
+    yield store
+    store.sts.__exit__()
+    server.stop()

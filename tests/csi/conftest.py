@@ -26,7 +26,7 @@ class Plugin:
 
     def __init__(self, tmp_path, *, mode: str = "node", separate_mounter: bool = True, health_interval: float = 0.5,
                  kubelet_dir: str | None = None, own_namespaces: bool = False, args: tuple[str, ...] = (),
-                 mounter_args: tuple[str, ...] = ()):
+                 mounter_args: tuple[str, ...] = (), env: dict[str, str] | None = None):
         self.tmp_path = tmp_path
         self.kubelet_dir = kubelet_dir or str(tmp_path / "kubelet")
         # Each process in its own mount namespace whose kubelet dir is a peer of ours: what the
@@ -39,6 +39,7 @@ class Plugin:
         self.state_dir = str(tmp_path / "state")
         self.secrets_dir = str(tmp_path / "secrets")
         self.args = list(args)
+        self.env = dict(os.environ, **(env or {}))
         self.mounter_args = list(mounter_args)
         self.socket = str(tmp_path / "csi.sock")
         self.mounter_socket = str(tmp_path / "mounter.sock")
@@ -53,7 +54,7 @@ class Plugin:
         log = open(self.tmp_path / "mounter.log", "ab")
         self.mounter = subprocess.Popen([*self.prefix, sys.executable, "-m", "stoker", "csi-mounter", "--socket",
                                          self.mounter_socket, "--state-dir", self.state_dir, "--kubelet-dir",
-                                         self.kubelet_dir, *self.mounter_args], stdout=log, stderr=log)
+                                         self.kubelet_dir, *self.mounter_args], stdout=log, stderr=log, env=self.env)
         assert wait_until(lambda: os.path.exists(self.mounter_socket), 30), "mounter did not start"
 
     def start(self) -> None:
@@ -69,7 +70,7 @@ class Plugin:
                 "--secrets-dir", self.secrets_dir, *self.args]
         if self.mode != "controller" and self.separate_mounter:
             argv += ["--mounter-socket", self.mounter_socket]
-        self.server = subprocess.Popen(argv, stdout=log, stderr=log)
+        self.server = subprocess.Popen(argv, stdout=log, stderr=log, env=self.env)
         assert wait_until(lambda: os.path.exists(self.socket), 30), self.log()
         self.channel = grpc.insecure_channel(f"unix://{self.socket}")
         grpc.channel_ready_future(self.channel).result(timeout=30)

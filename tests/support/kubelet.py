@@ -17,6 +17,11 @@ Written down from kubelet's sources, not from what the driver expects:
   reference, and kubelet refuses to unstage (retrying forever) while any reference does not contain
   the path from `/plugins/` on. A corrupted mount (ENOTCONN) counts as having no references.
 - removeMountDir: a directory still mounted is left alone; otherwise it and vol_data.json are removed.
+- tokens (csi_mounter.go podServiceAccountTokenAttrs): for a CSIDriver with tokenRequests, every
+  NodePublishVolume carries `csi.storage.k8s.io/serviceAccount.tokens`, a JSON object from audience to
+  {token, expirationTimestamp} of the pod's service account; with requiresRepublish the reconciler
+  calls NodePublishVolume again for mounted volumes (same target), with the token manager's current
+  token (a new one once 80% of the old one's life has passed). NodeStageVolume never carries tokens.
 - a container (runc, mountPropagation HostToContainer) sees an rslave recursive bind of the target
   made in its own mount namespace when it starts (tests/support/container.py).
 What it cannot show: kubelet's reconstruction after its own restart, the attach/detach controller,
@@ -33,6 +38,7 @@ import subprocess
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 
@@ -73,6 +79,8 @@ class Pod:
     name: str
     uid: str
     volumes: list[PodVolume]
+    namespace: str = "training"
+    service_account: str = "default"
     targets: dict[str, str] = field(default_factory=dict)  # volume name -> target path
     handles: dict[str, str] = field(default_factory=dict)  # volume name -> volume handle
     container: Container | None = None
@@ -124,8 +132,12 @@ class Kubelet:
     """Drives a node plugin over its real socket the way kubelet does, for one node."""
 
     def __init__(self, root: str, csi_socket: str, *, node: str = "node-a", unstage_attempts: int = 3,
-                 retry_pause: float = 0.5):
+                 retry_pause: float = 0.5, token_audiences: tuple[str, ...] = (),
+                 issue_token: Callable[[str], str] | None = None):
         self.root = os.path.abspath(root)
+        self.token_audiences = token_audiences  # the CSIDriver's tokenRequests
+        self.issue_token = issue_token  # "namespace/serviceaccount" -> a token (the TokenRequest API)
+        self.tokens: dict[str, str] = {}  # the token manager's current token per namespace/serviceaccount
         self.node = node
         self.unstage_attempts = unstage_attempts
         self.retry_pause = retry_pause
@@ -157,15 +169,16 @@ class Kubelet:
 
     # ---- pods
 
-    def run_pod(self, name: str, volumes: list[PodVolume], *, service_account: str = "default") -> Pod:
-        pod = Pod(name, str(uuid.uuid4()), volumes)
+    def run_pod(self, name: str, volumes: list[PodVolume], *, service_account: str = "default",
+                namespace: str = "training") -> Pod:
+        pod = Pod(name, str(uuid.uuid4()), volumes, namespace, service_account)
         for volume in volumes:
-            self._set_up(pod, volume, service_account)
+            self._set_up(pod, volume)
         pod.container = Container({v.name: pod.targets[v.name] for v in volumes})
         self.pods[pod.uid] = pod
         return pod
 
-    def _set_up(self, pod: Pod, volume: PodVolume, service_account: str) -> None:
+    def _set_up(self, pod: Pod, volume: PodVolume) -> None:
         handle = volume.handle or "csi-" + hashlib.sha256((pod.uid + volume.name).encode()).hexdigest()
         pod.handles[volume.name] = handle
         staging = ""
@@ -177,15 +190,38 @@ class Kubelet:
         os.makedirs(os.path.dirname(target), mode=0o750, exist_ok=True)
         with open(os.path.join(os.path.dirname(target), "vol_data.json"), "w") as f:
             json.dump({"driverName": DRIVER, "volumeHandle": handle}, f)
+        self._publish(pod, volume, handle, staging, target)
+        pod.targets[volume.name] = target
+
+    def _publish(self, pod: Pod, volume: PodVolume, handle: str, staging: str, target: str) -> None:
         context = dict(volume.attributes)
-        context.update({"csi.storage.k8s.io/pod.name": pod.name, "csi.storage.k8s.io/pod.namespace": "training",
+        context.update({"csi.storage.k8s.io/pod.name": pod.name, "csi.storage.k8s.io/pod.namespace": pod.namespace,
                         "csi.storage.k8s.io/pod.uid": pod.uid,
-                        "csi.storage.k8s.io/serviceAccount.name": service_account,
+                        "csi.storage.k8s.io/serviceAccount.name": pod.service_account,
                         "csi.storage.k8s.io/ephemeral": "true" if volume.inline else "false"})
+        if self.token_audiences:
+            account = f"{pod.namespace}/{pod.service_account}"
+            if account not in self.tokens:
+                self.tokens[account] = self.issue_token(account)
+            expires = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 3600))
+            context["csi.storage.k8s.io/serviceAccount.tokens"] = json.dumps(
+                {audience: {"token": self.tokens[account], "expirationTimestamp": expires}
+                 for audience in self.token_audiences})
         self.node_rpc.NodePublishVolume(pb.NodePublishVolumeRequest(
             volume_id=handle, staging_target_path=staging, target_path=target, volume_capability=READ_ONLY_MANY,
             readonly=True, volume_context=context, secrets=volume.publish_secrets), timeout=120)
-        pod.targets[volume.name] = target
+
+    def rotate_token(self, namespace: str, service_account: str) -> str:
+        """The token manager fetched a new token for the account (80% of the old one's life passed)."""
+        account = f"{namespace}/{service_account}"
+        self.tokens[account] = self.issue_token(account)
+        return self.tokens[account]
+
+    def republish(self, pod: Pod) -> None:
+        """requiresRepublish: the reconciler publishes every mounted volume of the pod again."""
+        for volume in pod.volumes:
+            handle = pod.handles[volume.name]
+            self._publish(pod, volume, handle, self.staged.get(handle, ""), pod.targets[volume.name])
 
     def _mount_device(self, handle: str, staging: str, volume: PodVolume) -> None:
         os.makedirs(staging, mode=0o750, exist_ok=True)
