@@ -1,0 +1,114 @@
+"""The mounter runs mounts and nothing else: requests sent straight to a real `stoker csi-mounter` over its
+socket, the way any process on the node could try. Each refusal is checked to have run nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from csi.attributes import parse_volume_context
+from csi.layout import kubelet_staging_path
+from csi.mounter import MountRequest
+from fusecore.mounts import is_mounted
+
+from .conftest import SECRETS, Plugin, requires_fuse
+
+pytestmark = [pytest.mark.integration, requires_fuse]
+
+
+@pytest.fixture
+def mounter(tmp_path, moto_server):
+    plugin = Plugin(tmp_path)
+    os.makedirs(os.path.join(plugin.state_dir, "run"), exist_ok=True)
+    os.makedirs(os.path.join(plugin.state_dir, "logs"), exist_ok=True)
+    plugin.start_mounter()
+    yield plugin
+    plugin.stop()
+
+
+def ask(path: str, message) -> dict:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(120)
+        sock.connect(path)
+        sock.sendall((message if isinstance(message, bytes) else json.dumps(message).encode()) + b"\n")
+        return json.loads(sock.makefile("rb").readline())
+
+
+def good_request(plugin: Plugin, bucket: str, endpoint: str, volume_id: str = "v1") -> dict:
+    mountpoint = kubelet_staging_path(plugin.kubelet_dir, volume_id)
+    os.makedirs(mountpoint, exist_ok=True)
+    spec = parse_volume_context({"bucket": bucket, "endpointUrl": endpoint})
+    from fusecore.config import Credentials
+
+    cfg = spec.mount_config(mountpoint, os.path.join(plugin.state_dir, "run", f"{volume_id}.sock"),
+                            credentials=Credentials(SECRETS["accessKeyId"], SECRETS["secretAccessKey"]))
+    return MountRequest(cfg, os.path.join(plugin.state_dir, "logs", f"{volume_id}.log")).message(60)
+
+
+def edited(message: dict, **config) -> dict:
+    out = json.loads(json.dumps(message))
+    out["config"].update(config)
+    return out
+
+
+def test_the_socket_is_private(mounter):
+    mode = os.stat(mounter.mounter_socket).st_mode
+    assert stat.S_ISSOCK(mode) and mode & 0o777 == 0o600
+
+
+def test_requests_that_are_not_a_mount_document_run_nothing(mounter, moto_server, bucket, tmp_path):
+    good = good_request(mounter, bucket, moto_server.endpoint)
+    mountpoint = good["config"]["mountpoint"]
+    marker = tmp_path / "ran"
+    bad = {
+        "an argv": {"op": "mount", "argv": ["mount", f"s3://{bucket}", mountpoint, "--log-file", str(marker)]},
+        "an environment": dict(good, env={"LD_PRELOAD": str(tmp_path / "evil.so")}),
+        "an unknown setting": edited(good, exec="/bin/sh"),
+        "a mistyped setting": edited(good, cache_size="lots"),
+        "a mount point outside kubelet's paths": edited(good, mountpoint=str(tmp_path)),
+        "/etc": edited(good, mountpoint="/etc"),
+        "a path with ..": edited(good, mountpoint=mountpoint + "/../../../../../../../../etc"),
+        "a control socket elsewhere": edited(good, control_socket=str(tmp_path / "x.sock")),
+        "a log file elsewhere": dict(good, log_file=str(marker)),
+        "a metrics port": edited(good, metrics_port=9999),
+        "the node's own credentials": dict(good, credentials=None),
+        "credentials with extra fields": dict(good, credentials=dict(good["credentials"], LD_PRELOAD="x")),
+        "an unknown op": {"op": "exec", "cmd": ["/bin/true"]},
+        "not JSON": b"mount everything please",
+    }
+    for what, message in bad.items():
+        reply = ask(mounter.mounter_socket, message)
+        assert reply.get("error") and reply.get("kind") == "refused", (what, reply)
+    assert not is_mounted(mountpoint) and not marker.exists() and not is_mounted("/etc")
+    assert os.listdir(os.path.join(mounter.state_dir, "logs")) == []  # no mount process ever started
+    # The same document, untouched, mounts: the refusals above are about what was changed.
+    assert ask(mounter.mounter_socket, good) == {"ok": True}
+    assert is_mounted(mountpoint)
+
+
+def test_callers_other_than_root_are_refused(mounter, tmp_path):
+    # Let another user reach the socket (mode and a traversable path), to show the peer check behind it.
+    os.chmod(mounter.mounter_socket, 0o666)
+    public = tempfile.mkdtemp(prefix="stoker-peer-")
+    os.chmod(public, 0o755)
+    link = os.path.join(public, "mounter.sock")
+    os.link(mounter.mounter_socket, link)
+    code = ("import json, socket; s = socket.socket(socket.AF_UNIX); s.connect(%r); "
+            "s.sendall(b'{\"op\": \"ping\"}\\n'); print(s.makefile().readline())" % link)
+    try:
+        result = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+                                 code], capture_output=True, text=True, timeout=60, cwd="/")
+    finally:
+        shutil.rmtree(public)
+    assert result.returncode == 0, result.stderr
+    reply = json.loads(result.stdout)
+    assert reply["kind"] == "refused" and "uid 65534" in reply["error"]
+    assert ask(mounter.mounter_socket, {"op": "ping"}) == {"ok": True}  # root still is
