@@ -93,6 +93,7 @@ def test_a_volume_without_credentials_never_uses_the_nodes(plugin, guarded):
         volume_context=dict(attributes(guarded), **{"csi.storage.k8s.io/ephemeral": "true"})), timeout=60))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "no credentials" in details
     assert not is_mounted(plugin.staging("bare")) and not is_mounted(target)
+    assert os.stat(plugin.socket).st_mode & 0o777 == 0o600  # only root (kubelet) reaches the node service
 
 
 def test_node_credentials_where_the_admin_allowed_them(tmp_path, guarded):

@@ -1,3 +1,4 @@
+import json
 import math
 
 import pytest
@@ -57,3 +58,28 @@ def test_format_size_is_for_people():
     assert format_size(3.5 * 1024**3) == "3.5 GiB"
     assert format_size(2 * 1024**5) == "2.0 PiB"
     assert parse_size(format_size(64 * 1024**2).replace(" ", "")) == 64 * 1024**2
+
+
+def test_a_mount_document_round_trips_and_refuses_what_it_does_not_know():
+    from fusecore.config import (ConfigError, Credentials, MountConfig, StoreConfig, WebIdentity, config_from_document,
+                                 identity_document, identity_from_document, mount_document)
+
+    cfg = MountConfig(store=StoreConfig(bucket="b", prefix="p/", endpoint_url="http://s3", max_concurrency=8),
+                      mountpoint="/m", cache_size=1 << 30, metadata_ttl=float("inf"), uid=1000)
+    doc = json.loads(json.dumps(mount_document(cfg)))
+    assert config_from_document(doc) == cfg and "credentials" not in doc["store"]
+    for bad, named in [(dict(doc, exec="/bin/sh"), "exec"), (dict(doc, cache_size="big"), "cache_size"),
+                       (dict(doc, store=dict(doc["store"], profile=7)), "profile"),
+                       (dict(doc, mountpoint="relative"), "absolute"), (dict(doc, block_size=1), "block-size"),
+                       ({k: v for k, v in doc.items() if k != "store"}, "store"), (dict(doc, uid=True), "uid")]:
+        with pytest.raises(ConfigError, match=named):
+            config_from_document(bad)
+    for identity in (Credentials("id", "s3cr3t", "tok"), WebIdentity("arn:aws:iam::1:role/r", "jwt", "s", "http://sts")):
+        assert identity_from_document(json.loads(json.dumps(identity_document(identity)))) == identity
+        assert "s3cr3t" not in repr(identity) and "jwt" not in repr(identity)
+    with pytest.raises(ConfigError, match="unknown field"):
+        identity_from_document({"kind": "keys", "access_key_id": "a", "secret_access_key": "b", "LD_PRELOAD": "x"})
+    with pytest.raises(ConfigError, match="empty"):
+        identity_from_document({"kind": "keys", "access_key_id": "", "secret_access_key": "b"})
+    with pytest.raises(ConfigError, match="kind"):
+        identity_from_document({"kind": "shell"})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import hashlib
 import os
 import random
@@ -308,3 +309,13 @@ def test_a_mount_whose_process_was_killed_can_be_unmounted_and_mounted_again(s3,
     assert not is_mounted(mp)
     mp2 = mounts.mount(f"s3://{bucket}", mountpoint=mp)
     assert read_whole(os.path.join(mp2, "f")) == b"still here"
+
+
+def test_serve_mount_refuses_a_document_it_does_not_know(tmp_path):
+    """The serving process takes only a mount document on stdin: anything else is one line and status 2."""
+    doc = {"config": {"store": {"bucket": "b"}, "mountpoint": str(tmp_path), "preload": "/tmp/x.so"},
+           "credentials": None, "log_level": "INFO"}
+    result = subprocess.run([sys.executable, "-m", "stoker", "serve-mount"], input=json.dumps(doc), text=True,
+                            capture_output=True, timeout=60)
+    assert result.returncode == 2 and "unknown setting(s) preload" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not os.path.ismount(str(tmp_path))

@@ -37,6 +37,7 @@ def test_bad_sources_fail_with_a_clear_message(kube, operator, moto_server, buck
         "no-secret": ({"pvc": "no-secret"}, "Secret ml/missing"),
         "weird-secret": ({"pvc": "weird-secret"}, "username"),
         "no-bucket": ({"pvc": "no-bucket"}, "bucket does not exist"),
+        "no-credentials": ({"s3": {"bucket": bucket, "endpointUrl": moto_server.endpoint}}, "no credentials"),
     }
     for name, (source, _) in cases.items():
         add_cache(kube, name, {"source": source})
@@ -76,3 +77,12 @@ def test_fixing_the_spec_replans(kube, operator, moto_server, s3, bucket):
     assert (st["datasetBytes"], st["objectCount"], st["cacheBytesPerNode"]) == (1500, 2, 1024**3)
     assert st["volume"]["id"] == f"s3://{bucket}/data/" and st["targetNodes"] == ["n1"]
     assert st["observedGeneration"] == 2
+
+
+def test_a_secret_reference_stays_in_the_caches_namespace():
+    """A DatasetCache's s3 secretRef names a Secret of its own namespace, whatever else it says."""
+    from stoker_operator.source import resolve
+
+    ref = resolve({"source": {"s3": {"bucket": "b", "secretRef": {"name": "creds", "namespace": "kube-system"}}}},
+                  NAMESPACE, kube=None)
+    assert (ref.secret_namespace, ref.secret_name) == (NAMESPACE, "creds")
