@@ -154,9 +154,9 @@ def cmd_csi(args: argparse.Namespace) -> int:
     if os.path.exists(path):
         os.unlink(path)
     server = build_server(args, mounter, volumes)
-    server.add_insecure_port(f"unix://{path}")
     old_mask = os.umask(0o177 if volumes is not None else 0o117)  # node: kubelet (root) only
     try:
+        server.add_insecure_port(f"unix://{path}")
         server.start()
     finally:
         os.umask(old_mask)

@@ -27,6 +27,7 @@ CORE = [  # (plural, kind, namespaced, has_status)
     ("persistentvolumeclaims", "PersistentVolumeClaim", True, True),
     ("persistentvolumes", "PersistentVolume", False, True),
     ("secrets", "Secret", True, False),
+    ("serviceaccounts", "ServiceAccount", True, False),
     ("events", "Event", True, False),
     ("namespaces", "Namespace", False, True),
 ]
