@@ -113,6 +113,11 @@ class StoreConfig:
     credentials: Identity | None = None  # None: boto3's default chain (environment, files, roles)
 
 
+def _within(name: str, value: float, low: float, high: float, text: str | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ConfigError(f"{name}: {text or f'must be between {low:g} and {high:g}'} (got {value!r})")
+
+
 @dataclass(frozen=True)
 class MountConfig:
     """Everything a mount needs; built once by the CLI (or the CSI plugin) and passed down."""
@@ -137,14 +142,27 @@ class MountConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.block_size < 64 * 1024 or self.block_size > 64 * 1024**2:
-            raise ConfigError("block-size: must be between 64KiB and 64MiB")
+        """Every setting in its range, named as its flag: no value may yield a mount that cannot serve."""
+        store = self.store
+        _within("block-size", self.block_size, 64 * 1024, 64 * 1024**2, "must be between 64KiB and 64MiB")
         if self.cache_size < 2 * self.block_size:
             raise ConfigError("cache-size: must hold at least two blocks")
-        if self.store.max_concurrency < 1 or self.store.max_concurrency > 1024:
-            raise ConfigError("max-concurrency: must be between 1 and 1024")
-        if self.store.request_timeout <= 0 or self.store.connect_timeout <= 0:
-            raise ConfigError("timeouts: must be > 0 seconds")
+        _within("max-concurrency", store.max_concurrency, 1, 1024)
+        _within("max-attempts", store.max_attempts, 1, 20)
+        _within("request-timeout", store.request_timeout, 0.1, 3600, "must be between 0.1 and 3600 seconds")
+        _within("connect-timeout", store.connect_timeout, 0.1, 3600, "must be between 0.1 and 3600 seconds")
+        _within("read-deadline", self.read_deadline, 1, 86400, "must be between 1 and 86400 seconds")
+        _within("max-prefetch", self.max_prefetch, 0, 1 << 50, "must not be negative")
+        _within("max-inflight-bytes", self.max_inflight_bytes, self.block_size, 1 << 50,
+                "must hold at least one block")
+        if not self.metadata_ttl >= 0:
+            raise ConfigError("metadata-ttl: must be >= 0 seconds")
+        _within("read-ahead-kb", self.read_ahead_kb, 0, 1024 * 1024, "must be between 0 and 1048576")
+        if self.metrics_port is not None:
+            _within("metrics-port", self.metrics_port, 1, 65535)
+        for name, value in (("uid", self.uid), ("gid", self.gid)):
+            if value is not None:
+                _within(name, value, 0, 2**32 - 2)
 
     @property
     def inflight_limit(self) -> int:

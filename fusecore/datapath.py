@@ -33,7 +33,7 @@ class DataPath:
         self.metrics.bind_cache(self.cache.stats)
         self.fetcher = Fetcher(store, self.cache, self.metrics, block_size=cfg.block_size,
                                max_concurrency=cfg.store.max_concurrency, inflight_limit=cfg.inflight_limit,
-                               read_retries=cfg.store.max_attempts - 1, read_deadline=cfg.read_deadline)
+                               read_deadline=cfg.read_deadline)
         self.namespace = Namespace(store, cfg.store.prefix, cfg.metadata_ttl, self.metrics)
         self.reader = Reader(self.fetcher, self.metrics, block_size=cfg.block_size,
                              prefetch_limit=cfg.prefetch_limit)
@@ -69,6 +69,7 @@ class DataPath:
                 "list": int(m.value(m.list_requests)),
                 "head": int(m.value(m.head_requests)),
                 "body_retries": int(m.value(m.retries)),
+                "throttled": int(m.value(m.throttled)),
             },
             "bytes_fetched": int(m.value(m.get_bytes)),
             "bytes_served": {

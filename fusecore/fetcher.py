@@ -23,6 +23,16 @@ log = logging.getLogger(__name__)
 _POLL_SECONDS = 0.002  # how often a reader waiting for the next bytes of a block looks again
 
 
+BACKOFF_BASE = 0.05  # seconds before the first retry (on average half of it: full jitter)
+BACKOFF_CAP = 5.0  # the longest pause between two attempts
+
+
+def backoff(attempt: int, retry_after: float | None = None) -> float:
+    """Capped exponential backoff with full jitter; a store's Retry-After is honoured when longer."""
+    pause = random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2 ** min(attempt, 20)))
+    return max(pause, retry_after or 0.0)
+
+
 class ByteBudget:
     """An async semaphore over bytes; a request larger than the limit waits for an empty budget."""
 
@@ -47,9 +57,11 @@ class ByteBudget:
 class _Pending:
     """The shared future of one block GET; readers may take bytes as soon as they arrive."""
 
-    __slots__ = ("done", "data", "error", "demanded", "visit", "buffer", "progress", "queued")
+    __slots__ = ("done", "data", "error", "demanded", "visit", "buffer", "progress", "queued", "attempts", "logged")
 
     def __init__(self, demanded: bool, visit: Hashable | None, queued: int = 0):
+        self.attempts = 0
+        self.logged = False  # its failure was logged (once, however many readers waited for it)
         self.done = trio.Event()
         self.data: Buffer | None = None
         self.error: StoreError | None = None
@@ -62,13 +74,11 @@ class _Pending:
 
 class Fetcher:
     def __init__(self, store: ObjectStore, cache: BlockCache, metrics: MountMetrics, *, block_size: int,
-                 max_concurrency: int, inflight_limit: int, read_retries: int = 3,
-                 read_deadline: float = 60.0):
+                 max_concurrency: int, inflight_limit: int, read_deadline: float = 60.0):
         self.store = store
         self.cache = cache
         self.metrics = metrics
         self.block_size = block_size
-        self.read_retries = read_retries
         self.read_deadline = read_deadline
         self._threads = trio.CapacityLimiter(max_concurrency)
         # Prefetches may use at most 3/4 of the connections, so demand reads always find one.
@@ -121,6 +131,10 @@ class Fetcher:
                         await pending.done.wait()
         if not pending.done.is_set():
             self.metrics.errors.labels(kind="deadline").inc()
+            if not pending.logged:
+                pending.logged = True
+                log.warning("read of %s block %d failed: no answer within %gs (%d attempts so far)", obj.key,
+                            index, self.read_deadline, pending.attempts)
             raise Unavailable(f"get {obj.key!r}: no answer within {self.read_deadline:g}s")
         if pending.error is not None:
             raise pending.error
@@ -171,14 +185,21 @@ class Fetcher:
             elif pending.demanded:  # a reader joined a prefetch that was abandoned
                 pending.data = await self._fetch(key, obj, pending)
                 self.cache.put(key, pending.data, visit=pending.visit)
-        except StoreError as exc:
+        except Exception as exc:  # noqa: BLE001 - one request never ends the mount: its readers get EIO
+            if not isinstance(exc, StoreError):
+                log.exception("unexpected error fetching %s block %d", obj.key, key.index)
+                exc = Unavailable(f"get {obj.key!r}: unexpected {type(exc).__name__}")
             pending.error = exc
             self.metrics.errors.labels(kind=exc.kind).inc()
             if isinstance(exc, PreconditionFailed):
                 dropped = self.cache.invalidate(obj.key)
                 log.warning("%s changed during reads; dropped %d cached blocks", obj.key, dropped)
-            elif not pending.demanded:
-                log.info("prefetch of %s block %d failed: %s", obj.key, key.index, exc)
+            elif not pending.logged:
+                pending.logged = True
+                start, end = block_extent(key.index, obj.size, key.unit or self.block_size)
+                (log.warning if pending.demanded else log.info)(
+                    "%s of %s bytes %d-%d failed after %d attempt(s): %s", "read" if pending.demanded else "prefetch",
+                    obj.key, start, end - 1, pending.attempts, exc)
         finally:
             self._settle(pending)
             del self._pending[key]
@@ -197,24 +218,28 @@ class Fetcher:
             view = memoryview(buffer)
             progress = pending.progress
             pending.buffer = buffer
-            for attempt in range(self.read_retries + 1):
+            deadline = time.monotonic() + self.read_deadline
+            while True:
                 began = time.monotonic()
+                pending.attempts += 1
                 self.metrics.get_requests.labels(kind="demand" if pending.demanded else "prefetch").inc()
                 done = progress.received  # a retry resumes where the broken body stopped
                 try:
                     await trio.to_thread.run_sync(self.store.read_range, obj.key, start + done, end, obj.etag,
                                                   view[done:], progress, limiter=self._threads)
-                except TransientError:
-                    if attempt == self.read_retries:
-                        raise
+                except TransientError as exc:
+                    if exc.throttled:
+                        self.metrics.throttled.inc()
+                    pause = backoff(pending.attempts, exc.retry_after)
+                    if time.monotonic() + pause >= deadline:
+                        raise  # retried until the read's deadline: now it fails
                     self.metrics.retries.inc()
-                    await trio.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + random.random()))
+                    await trio.sleep(pause)
                     continue
                 finally:
                     self.metrics.get_bytes.inc(progress.received - done)
                 self.metrics.get_latency.observe(time.monotonic() - began)
                 return buffer
-            raise AssertionError("unreachable")
         finally:
             self.metrics.inflight_requests.dec()
             self.metrics.inflight_bytes.dec(nbytes)

@@ -26,7 +26,10 @@ class MountMetrics:
         self.inflight_requests = Gauge("stoker_inflight_requests", "GETs in flight", registry=r)
         self.inflight_bytes = Gauge("stoker_inflight_bytes", "Bytes of GETs in flight", registry=r)
         self.errors = Counter("stoker_errors", "Object-store errors by kind", ["kind"], registry=r)
-        self.retries = Counter("stoker_body_retries", "GETs retried after a broken body", registry=r)
+        self.retries = Counter("stoker_body_retries", "GETs retried (a broken body, throttling, a 5xx, a wrong range)",
+                               registry=r)
+        self.throttled = Counter("stoker_throttled", "GET answers that were throttling (503 SlowDown, 429)",
+                                 registry=r)
         self.cache_bytes = Gauge("stoker_cache_bytes", "Bytes held by the block cache", registry=r)
         self.cache_budget = Gauge("stoker_cache_budget_bytes", "Configured cache budget", registry=r)
         self.cache_evictions = Gauge("stoker_cache_evictions", "Blocks evicted or not admitted (total)",

@@ -77,9 +77,42 @@ class Unavailable(StoreError):
 
 
 class TransientError(StoreError):
-    """A body read broke off mid-stream; worth retrying the whole request."""
+    """Worth retrying: a body broke off, the store throttled (503 SlowDown, 429) or failed (5xx), or an
+    answer did not match the range asked for. `retry_after`: seconds the store asked us to wait."""
 
     kind = "transient"
+
+    def __init__(self, message: str, *, throttled: bool = False, retry_after: float | None = None):
+        super().__init__(message)
+        self.throttled = throttled
+        self.retry_after = retry_after
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """A Retry-After header given in seconds (the HTTP-date form is ignored); at most 60."""
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return None if seconds is None or seconds < 0 else min(seconds, 60.0)
+
+
+def check_range(start: int, end: int, status: int, content_range: str | None, content_length: int | None,
+                object_size: int | None, what: str) -> None:
+    """The answer to a GET of bytes [start, end) must be exactly those bytes: a 206 whose Content-Range
+    and length match, or a 200 holding the whole object when the range is the whole object. Anything
+    else (a proxy or store that ignored, moved or cut the range) is retried, then fails: never wrong bytes."""
+    length = end - start
+    if status == 206:
+        match = _CONTENT_RANGE.match(content_range or "")
+        if match is None or (int(match.group(1)), int(match.group(2)) + 1) != (start, end):
+            raise TransientError(f"{what}: the store answered bytes {content_range or '(no Content-Range)'} "
+                                 f"for bytes {start}-{end - 1}")
+    elif status == 200:
+        if start != 0 or (object_size is not None and object_size != length):
+            raise TransientError(f"{what}: the store ignored the Range header (200 for bytes {start}-{end - 1})")
+    if content_length is not None and content_length != length:
+        raise TransientError(f"{what}: the answer holds {content_length} bytes, not the {length} asked for")
 
 
 class Progress:
@@ -251,7 +284,14 @@ class S3Store:
         try:
             resp = self._client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=etag)
             if resp.get("ETag") not in (None, etag):
+                resp["Body"].close()
                 raise PreconditionFailed(f"{what}: object changed since it was listed")
+            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 206)
+            try:
+                check_range(start, end, status, resp.get("ContentRange"), resp.get("ContentLength"), None, what)
+            except TransientError:
+                resp["Body"].close()
+                raise
             readinto, release = _body_reader(resp["Body"])
             _read_body(readinto, into, progress, release, resp["Body"].close, what)
         except StoreError:
@@ -269,6 +309,7 @@ def _direct_gets_possible() -> bool:
 
 
 _CODE_RE = re.compile(rb"<Code>([^<]+)</Code>")
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
 
 class _PresignedGets:
@@ -334,16 +375,22 @@ class _PresignedGets:
                 raise _translate(exc, what) from None
             if resp.status in (200, 206):
                 break
+            retry_after = retry_after_seconds(resp.headers.get("Retry-After"))
             code = _error_code(resp)
             if resp.status == 403 and not fresh and code in ("AccessDenied", "ExpiredToken", "RequestExpired"):
                 continue  # an expired URL (or rotated credentials): sign again once
-            raise _answer_error(resp.status, code, what, retried=False)
+            raise _answer_error(resp.status, code, what, retried=False, retry_after=retry_after)
         if resp.headers.get("ETag") not in (None, etag):
             resp.release_conn()
             raise PreconditionFailed(f"{what}: object changed since it was listed")
-        if resp.status == 200 and int(resp.headers.get("Content-Length", -1)) != length:
+        try:
+            declared = resp.headers.get("Content-Length")
+            check_range(start, end, resp.status, resp.headers.get("Content-Range"),
+                        int(declared) if declared is not None else None, None, what)
+        except (TransientError, ValueError) as exc:
             resp.close()
-            raise Unavailable(f"{what}: the store ignored the Range header")
+            raise exc if isinstance(exc, TransientError) else TransientError(f"{what}: malformed Content-Length") \
+                from None
         fp = getattr(resp, "_fp", None)
         readinto = fp.readinto if fp is not None and hasattr(fp, "readinto") else resp.readinto
         try:
@@ -382,14 +429,16 @@ def _error_code(resp) -> str:
     return match.group(1).decode(errors="replace") if match else str(resp.status)
 
 
-def _answer_error(status: int | None, code: str, what: str, *, retried: bool) -> StoreError:
+def _answer_error(status: int | None, code: str, what: str, *, retried: bool,
+                  retry_after: float | None = None) -> StoreError:
     """The one table from a store's error answer (HTTP status, S3 error code) to StoreError.
 
     Throttling and 5xx are TransientError, for the fetcher to retry, unless they were `retried`
     already (botocore's retry mode), when they are Unavailable.
     """
     if not retried and (status in _RETRYABLE_STATUS or code in _RETRYABLE_CODES):
-        return TransientError(f"{what}: store answered {status} {code}")
+        throttled = status in (429, 503) or code in ("SlowDown", "Throttling")
+        return TransientError(f"{what}: store answered {status} {code}", throttled=throttled, retry_after=retry_after)
     if code in _NO_BUCKET:
         return BucketNotFound(f"{what}: bucket does not exist")
     if code in _NOT_FOUND or status == 404:

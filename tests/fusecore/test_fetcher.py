@@ -16,10 +16,10 @@ KiB = 1024
 BLOCK = 64 * KiB
 
 
-def make(store, *, budget=8 * 1024 * KiB, concurrency=4, inflight=1024 * KiB, retries=2, deadline=10.0):
+def make(store, *, budget=8 * 1024 * KiB, concurrency=4, inflight=1024 * KiB, deadline=10.0):
     cache = BlockCache(budget)
     fetcher = Fetcher(store, cache, MountMetrics(), block_size=BLOCK, max_concurrency=concurrency,
-                      inflight_limit=inflight, read_retries=retries, read_deadline=deadline)
+                      inflight_limit=inflight, read_deadline=deadline)
     return fetcher, cache
 
 
@@ -85,7 +85,7 @@ def test_transient_failures_are_retried_then_succeed():
     store = FakeStore()
     info = store.put("k", b"abc" * 50_000)
     store.faults.transient = 2  # e.g. 503 SlowDown / reset that survived botocore's own retries
-    fetcher, _ = make(store, retries=2)
+    fetcher, _ = make(store)
     out = []
 
     async def body(nursery):
@@ -97,20 +97,84 @@ def test_transient_failures_are_retried_then_succeed():
     assert store.calls["get"] == 3
 
 
-def test_persistent_failures_give_up_with_an_error_not_a_hang():
+def test_persistent_failures_give_up_at_the_deadline_with_an_error_not_a_hang(caplog):
     store = FakeStore()
     info = store.put("k", b"abc" * 50_000)
-    store.faults.transient = 100
-    fetcher, _ = make(store, retries=2)
+    store.faults.transient = 10_000
+    fetcher, _ = make(store, deadline=1.0)
+    took = []
 
     async def body(nursery):
         fetcher.start(nursery)
+        started = time.monotonic()
         with pytest.raises(Exception) as err:
             await fetcher.block(info, 0)
+        took.append(time.monotonic() - started)
         assert err.value.kind in ("transient", "unavailable")
 
     run(body)
-    assert store.calls["get"] == 3
+    assert store.calls["get"] > 3  # retried for as long as the read may wait, not a fixed count
+    assert took[0] < 1.0 + 0.5
+    failures = [r for r in caplog.records if r.levelname == "WARNING" and "k bytes 0-65535" in r.getMessage()]
+    assert len(failures) == 1 and "attempt" in failures[0].getMessage()  # logged once, with range and attempts
+
+
+def test_a_burst_of_throttling_is_ridden_out_with_backoff():
+    """Several seconds of 503 SlowDown: the read waits them out (within its deadline) and gets the right bytes."""
+    store = FakeStore()
+    data = bytes(range(256)) * 512
+    info = store.put("k", data)
+    store.faults.throttle_until = time.monotonic() + 2.0
+    fetcher, _ = make(store, deadline=30.0)
+    out = []
+
+    async def body(nursery):
+        fetcher.start(nursery)
+        out.append(bytes((await fetcher.block(info, 1))[0]))
+
+    run(body)
+    assert out == [data[BLOCK:2 * BLOCK]]
+    throttled = store.calls["throttled"]
+    assert throttled >= 3 and fetcher.metrics.value(fetcher.metrics.throttled) == throttled
+    assert throttled < 40  # backoff, not a busy loop
+
+
+def test_retry_after_is_honoured():
+    store = FakeStore()
+    info = store.put("k", b"z" * BLOCK)
+    store.faults.throttle_until = time.monotonic() + 0.01
+    store.faults.retry_after = 0.6
+    fetcher, _ = make(store)
+    took = []
+
+    async def body(nursery):
+        fetcher.start(nursery)
+        started = time.monotonic()
+        await fetcher.block(info, 0)
+        took.append(time.monotonic() - started)
+
+    run(body)
+    assert store.calls["get"] == 2 and took[0] >= 0.6
+
+
+def test_an_unexpected_error_fails_that_read_and_the_fetcher_serves_on(caplog):
+    store = FakeStore()
+    data = b"q" * (3 * BLOCK)
+    info = store.put("k", data)
+    store.faults.explode = 1
+    fetcher, _ = make(store)
+    out = []
+
+    async def body(nursery):
+        fetcher.start(nursery)
+        with pytest.raises(Unavailable, match="unexpected RuntimeError"):
+            await fetcher.block(info, 0)
+        out.append(bytes((await fetcher.block(info, 0))[0]))  # the same block, asked again, arrives
+        out.append(bytes((await fetcher.block(info, 2))[0]))
+
+    run(body)
+    assert out == [data[:BLOCK], data[2 * BLOCK:]]
+    assert any("unexpected error fetching k block 0" in r.getMessage() and r.exc_info for r in caplog.records)
 
 
 def test_a_store_that_stops_answering_fails_the_read_within_the_deadline():

@@ -319,3 +319,63 @@ def test_serve_mount_refuses_a_document_it_does_not_know(tmp_path):
                             capture_output=True, timeout=60)
     assert result.returncode == 2 and "unknown setting(s) preload" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not os.path.ismount(str(tmp_path))
+
+
+@pytest.mark.parametrize("flag, value, named", [
+    ("--max-attempts", "0", "max-attempts: must be between 1 and 20"),
+    ("--max-attempts", "-1", "max-attempts"),
+    ("--read-deadline", "0", "read-deadline: must be between 1 and 86400 seconds"),
+    ("--request-timeout", "0", "request-timeout"),
+    ("--connect-timeout", "-2", "connect-timeout"),
+    ("--max-concurrency", "0", "max-concurrency"),
+    ("--read-ahead-kb", "-1", "read-ahead-kb"),
+    ("--metrics-port", "70000", "metrics-port"),
+    ("--uid", "-1", "uid"),
+    ("--cache-size", "1MiB", "cache-size"),
+    ("--max-prefetch", "lots", "max-prefetch"),
+])
+def test_bad_flags_are_one_line_naming_the_flag(tmp_path, flag, value, named):
+    """Refused before anything mounts: status 2, one line on stderr naming the setting and its range."""
+    result = subprocess.run([sys.executable, "-m", "stoker", "mount", "s3://b", str(tmp_path), flag, value],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and named in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not os.path.ismount(str(tmp_path))
+
+
+@pytest.mark.parametrize("gets", ["presigned", "botocore"])
+@pytest.mark.parametrize("fault", ["shift-range", "ignore-range"])
+def test_an_answer_for_other_bytes_is_never_served(s3, bucket, mounts, moto_server, gets, fault):
+    """A store or proxy that moves the range or ignores it: retried, then EIO; the bytes read are the
+    object's bytes or nothing, on both GET paths."""
+    data = put(s3, bucket, "f", random.Random(7).randbytes(3 * MiB))
+    env = {"STOKER_BOTOCORE_GETS": "1"} if gets == "botocore" else {}
+    with FaultProxy(moto_server.endpoint) as proxy:
+        mp = mounts.mount(f"s3://{bucket}", "--block-size", "1MiB", "--read-deadline", "3", "--no-kernel-cache",
+                          endpoint=proxy.endpoint, env=env)
+        os.listdir(mp)
+        proxy.set(fault, 2)  # two tampered answers, then the real ones
+        assert read_whole(os.path.join(mp, "f")) == data
+        assert proxy.faults_served == 2
+        assert mounts.stats(mp)["requests"]["body_retries"] >= 2
+        subprocess.run([sys.executable, "-m", "stoker", "drop", mp], check=True, capture_output=True)
+        proxy.set(fault, 10_000)  # every answer tampered: the read fails, it never returns other bytes
+        with pytest.raises(OSError) as err:
+            read_whole(os.path.join(mp, "f"))
+        assert err.value.errno == errno.EIO
+        proxy.set("pass")
+        assert read_whole(os.path.join(mp, "f")) == data  # the mount serves on
+
+
+def test_seconds_of_throttling_are_ridden_out(s3, bucket, mounts, moto_server):
+    """Three seconds of 503 SlowDown (with Retry-After) on every GET: a sequential reader waits them out
+    and reads the right bytes; the mount counts the throttled answers."""
+    data = put(s3, bucket, "f", random.Random(8).randbytes(4 * MiB))
+    with FaultProxy(moto_server.endpoint) as proxy:
+        mp = mounts.mount(f"s3://{bucket}", "--block-size", "1MiB", "--read-deadline", "30", endpoint=proxy.endpoint)
+        os.listdir(mp)
+        proxy.slow_down_for(3.0, retry_after="1")
+        started = time.monotonic()
+        assert read_whole(os.path.join(mp, "f")) == data
+        assert time.monotonic() - started >= 2.5  # it did wait the burst out
+        stats = mounts.stats(mp)
+        assert stats["requests"]["throttled"] >= 2 and stats["requests"]["throttled"] <= proxy.faults_served

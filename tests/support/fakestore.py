@@ -21,6 +21,9 @@ class Faults:
     chunk_delay: float = 0.0  # seconds between 64 KiB pieces of a body (a bandwidth cap)
     break_after: int = 0  # next transient failure happens after this many bytes of the body
     denied_keys: set[str] = field(default_factory=set)
+    throttle_until: float = 0.0  # GETs answer 503 SlowDown until this time.monotonic()
+    retry_after: float | None = None  # ... asking the client to wait this long
+    explode: int = 0  # next N GETs raise something no store error covers (a bug, a malformed answer)
 
 
 class FakeStore:
@@ -98,7 +101,16 @@ class FakeStore:
             unavailable = faults.unavailable > 0
             if unavailable:
                 faults.unavailable -= 1
+            explode = faults.explode > 0
+            if explode:
+                faults.explode -= 1
         try:
+            if explode:
+                raise RuntimeError("malformed Content-Length: 'twelve'")
+            if time.monotonic() < faults.throttle_until:
+                self.calls["throttled"] += 1
+                raise TransientError(f"get {key!r}: store answered 503 SlowDown", throttled=True,
+                                     retry_after=faults.retry_after)
             if faults.hang:
                 time.sleep(faults.hang)
             if faults.latency:

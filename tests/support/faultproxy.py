@@ -1,11 +1,15 @@
-"""An HTTP proxy in front of the S3 server that can answer 503 SlowDown, cut bodies short,
-or stop answering, so the real client's error handling is exercised over real sockets."""
+"""An HTTP proxy in front of the S3 server that can answer 503 SlowDown (for a count of GETs or for a
+while, with Retry-After), cut bodies short, stop answering, or tamper with ranged GETs the way a
+non-conforming store or proxy does (move the range, or ignore it and send the whole object), so the
+real client's error handling is exercised over real sockets."""
 
 from __future__ import annotations
 
 import http.client
+import re
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
@@ -16,7 +20,9 @@ SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>
 class FaultProxy:
     def __init__(self, upstream: str):
         self.upstream = urlparse(upstream)
-        self.mode = "pass"  # pass | slowdown | reset | blackhole
+        self.mode = "pass"  # pass | slowdown | reset | blackhole | shift-range | ignore-range
+        self.slowdown_until = 0.0  # every GET answers 503 SlowDown until this time.monotonic()
+        self.retry_after: str | None = None  # Retry-After sent with a 503
         self.remaining = 0  # how many GETs the fault applies to (slowdown, reset)
         self.gets = 0
         self.faults_served = 0
@@ -40,6 +46,8 @@ class FaultProxy:
                     return
                 if fault == "slowdown":
                     self.send_response(503)
+                    if proxy.retry_after is not None:
+                        self.send_header("Retry-After", proxy.retry_after)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(SLOWDOWN)))
                     self.end_headers()
@@ -47,6 +55,8 @@ class FaultProxy:
                     return
                 conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+                if fault in ("shift-range", "ignore-range"):
+                    headers = _tampered(headers, fault)
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
@@ -79,11 +89,21 @@ class FaultProxy:
                 self.gets += 1
             if self.mode == "blackhole":
                 return "blackhole"
-            if self.mode in ("slowdown", "reset") and method == "GET" and self.remaining > 0:
+            if method == "GET" and time.monotonic() < self.slowdown_until:
+                self.faults_served += 1
+                return "slowdown"
+            if self.mode in ("slowdown", "reset", "shift-range", "ignore-range") and method == "GET" \
+                    and self.remaining > 0:
                 self.remaining -= 1
                 self.faults_served += 1
                 return self.mode
         return None
+
+    def slow_down_for(self, seconds: float, retry_after: str | None = None) -> None:
+        """Answer every GET with 503 SlowDown for `seconds` from now."""
+        with self._lock:
+            self.slowdown_until = time.monotonic() + seconds
+            self.retry_after = retry_after
 
     def set(self, mode: str, count: int = 0) -> None:
         with self._lock:
@@ -100,3 +120,16 @@ class FaultProxy:
         self._release.set()
         self.server.shutdown()
         self.server.server_close()
+
+
+def _tampered(headers: dict[str, str], fault: str) -> dict[str, str]:
+    """Move a ranged GET one byte on (the answer is a 206 for other bytes, of the same length), or drop
+    the range (the answer is a 200 with the whole object)."""
+    key = next((k for k in headers if k.lower() == "range"), None)
+    if key is None:
+        return headers
+    out = {k: v for k, v in headers.items() if k != key}
+    match = re.match(r"bytes=(\d+)-(\d+)", headers[key])
+    if fault == "shift-range" and match:
+        out[key] = f"bytes={int(match.group(1)) + 1}-{int(match.group(2)) + 1}"
+    return out
