@@ -12,8 +12,8 @@ LOWER_IS_BETTER = {"ttfb"}
 
 
 def _ratio(workload: str, value: float | None, base: float | None) -> str:
-    if value is None or not base:
-        return "-"
+    if value is None or not base or (workload in LOWER_IS_BETTER and not value):
+        return "-"  # nothing to compare (a tiny run can measure a time of 0 ms)
     r = base / value if workload in LOWER_IS_BETTER else value / base
     return f"{r:.2f}×"
 

@@ -19,16 +19,16 @@ def evaluate(cells: list[Cell], info: dict) -> list[str]:
 
     st, s3, bo = (_get(cells, "seq1", s, "cold") for s in ("stoker", "s3fs", "boto3"))
     if st and s3:
-        check("large sequential, 1 reader >= 3x s3fs", st.value >= 3 * s3.value, f"{st.value / s3.value:.2f}x")
+        check("large sequential, 1 reader >= 3x s3fs", st.value >= 3 * s3.value, _times(st.value, s3.value))
     if st and bo:
         check("large sequential, 1 reader >= 20x boto3 single stream", st.value >= 20 * bo.value,
-              f"{st.value / bo.value:.2f}x")
+              _times(st.value, bo.value))
     st, s3 = _get(cells, "small", "stoker", "cold"), _get(cells, "small", "s3fs", "cold")
     if st and s3:
-        check("small files cold >= 5x s3fs", st.value >= 5 * s3.value, f"{st.value / s3.value:.2f}x")
+        check("small files cold >= 5x s3fs", st.value >= 5 * s3.value, _times(st.value, s3.value))
     st, rc = _get(cells, "small", "stoker", "warm"), _get(cells, "small", "rclone", "warm")
     if st and rc:
-        check("small files warm >= rclone full cache", st.value >= rc.value, f"{st.value / rc.value:.2f}x")
+        check("small files warm >= rclone full cache", st.value >= rc.value, _times(st.value, rc.value))
     st = _get(cells, "seq1", "stoker", "warm")
     if st:
         check("warm large sequential >= 1.5 GB/s (or 50% of tmpfs)", st.value >= 1500, f"{st.value:.0f} MB/s")
@@ -45,6 +45,11 @@ def evaluate(cells: list[Cell], info: dict) -> list[str]:
         check("Stoker RSS <= cache budget + 150 MiB", over <= 150,
               f"worst {worst.workload}/{worst.run}: {worst.peak_rss_mib:.0f} MiB, {over:+.0f} MiB vs budget")
     return out
+
+
+def _times(value: float, base: float) -> str:
+    """value / base as a ratio; a zero base (a tiny run measured nothing) is no ratio, not a crash."""
+    return f"{value / base:.2f}x" if base else "no ratio (peer measured 0)"
 
 
 def _budget(cell: Cell, info: dict) -> int:

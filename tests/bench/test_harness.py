@@ -33,6 +33,19 @@ def test_report_marks_missing_peers_and_ratios():
     assert "large sequential, 1 reader >= 3x s3fs: met" in text
 
 
+def test_zero_measurements_make_no_ratio_not_a_crash():
+    """`stoker bench --scale 0.05` measured a time to first byte of 0 ms (and a peer may measure 0)."""
+    cells = [Cell("ttfb", "stoker", "cold", value=0.0, unit="ms"), Cell("ttfb", "s3fs", "cold", value=4.0, unit="ms"),
+             Cell("seq1", "stoker", "cold", value=300.0, unit="MB/s"),
+             Cell("seq1", "s3fs", "cold", value=0.0, unit="MB/s"),
+             Cell("small", "stoker", "cold", value=10.0, unit="files/s"),
+             Cell("small", "s3fs", "cold", value=0.0, unit="files/s")]
+    info = {"latency_s": 0.02, "bandwidth_Bps": 16e6, "scale": 0.05, "cache_bytes": 2**30,
+            "epoch_cache_bytes": 2**29, "store_ceiling_MBps": 1000}
+    text = markdown(cells, info, evaluate(cells, info))
+    assert "no ratio" in text
+
+
 @requires_fuse
 def test_a_tiny_run_produces_table_json_and_chart(tmp_path):
     cells, info = run_all(scale=0.02, systems=["stoker", "boto3"], workloads=list(WORKLOADS), workdir=str(tmp_path),
