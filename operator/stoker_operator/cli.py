@@ -7,6 +7,7 @@ import getpass
 import logging
 import os
 import socket
+import sys
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
@@ -14,9 +15,11 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     scope = o.add_mutually_exclusive_group()
     scope.add_argument("--namespace", action="append", default=[], help="watch only this namespace (repeatable)")
     scope.add_argument("--all-namespaces", action="store_true", help="watch the whole cluster (default)")
-    o.add_argument("--standalone", action="store_true",
-                   help="no peering: only safe with one replica (default: peer with other replicas)")
-    o.add_argument("--peering", default="stoker", help="kopf peering name for several replicas")
+    mode = o.add_mutually_exclusive_group()
+    mode.add_argument("--standalone", action="store_true",
+                      help="no peering, one replica (the default unless --peering is given)")
+    mode.add_argument("--peering", help="coordinate several replicas through kopf peering under this name "
+                                        "(needs kopf's peering CRDs: the chart installs them when replicas > 1)")
     o.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL ('' to disable)")
     o.add_argument("--handover-namespace", default=os.environ.get("POD_NAMESPACE", "stoker-system"),
                    help="where DatasetCache volumes are handed to the node agents (the release namespace)")
@@ -35,10 +38,38 @@ def ensure_identity() -> None:
         os.environ["POD_ID"] = f"{socket.gethostname()}-{os.getpid()}"
 
 
+def peering_missing(namespaced: bool) -> str | None:
+    """Why kopf could not peer on this cluster (its peering CRD is not served), or None.
+
+    kopf would otherwise pause every watch silently and forever, saying so only at DEBUG."""
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    from .kube import load_config
+
+    plural = "kopfpeerings" if namespaced else "clusterkopfpeerings"
+    load_config()
+    try:
+        served = [r.name for r in client.CustomObjectsApi().get_api_resources("kopf.dev", "v1").resources]
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        served = []
+    if plural in served:
+        return None
+    return (f"--peering needs kopf's {plural}.kopf.dev CRD, which this cluster does not serve: install it "
+            f"(charts/stoker/templates/peering.yaml) or run one replica without --peering")
+
+
 def cmd_operator(args: argparse.Namespace) -> int:
     import kopf
 
     ensure_identity()
+    if args.peering:
+        problem = peering_missing(bool(args.namespace))
+        if problem:
+            print(f"stoker operator: {problem}", file=sys.stderr)
+            return 2
 
     from . import handlers  # registers the handlers
 
@@ -48,8 +79,8 @@ def cmd_operator(args: argparse.Namespace) -> int:
     for noisy in ("botocore", "boto3", "urllib3", "kubernetes"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     kopf.run(
-        standalone=args.standalone,
-        peering_name=None if args.standalone else args.peering,
+        standalone=not args.peering,
+        peering_name=args.peering,
         namespaces=args.namespace or (),
         clusterwide=not args.namespace,
         liveness_endpoint=args.liveness or None,

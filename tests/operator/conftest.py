@@ -76,7 +76,8 @@ class OperatorProcess:
     def start(self) -> None:
         env = dict(os.environ, KUBECONFIG=self.kube.kubeconfig_path)
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "stoker", "operator", "--standalone", "--liveness", "",
+            # no --standalone: a plain cluster (no kopf peering CRDs) works with the defaults
+            self.proc = subprocess.Popen([sys.executable, "-m", "stoker", "operator", "--liveness", "",
                                           "--log-level", "DEBUG"], stdout=log, stderr=log, env=env)
 
     def stop(self) -> None:

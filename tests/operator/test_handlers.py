@@ -86,3 +86,14 @@ def test_a_secret_reference_stays_in_the_caches_namespace():
     ref = resolve({"source": {"s3": {"bucket": "b", "secretRef": {"name": "creds", "namespace": "kube-system"}}}},
                   NAMESPACE, kube=None)
     assert (ref.secret_namespace, ref.secret_name) == (NAMESPACE, "creds")
+
+
+def test_peering_without_its_crd_is_refused_at_start_not_a_silent_pause(kube, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, KUBECONFIG=kube.kubeconfig_path)
+    result = subprocess.run([sys.executable, "-m", "stoker", "operator", "--peering", "stoker", "--liveness", ""],
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 2 and "clusterkopfpeerings.kopf.dev" in result.stderr
