@@ -38,6 +38,10 @@ class PermissionDenied(VolumeError):
     """The caller's identity may not use the volume's running mount (another principal's mount)."""
 
 
+class NodeFull(VolumeError):
+    """The volume's cache does not fit in what is left of the node's cache memory."""
+
+
 class VolumeBusy(VolumeError):
     """Another operation on the same volume is in flight."""
 
@@ -58,6 +62,7 @@ STATUS_BY_ERROR: dict[type[Exception], grpc.StatusCode] = {
     NotStaged: grpc.StatusCode.FAILED_PRECONDITION,
     Conflict: grpc.StatusCode.ALREADY_EXISTS,
     VolumeBusy: grpc.StatusCode.ABORTED,
+    NodeFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     NotReady: grpc.StatusCode.FAILED_PRECONDITION,
     StillMounted: grpc.StatusCode.INTERNAL,

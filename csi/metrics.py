@@ -44,6 +44,13 @@ class VolumesCollector:
             gets.add_metric([volume], stats["requests"]["get"])
             inflight.add_metric([volume], stats["inflight"]["bytes"])
         yield from (up, budget, cached, hit, fetched, served, gets, inflight)
+        node = GaugeMetricFamily("stoker_node_cache_budget_bytes", "cache budgets of every volume on the node together")
+        node.add_metric([], sum(self.volumes.node_cache_usage().values()))
+        yield node
+        if self.volumes.node_cache_memory is not None:
+            limit = GaugeMetricFamily("stoker_node_cache_memory_bytes", "the node's cache memory (node.cacheMemory)")
+            limit.add_metric([], self.volumes.node_cache_memory)
+            yield limit
 
 
 def serve_metrics(volumes: VolumeManager, port: int, addr: str = "0.0.0.0") -> None:

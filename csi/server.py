@@ -147,7 +147,8 @@ def cmd_csi(args: argparse.Namespace) -> int:
         policy = AuthPolicy(allow_node_credentials=args.allow_node_credentials, audience=args.token_audience,
                             role_lookup=_role_lookup(args.service_account_roles))
         volumes = VolumeManager(StateDir(args.state_dir), mounter, secrets=SecretStore(args.secrets_dir),
-                                policy=policy, kubelet_dir=args.kubelet_dir, ready_timeout=args.mount_timeout)
+                                policy=policy, kubelet_dir=args.kubelet_dir, ready_timeout=args.mount_timeout,
+                                node_cache_memory=args.node_cache_memory)
         repaired = volumes.check_all(sweep_orphans=True)  # start-up: repair broken volumes, drop stale ones
         log.info("found %d volume(s) in %s; repaired %d", len(volumes.state.records()), args.state_dir, len(repaired))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -183,6 +184,15 @@ def cmd_csi(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(text: str) -> int:
+    from fusecore.config import ConfigError, parse_size
+
+    try:
+        return parse_size(text, name="node-cache-memory")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _role_lookup(enabled: bool):
     """Role ARNs from service-account annotations, read through the API (the node's service account)."""
     if not enabled:
@@ -216,6 +226,9 @@ def add_commands(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     c.add_argument("--state-dir", default="/var/lib/stoker-csi", help="where volume records survive restarts")
     c.add_argument("--kubelet-dir", default=DEFAULT_KUBELET_DIR,
                    help="kubelet's root directory: volumes are mounted at its staging paths")
+    c.add_argument("--node-cache-memory", type=_size,
+                   help="memory for every Stoker cache on this node together (the mounter's limit): a volume "
+                        "whose cache does not fit is refused with RESOURCE_EXHAUSTED (default: no limit)")
     c.add_argument("--secrets-dir", default=DEFAULT_SECRETS_DIR,
                    help="where the credentials of running mounts are kept for repairs (put it on tmpfs)")
     c.add_argument("--allow-node-credentials", action="store_true",

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from fusecore import control
-from fusecore.config import identity_document
+from fusecore.config import format_size, identity_document
 from fusecore.mounts import bind_follower, fs_type, is_mounted, mount_table, top_mount, unmount_stack
 from fusecore.store import S3Store
 
 from .attributes import TOKENS_KEY, VolumeSpec, parse_volume_context
 from .auth import AuthPolicy, MissingCredentials, Resolved, resolve, same_principal
-from .errors import Conflict, NotStaged, PermissionDenied, StillMounted, UnknownVolume, VolumeBusy
+from .errors import Conflict, NodeFull, NotStaged, PermissionDenied, StillMounted, UnknownVolume, VolumeBusy
 from .layout import DEFAULT_KUBELET_DIR, DRIVER_NAME, driver_staging_dir, kubelet_staging_path  # noqa: F401
 from .mounter import MountFailed, Mounter, MountRequest
 from .state import SecretStore, StateDir, VolumeRecord
@@ -78,8 +78,10 @@ class VolumeLocks:
 
 class VolumeManager:
     def __init__(self, state: StateDir, mounter: Mounter, *, secrets: SecretStore, policy: AuthPolicy = AuthPolicy(),
-                 kubelet_dir: str = DEFAULT_KUBELET_DIR, ready_timeout: float = 60.0, check_store: bool = True):
+                 kubelet_dir: str = DEFAULT_KUBELET_DIR, ready_timeout: float = 60.0, check_store: bool = True,
+                 node_cache_memory: int | None = None):
         self.state = state
+        self.node_cache_memory = node_cache_memory  # the sum of every mount's cache budget stays below it
         self.mounter = mounter
         self.secrets = secrets
         self.policy = policy
@@ -102,6 +104,7 @@ class VolumeManager:
                 if is_mounted(staging_path):
                     raise Conflict(f"{staging_path} is already a mount point")
                 record = VolumeRecord(volume_id, staging_path, _stored(context))
+                self._check_fits(volume_id, cache_budget(record))
                 if not auth.pending:  # a pod-identity volume mounts with the first pod's token (publish)
                     self._mount(record, spec, auth)
             else:
@@ -172,6 +175,7 @@ class VolumeManager:
                 if is_mounted(target):
                     raise Conflict(f"{target} is already a mount point")
                 record = VolumeRecord(volume_id, target, _stored(context), ephemeral=True)
+                self._check_fits(volume_id, cache_budget(record))
                 self._mount(record, spec, auth)
             elif record.mount_path != target:
                 raise Conflict(f"ephemeral volume {volume_id!r} is already published at {record.mount_path}")
@@ -228,9 +232,11 @@ class VolumeManager:
                 if is_mounted(path):
                     raise Conflict(f"{path} is already a mount point")
                 record = VolumeRecord(volume_id, path, _stored(context), holders={holder: cache_size})
+                self._check_fits(volume_id, cache_budget(record))
                 self._mount(record, spec, auth)
             else:
                 self._check_same_volume(record, spec)
+                self._check_fits(volume_id, max(cache_budget(record), cache_size))
                 self._adopt(record, spec, auth)
                 self._repair(record)
                 record.holders[holder] = cache_size
@@ -255,6 +261,27 @@ class VolumeManager:
         for record in self.state.records():
             if holder in record.holders:
                 self.release(record.volume_id, holder)
+
+    # ---- the node's cache memory
+
+    def node_cache_usage(self) -> dict[str, int]:
+        """The cache budget each volume's mount may fill on this node."""
+        return {r.volume_id: cache_budget(r) for r in self.state.records()}
+
+    def _check_fits(self, volume_id: str, budget: int) -> None:
+        """Refuse a cache that would take the node's caches past --node-cache-memory (the mounter
+        container's memory limit: past it the kernel kills every mount of the node at once)."""
+        limit = self.node_cache_memory
+        if limit is None:
+            return
+        others = {v: b for v, b in self.node_cache_usage().items() if v != volume_id}
+        used = sum(others.values())
+        if used + budget <= limit:
+            return
+        holders = ", ".join(f"{v} {format_size(b)}" for v, b in sorted(others.items(), key=lambda i: -i[1])[:5])
+        raise NodeFull(f"volume {volume_id!r} needs a {format_size(budget)} cache; this node's Stoker caches already "
+                       f"take {format_size(used)} of {format_size(limit)} (node.cacheMemory)"
+                       f"{': ' + holders if holders else ''}. Lower its cacheSize, or free the node")
 
     # ---- health and repair
 
@@ -471,6 +498,11 @@ def _describe(who: str) -> str:
     if who.startswith("pod:"):
         return "service account " + who[len("pod:"):].split(":", 1)[0]
     return {"node": "the node's own credentials"}.get(who, "a secret's keys" if who.startswith("secret:") else who)
+
+
+def cache_budget(record: VolumeRecord) -> int:
+    """What the volume's mount may hold in memory: its holders' largest plan, else its own cacheSize."""
+    return record.cache_size or own_cache_size(record)
 
 
 def own_cache_size(record: VolumeRecord) -> int:

@@ -59,7 +59,7 @@ def stage_and_publish(plugin, volume_id: str, ctx: dict, tmp_path) -> tuple[str,
     return staging, target
 
 
-def code_of(call) -> grpc.StatusCode:
+def code_of(call) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as info:
         call()
     return info.value.code(), info.value.details()
@@ -425,3 +425,32 @@ def test_start_up_unmounts_mounts_no_record_names(plugin, moto_server, bucket, d
     plugin.start()
     assert not is_mounted(orphan)
     assert "no volume record names it" in plugin.log()
+
+
+def test_caches_never_add_up_to_more_than_the_nodes_cache_memory(tmp_path, moto_server, bucket, dataset):
+    """--node-cache-memory (the chart's node.cacheMemory, the mounter's memory limit): a volume whose cache
+    does not fit what the others left is refused with RESOURCE_EXHAUSTED and the numbers; freeing one fits it."""
+    from .conftest import Plugin
+
+    plugin = Plugin(tmp_path, args=("--node-cache-memory", "200MiB"))
+    plugin.start()
+    try:
+        stage(plugin, "first", plugin.staging("first"), volume_context(bucket, moto_server.endpoint, cacheSize="128MiB"))
+        code, details = code_of(lambda: stage(plugin, "second", plugin.staging("second"), volume_context(
+            bucket, moto_server.endpoint, cacheSize="128MiB")))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "128.0 MiB" in details and "of 200.0 MiB" in details and "first" in details
+        assert not is_mounted(plugin.staging("second"))
+        code, details = code_of(lambda: stage(plugin, "huge", plugin.staging("huge"), volume_context(
+            bucket, moto_server.endpoint, cacheSize="100Ti")))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "100.0 TiB cache" in details  # no 100Ti cache anywhere
+        stage(plugin, "small", plugin.staging("small"), volume_context(bucket, moto_server.endpoint, cacheSize="64MiB"))
+        unstage(plugin, "first", plugin.staging("first"))
+        stage(plugin, "second", plugin.staging("second"), volume_context(bucket, moto_server.endpoint,
+                                                                       cacheSize="128MiB"))
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{plugin.metrics_port}/metrics", timeout=10).read().decode()
+        values = {s.name: s.value for family in text_string_to_metric_families(metrics) for s in family.samples}
+        assert values["stoker_node_cache_budget_bytes"] == 192 * 1024**2
+        assert values["stoker_node_cache_memory_bytes"] == 200 * 1024**2
+    finally:
+        plugin.stop()
