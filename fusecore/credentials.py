@@ -21,6 +21,19 @@ from .config import Credentials, Identity, WebIdentity
 SESSION_SECONDS = 3600  # lifetime asked of STS; botocore refreshes 15 minutes before the end
 
 
+class _Current:
+    """A credential attribute read from the current identity (botocore's setters are ignored)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else getattr(obj.get_frozen_credentials(), self.name)
+
+    def __set__(self, obj, value) -> None:
+        pass
+
+
 class RotatingCredentials(botocore.credentials.Credentials):
     """A botocore credentials object whose identity `replace` swaps (thread-safe)."""
 
@@ -50,29 +63,9 @@ class RotatingCredentials(botocore.credentials.Credentials):
         return inner.get_frozen_credentials()
 
     # botocore reads these directly in a few places; they always reflect the current identity
-    @property
-    def access_key(self):  # type: ignore[override]
-        return self.get_frozen_credentials().access_key
-
-    @access_key.setter
-    def access_key(self, value) -> None:
-        pass
-
-    @property
-    def secret_key(self):  # type: ignore[override]
-        return self.get_frozen_credentials().secret_key
-
-    @secret_key.setter
-    def secret_key(self, value) -> None:
-        pass
-
-    @property
-    def token(self):  # type: ignore[override]
-        return self.get_frozen_credentials().token
-
-    @token.setter
-    def token(self, value) -> None:
-        pass
+    access_key = _Current()
+    secret_key = _Current()
+    token = _Current()
 
 
 class _TokenHolder:

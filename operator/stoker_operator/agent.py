@@ -19,7 +19,7 @@ from fusecore import control
 
 from .handover import handover_name, read_handover
 from .kube import Kube, NotFoundInCluster, load_config
-from .plan import READY_AT, node_should_warm, timestamp
+from .plan import READY_AT, current_report, node_should_warm, timestamp
 
 log = logging.getLogger(__name__)
 REPORT_EVERY = 2.0  # seconds between progress patches while warming
@@ -29,7 +29,8 @@ RECHECK_EVERY = 30.0  # seconds between KeepWarm checks of a warm cache
 def _plan_of(obj: dict) -> tuple:
     """What, if it changes, makes a worker start over at once."""
     status, spec = obj.get("status") or {}, obj.get("spec") or {}
-    return status.get("volume"), status.get("cacheBytesPerNode"), spec.get("paths"), spec.get("policy")
+    return (status.get("plan"), status.get("volume"), status.get("cacheBytesPerNode"), spec.get("paths"),
+            spec.get("policy"))
 
 
 def _key(obj: dict) -> str:
@@ -86,7 +87,7 @@ class CacheWorker:
                                        int(status["cacheBytesPerNode"]))
         self.held = handover.volume_id
         cached = control.call(sock, {"op": "stats"})["cache"]["bytes"]
-        mine = (status.get("nodes") or {}).get(self.agent.node)
+        mine = current_report(status, self.agent.node)  # a report about an earlier plan counts as none
         if not node_should_warm(spec.get("policy", "Once"), mine, cached, goal):
             evicted = cached < READY_AT * goal  # policy Once: say so, do not fetch again
             if mine and (evicted or abs(int(mine.get("cachedBytes", 0)) - cached) > 0.02 * max(goal, 1)):
@@ -119,8 +120,9 @@ class CacheWorker:
             return
         self._last_report = now
         meta = self.obj["metadata"]
-        self.agent.kube.patch_cache_status(meta["namespace"], meta["name"],
-                                           {"nodes": {self.agent.node: dict(entry, updated=timestamp())}})
+        plan = (self.obj.get("status") or {}).get("plan")
+        report = dict(entry, updated=timestamp(), **({"plan": plan} if plan else {}))
+        self.agent.kube.patch_cache_status(meta["namespace"], meta["name"], {"nodes": {self.agent.node: report}})
 
     def release(self, *, report: bool) -> None:
         """Give the memory back; remove this node's entry (that is what the operator's finalizer waits for)."""

@@ -25,6 +25,7 @@ _NODE_STATUS = {
         "filesWarmed": {"type": "integer", "minimum": 0},
         "message": {"type": "string"},
         "updated": {"type": "string", "format": "date-time"},
+        "plan": {"type": "string", "description": "the plan this report is about (status.plan)"},
     },
 }
 
@@ -102,6 +103,9 @@ STATUS_SCHEMA = {
         "cached": {"type": "string"},
         "conditions": {"type": "array", "items": _CONDITION},
         "observedGeneration": {"type": "integer", "format": "int64"},
+        "plan": {"type": "string",
+                 "description": "identity of the current plan (generation and resolved source); only node reports "
+                                "of this plan count towards Ready"},
         "kopf": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
     },
 }

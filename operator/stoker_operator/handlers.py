@@ -14,7 +14,8 @@ import kopf
 from . import CACHE_ANNOTATION, GATE, GROUP, PLURAL, VERSION
 from .handover import LABELS, OWNER_ANNOTATION, handover_name, owner, secret_data
 from .kube import Kube, load_config
-from .plan import SpecProblem, aggregate, gate_release_patch, human, merge_conditions, size_cache, target_nodes
+from .plan import (SpecProblem, aggregate, gate_release_patch, human, merge_conditions, plan_id, size_cache,
+                   target_nodes)
 from .source import StoreBusy, measure, read_secrets, resolve
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ def plan(spec, status, meta, namespace, name, body, patch, reason, **_) -> None:
         phase="Warming", datasetBytes=dataset_bytes, datasetSize=human(dataset_bytes), objectCount=objects,
         cacheBytesPerNode=sizing.cache_bytes_per_node, warmableBytes=sizing.warmable_bytes,
         targetNodes=[n.name for n in nodes], volume=ref.as_status(), observedGeneration=generation,
+        plan=plan_id(generation, ref.as_status(), list(spec.get("paths") or [])),
         conditions=merge_conditions(conditions, {
             "Sized": ("True", "Sized", sizing.message),
             "CacheTooSmall": ("False", "Fits", sizing.message) if sizing.fits

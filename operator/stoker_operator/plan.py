@@ -5,6 +5,9 @@ No Kubernetes client, no I/O: every function here is tested on its own (tests/op
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import math
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -100,10 +103,25 @@ class Aggregate:
     conditions: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # type -> (status, reason, msg)
 
 
+def plan_id(generation: int | None, volume: dict, paths: list[str]) -> str:
+    """Names one plan: the spec's generation and what it resolved to (volume and paths), so that reports
+    made for an earlier plan never count for this one."""
+    digest = hashlib.sha256(json.dumps([volume, sorted(paths)], sort_keys=True).encode()).hexdigest()[:12]
+    return f"{generation}-{digest}"
+
+
+def current_report(status: dict, node: str) -> dict | None:
+    """A node's report if it is about the current plan (a status without a plan id counts every report)."""
+    entry = (status.get("nodes") or {}).get(node)
+    if entry is None or (status.get("plan") and entry.get("plan") != status.get("plan")):
+        return None
+    return entry
+
+
 def aggregate(status: dict) -> Aggregate:
     """Overall phase and conditions from the per-node reports (status.nodes) against the plan."""
     targets = status.get("targetNodes") or []
-    nodes = status.get("nodes") or {}
+    nodes = {n: entry for n in targets if (entry := current_report(status, n)) is not None}
     warmable = int(status.get("warmableBytes", 0) or 0) or int(status.get("datasetBytes", 0) or 0)
     per_node_goal = max(1, min(warmable, int(status.get("cacheBytesPerNode", 0) or 0) or warmable))
     cached = sum(min(per_node_goal, int(nodes.get(n, {}).get("cachedBytes", 0) or 0)) for n in targets)

@@ -103,8 +103,9 @@ def test_datasetcache_warms_a_real_mount_and_releases_the_gated_pod(kube, operat
     assert set(handover["data"]) == {"volume", "accessKeyId", "secretAccessKey"}
     assert "secretRef" not in st["volume"]
     s3.create_bucket(Bucket=f"{bucket}-elses")
-    kube.patch_status("stoker.dev/v1alpha1", "datasetcaches", "imagenet", NAMESPACE, {"volume": {
-        "id": "pv-forged", "attributes": {"bucket": f"{bucket}-elses", "endpointUrl": moto_server.endpoint}}})
+    kube.patch("stoker.dev/v1alpha1", "datasetcaches", "imagenet", NAMESPACE, {"status": {"volume": {
+        "id": "pv-forged", "attributes": {"bucket": f"{bucket}-elses", "endpointUrl": moto_server.endpoint}}}},
+               subresource="status")
     time.sleep(3)  # the agent re-plans on the changed status and takes the volume from the handover again
     assert [r.volume_id for r in node_plugin.state.records()] == ["pv-imagenet"]
     # The gated pod was released onto the warm node; the other gate stays.
@@ -161,5 +162,13 @@ def test_a_dataset_larger_than_the_cache_warms_what_fits(kube, operator, node_pl
     assert "CacheTooSmall" in wait_for_events(kube, {"CacheTooSmall"})
     stats = control.call(node_plugin.state.control_socket(f"s3://{bucket}/shards/"), {"op": "stats"})
     assert stats["cache"]["budget"] == budget and stats["cache"]["bytes"] <= budget
+    # A new plan (other paths) under policy Once: the old Ready report counts for nothing, the node warms
+    # the new plan, and only its report makes the cache Ready again.
+    old_plan = st["plan"]
+    kube.patch("stoker.dev/v1alpha1", "datasetcaches", "shards", NAMESPACE, {"spec": {"paths": ["00.tar", "01.tar"]}})
+    assert kube.wait_for(lambda: (s := status(kube, "shards")).get("plan") not in (None, old_plan)
+                         and s.get("phase") == "Ready", 120), status(kube, "shards")
+    node = status(kube, "shards")["nodes"]["gpu-1"]
+    assert node["plan"] == status(kube, "shards")["plan"] and node["warmedBytes"] == 2 * 3 * 1024 * 1024
     kube.delete("stoker.dev/v1alpha1", "datasetcaches", "shards", NAMESPACE)
     assert kube.wait_for(lambda: cache(kube, "shards") is None, 60)

@@ -123,3 +123,24 @@ def test_node_should_warm():
 def test_evicted_nodes_rewarm_only_with_keepwarm():
     assert node_should_warm("KeepWarm", {"phase": "Evicted"}, 0, 100)
     assert not node_should_warm("Once", {"phase": "Evicted"}, 0, 100)
+
+
+def test_reports_of_an_earlier_plan_never_make_the_cache_ready():
+    """After a spec change (new paths or source) the nodes' old Ready reports count for nothing: gated pods
+    wait for the new plan, and under policy Once the agents warm it."""
+    from stoker_operator.plan import aggregate, current_report, node_should_warm, plan_id
+
+    old = plan_id(1, {"id": "pv", "attributes": {"bucket": "b"}}, ["train"])
+    new = plan_id(2, {"id": "pv", "attributes": {"bucket": "b"}}, ["train", "val"])
+    assert old != new and plan_id(2, {"id": "pv", "attributes": {"bucket": "b"}}, ["val", "train"]) == new
+    ready = {"phase": "Ready", "cachedBytes": 100, "warmedBytes": 100}
+    status = {"targetNodes": ["a", "b"], "warmableBytes": 100, "cacheBytesPerNode": 200, "plan": new,
+              "phase": "Warming", "nodes": {"a": dict(ready, plan=old), "b": dict(ready, plan=old)}}
+    result = aggregate(status)
+    assert result.phase == "Warming" and result.cached_percentage == 0.0
+    assert current_report(status, "a") is None and node_should_warm("Once", current_report(status, "a"), 100, 100)
+    status["nodes"] = {"a": dict(ready, plan=new), "b": dict(ready, plan=new)}
+    assert aggregate(status).phase == "Ready"
+    assert not node_should_warm("Once", current_report(status, "a"), 100, 100)
+    del status["plan"]  # a status written before plans had ids: every report counts, as before
+    assert aggregate(status).phase == "Ready"

@@ -186,12 +186,12 @@ class FakeKube:
             return [copy.deepcopy(o) for (p, pl, ns, _), o in self._objects.items()
                     if p == prefix and pl == plural and (namespace is None or ns == namespace)]
 
-    def patch_status(self, api_version: str, plural: str, name: str, namespace: str, status: dict) -> None:
-        """A merge patch of the status subresource over HTTP, as another client (a node agent) would send it."""
+    def patch(self, api_version: str, plural: str, name: str, namespace: str, body: dict, subresource: str = "") -> None:
+        """A merge patch over HTTP, as another client (a user, a node agent) would send it."""
         import urllib.request
 
-        path = f"{self._prefix(api_version)}/namespaces/{namespace}/{plural}/{name}/status"
-        request = urllib.request.Request(self.url + path, data=json.dumps({"status": status}).encode(), method="PATCH",
+        path = f"{self._prefix(api_version)}/namespaces/{namespace}/{plural}/{name}" + (f"/{subresource}" if subresource else "")
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="PATCH",
                                          headers={"Content-Type": "application/merge-patch+json"})
         urllib.request.urlopen(request, timeout=10).close()
 
