@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 
-import boto3
 import botocore.config
 import botocore.credentials
 import botocore.session
@@ -117,8 +116,6 @@ class _Provider(botocore.credentials.CredentialProvider):
         return self._credentials
 
 
-def session_with(credentials: RotatingCredentials) -> boto3.session.Session:
-    """A boto3 session that signs with `credentials` only (no default chain behind it)."""
-    core = botocore.session.Session()
+def use_only(core: botocore.session.Session, credentials: RotatingCredentials) -> None:
+    """Make a botocore session sign with `credentials` only (no default chain behind them)."""
     core.register_component("credential_provider", botocore.credentials.CredentialResolver([_Provider(credentials)]))
-    return boto3.session.Session(botocore_session=core)

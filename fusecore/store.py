@@ -7,7 +7,12 @@ threads.
 
 from __future__ import annotations
 
+import concurrent.futures
+import datetime
 import http.client
+import urllib.parse
+import xml.sax.saxutils
+from xml.etree import ElementTree
 import logging
 import mmap
 import os
@@ -19,13 +24,15 @@ from typing import Iterator, Protocol
 
 import boto3
 import botocore.config
+import botocore.session
+import botocore.utils
 import botocore.exceptions
 import botocore.httpsession
 import urllib3
 
 from .buffers import allocate
 from .config import Identity, StoreConfig
-from .credentials import RotatingCredentials, session_with
+from .credentials import RotatingCredentials, use_only
 
 log = logging.getLogger(__name__)
 
@@ -177,13 +184,29 @@ def _translate(exc: Exception, what: str) -> StoreError:
 
 def _session(cfg: StoreConfig) -> tuple[boto3.session.Session, RotatingCredentials | None]:
     """A session that signs with the given credentials only, or boto3's default chain when none are given."""
-    if cfg.credentials is not None:
-        rotating = RotatingCredentials(cfg.credentials)
-        return session_with(rotating), rotating
-    try:
-        return (boto3.session.Session(profile_name=cfg.profile) if cfg.profile else boto3.session.Session()), None
-    except botocore.exceptions.ProfileNotFound as exc:
-        raise AccessDenied(f"profile {cfg.profile!r} not found") from exc
+    rotating = RotatingCredentials(cfg.credentials) if cfg.credentials is not None else None
+    core = botocore.session.Session(profile=cfg.profile if rotating is None else None)
+    if rotating is not None:
+        use_only(core, rotating)
+    elif cfg.profile:
+        try:
+            core.get_scoped_config()
+        except botocore.exceptions.ProfileNotFound as exc:
+            raise AccessDenied(f"profile {cfg.profile!r} not found") from exc
+    # botocore parses every LastModified of a listing with dateutil: two thirds of the CPU of a large
+    # LIST (measured: 100,000 entries, 47 of 70 s). S3's ISO 8601 form parses ~100x faster natively.
+    core.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=_parse_timestamp)
+    return boto3.session.Session(botocore_session=core), rotating
+
+
+def _parse_timestamp(value):
+    """S3's timestamps: ISO 8601 in listings (fast path), else botocore's general parser."""
+    if isinstance(value, str) and len(value) >= 20 and value[10:11] == "T":
+        try:
+            return datetime.datetime.fromisoformat(value)
+        except ValueError:
+            pass
+    return botocore.utils.parse_timestamp(value)
 
 
 class S3Store:
@@ -221,6 +244,9 @@ class S3Store:
             raise _translate(exc, what) from None
 
     def list_dir(self, prefix: str) -> Iterator[Listing]:
+        if self._gets is not None:
+            yield from self._gets.list_pages(prefix, "/")
+            return
         paginator = self._client.get_paginator("list_objects_v2")
         try:
             for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix, Delimiter="/"):
@@ -234,6 +260,10 @@ class S3Store:
             raise _translate(exc, f"list {prefix!r}") from None
 
     def list_all(self, prefix: str) -> Iterator[ObjectInfo]:
+        if self._gets is not None:
+            for page in self._gets.list_pages(prefix, None):
+                yield from page.files
+            return
         paginator = self._client.get_paginator("list_objects_v2")
         try:
             for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
@@ -336,6 +366,53 @@ class _PresignedGets:
             num_pools=4, maxsize=cfg.max_concurrency + 8, block=False, retries=False, ca_certs=ca,
             timeout=urllib3.Timeout(connect=cfg.connect_timeout, read=cfg.request_timeout))
 
+    def list_pages(self, prefix: str, delimiter: str | None) -> Iterator[Listing]:
+        """ListObjectsV2 pages through presigned URLs, parsed with the C XML parser while the next page
+        is already on its way (botocore's generic parser costs ~60 ms per 1,000-key page and waits for
+        nothing: a 100,000-entry directory over a 20 ms store took 24 s, now ~3 s)."""
+        what = f"list {prefix!r}"
+
+        def fetch(token: str | None) -> bytes:
+            params = {"Bucket": self._bucket, "Prefix": prefix, "EncodingType": "url"}
+            if delimiter:
+                params["Delimiter"] = delimiter
+            if token:
+                params["ContinuationToken"] = token
+            return self._get_small(lambda: self._client.generate_presigned_url(
+                "list_objects_v2", Params=params, ExpiresIn=self.URL_LIFETIME), what)
+
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="list") as ahead:
+            coming: concurrent.futures.Future | None = ahead.submit(fetch, None)
+            while coming is not None:
+                body = coming.result()
+                token = _continuation(body, what)
+                coming = ahead.submit(fetch, token) if token else None
+                yield _parse_listing(body, what)
+
+    def _get_small(self, sign, what: str) -> bytes:
+        """The body of a small GET of a URL `sign()` makes (signed again once on an expired signature)."""
+        for fresh in (False, True):
+            try:
+                resp = self._pool.request("GET", sign(), preload_content=True, redirect=False)
+            except urllib3.exceptions.ReadTimeoutError:
+                raise Unavailable(f"{what}: store did not answer in time") from None
+            except urllib3.exceptions.ConnectTimeoutError:
+                raise Unavailable(f"{what}: could not connect in time") from None
+            except (urllib3.exceptions.NewConnectionError, urllib3.exceptions.MaxRetryError):
+                raise Unavailable(f"{what}: cannot reach the endpoint") from None
+            except (urllib3.exceptions.HTTPError, OSError) as exc:
+                raise TransientError(f"{what}: connection failed ({type(exc).__name__})") from None
+            except botocore.exceptions.BotoCoreError as exc:
+                raise _translate(exc, what) from None
+            if resp.status == 200:
+                return resp.data
+            match = _CODE_RE.search(resp.data or b"")
+            code = match.group(1).decode(errors="replace") if match else str(resp.status)
+            if resp.status == 403 and not fresh and code in ("AccessDenied", "ExpiredToken", "RequestExpired"):
+                continue
+            raise _answer_error(resp.status, code, what, retried=True)
+        raise AssertionError("unreachable")
+
     def forget_urls(self) -> None:
         """Sign again from now on (the credentials changed)."""
         with self._lock:
@@ -399,6 +476,40 @@ class _PresignedGets:
             raise Unavailable(f"{what}: store stopped sending") from None
         except (urllib3.exceptions.HTTPError, OSError, http.client.HTTPException, ValueError) as exc:
             raise TransientError(f"{what}: {type(exc).__name__} while reading the body") from None
+
+
+_S3_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
+
+
+_TRUNCATED = re.compile(rb"<IsTruncated>\s*true\s*</IsTruncated>")
+_TOKEN = re.compile(rb"<NextContinuationToken>([^<]*)</NextContinuationToken>")
+
+
+def _continuation(body: bytes, what: str) -> str | None:
+    """The token of the next page (found without parsing the page, to ask for the next one at once)."""
+    if not _TRUNCATED.search(body):
+        return None
+    match = _TOKEN.search(body)
+    if match is None or not match.group(1):
+        raise Unavailable(f"{what}: a truncated listing without a continuation token")
+    return xml.sax.saxutils.unescape(match.group(1).decode(), {"&quot;": '"', "&apos;": "'"})
+
+
+def _parse_listing(body: bytes, what: str) -> Listing:
+    """One ListObjectsV2 answer (EncodingType=url) as a Listing."""
+    try:
+        root = ElementTree.fromstring(body)
+    except ElementTree.ParseError:
+        raise TransientError(f"{what}: the listing is not valid XML") from None
+    ns = _S3_NS if root.tag.startswith(_S3_NS) else ""
+    files = []
+    for item in root.iterfind(f"{ns}Contents"):
+        modified = item.findtext(f"{ns}LastModified") or ""
+        files.append(ObjectInfo(urllib.parse.unquote(item.findtext(f"{ns}Key") or ""),
+                                int(item.findtext(f"{ns}Size") or 0), item.findtext(f"{ns}ETag") or "",
+                                _parse_timestamp(modified).timestamp() if modified else 0.0))
+    dirs = [urllib.parse.unquote(p.findtext(f"{ns}Prefix") or "") for p in root.iterfind(f"{ns}CommonPrefixes")]
+    return Listing(files=files, dirs=dirs)
 
 
 def _read_body(readinto, into: memoryview, progress: Progress, release, close, what: str) -> None:
