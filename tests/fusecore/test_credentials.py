@@ -15,6 +15,12 @@ from fusecore.store import AccessDenied, S3Store
 pytestmark = pytest.mark.integration
 
 
+@pytest.fixture(autouse=True)
+def botocore_requests(monkeypatch):
+    """moto's IAM enforcement cannot check presigned URLs: every request goes through botocore here."""
+    monkeypatch.setenv("STOKER_BOTOCORE_GETS", "1")
+
+
 def keys(secret: dict[str, str]) -> Credentials:
     return Credentials(secret["accessKeyId"], secret["secretAccessKey"])
 
