@@ -109,8 +109,8 @@ class StokerFS(pyfuse3.Operations):
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         entries = await self.ns.readdir(fh)
         for index in range(start_id, len(entries)):
-            name, node = entries[index]
-            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attrs(node), index + 1):
+            name, inode = entries[index]
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attrs(self.ns.node(inode)), index + 1):
                 break
 
     async def releasedir(self, fh: int) -> None:

@@ -39,7 +39,7 @@ def valid_name(name: str) -> bool:
     )
 
 
-@dataclass
+@dataclass(slots=True)
 class Node:
     inode: int
     path: str  # relative to the mount root; '' for the root
@@ -49,6 +49,21 @@ class Node:
     listed_at: float = -math.inf  # dirs: when the whole directory was last listed
     checked_at: float = -math.inf  # when this node was last confirmed by the store
     lookups_since_list: int = 0
+    entries: list[tuple[str, int]] | None = None  # dirs: children sorted by name, kept until they change
+
+    def sorted_children(self) -> list[tuple[str, int]]:
+        """The children in name order, sorted once per change (readdir pages index into it)."""
+        if self.entries is None:
+            self.entries = sorted(self.children.items())
+        return self.entries
+
+    def set_child(self, name: str, inode: int | None) -> None:
+        if inode is None:
+            if self.children.pop(name, None) is not None:
+                self.entries = None
+        elif self.children.get(name) != inode:
+            self.children[name] = inode
+            self.entries = None
 
     @property
     def name(self) -> str:
@@ -90,7 +105,7 @@ class Namespace:
         """Files of a directory in listing order, or None unless a fresh listing is at hand."""
         if not node.is_dir or not self._fresh(node.listed_at):
             return None
-        nodes = (self._nodes[inode] for _, inode in sorted(node.children.items()))
+        nodes = (self._nodes[inode] for _, inode in node.sorted_children())
         return [n.info for n in nodes if not n.is_dir and n.info is not None]
 
     def key_of(self, node: Node) -> str:
@@ -115,12 +130,14 @@ class Namespace:
         parent.lookups_since_list += 1
         return await self._resolve(parent, name)
 
-    async def readdir(self, inode: int) -> list[tuple[str, Node]]:
+    async def readdir(self, inode: int) -> list[tuple[str, int]]:
+        """The directory's (name, inode) pairs in name order; the same list until the directory changes,
+        so that each readdir page costs its own entries only (no re-sort, no copy)."""
         node = self.node(inode)
         if not node.is_dir:
             raise NotFound(node.path)
         await self.ensure_listed(node)
-        return [(name, self._nodes[child]) for name, child in sorted(node.children.items())]
+        return node.sorted_children()
 
     def _child(self, parent: Node, name: str) -> Node:
         inode = parent.children.get(name)
@@ -179,6 +196,7 @@ class Namespace:
             if name not in dirs:
                 children[name] = self._upsert(_join(node.path, name), False, info, now).inode
         node.children = children
+        node.entries = None
         node.listed_at = node.checked_at = now
         node.lookups_since_list = 0
 
@@ -205,9 +223,9 @@ class Namespace:
         elif results["head"] is not None:
             node = self._upsert(path, False, results["head"], now)  # type: ignore[arg-type]
         else:
-            parent.children.pop(name, None)
+            parent.set_child(name, None)
             raise NotFound(path)
-        parent.children[name] = node.inode
+        parent.set_child(name, node.inode)
         return node
 
     def _upsert(self, path: str, is_dir: bool, info: ObjectInfo | None, now: float) -> Node:

@@ -35,7 +35,7 @@ def test_listing_gives_sizes_and_etags_without_any_head():
     async def go():
         await ns.readdir(ROOT_INODE)  # like `ls -l` from the mount root down
         train = await ns.lookup(ROOT_INODE, "train")
-        return await ns.readdir(train.inode)
+        return [(name, ns.node(inode)) for name, inode in await ns.readdir(train.inode)]
 
     entries = trio.run(go)
     names = [name for name, _ in entries]
@@ -53,7 +53,7 @@ def test_invalid_names_are_skipped_and_a_prefix_wins_over_an_object():
     ns = ns_for(store)
 
     async def go():
-        return {name: node for name, node in await ns.readdir(ROOT_INODE)}
+        return {name: ns.node(inode) for name, inode in await ns.readdir(ROOT_INODE)}
 
     entries = trio.run(go)
     assert set(entries) == {"ok", "a", "dup", "dir"}
@@ -103,3 +103,23 @@ def test_changes_are_picked_up_after_the_ttl_only():
         assert second.info.size == 5
 
     trio.run(go)
+
+
+def test_readdir_pages_of_a_huge_directory_cost_their_own_entries_only():
+    """The sorted entries are built once per listing and shared by every readdir page (no re-sort per
+    page: paging through 100,000 entries used to be quadratic); a change to the directory rebuilds them."""
+    store = FakeStore(page_size=1000)
+    for i in range(20_000):
+        store.put(f"big/{i:06d}", b"")
+    ns = ns_for(store)
+
+    async def go():
+        big = await ns.lookup(ROOT_INODE, "big")
+        first = await ns.readdir(big.inode)
+        again = await ns.readdir(big.inode)
+        return big, first, again
+
+    big, first, again = trio.run(go)
+    assert first is again and len(first) == 20_000 and first[0][0] == "000000"
+    big.set_child("zz-new", 999_999)
+    assert big.sorted_children() is not first and big.sorted_children()[-1] == ("zz-new", 999_999)

@@ -122,7 +122,7 @@ def test_opening_small_files_of_a_directory_prefetches_its_other_files():
         await dp.namespace.readdir(1)
         imgs = await dp.namespace.lookup(1, "imgs")
         children = await dp.namespace.readdir(imgs.inode)
-        order = [node for _, node in children]
+        order = [dp.namespace.node(inode) for _, inode in children]
         random.Random(0).shuffle(order)
         for node in order:
             dp.walk.on_open(node)
