@@ -3,7 +3,11 @@ loader going through an image folder, in any order), fetch the directory's other
 whole, many at once, ahead of it.
 
 Bounded by `budget` bytes of prefetched-but-unread plus in-flight data, so a huge directory
-never floods the cache; it resumes issuing as the reader consumes what was fetched.
+never floods the cache; it resumes issuing as the reader consumes what was fetched. And bounded by
+what the reader takes: at most WALK_START files the reader has not opened yet, plus WALK_GROWTH per
+file it opened that the walk had fetched. A loader going through the directory keeps the walk far
+ahead; one opening a few random files of a huge directory costs at most WALK_START extra GETs
+instead of fetching the directory (demand reads keep the connections).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from .namespace import Namespace, Node
 from .store import ObjectInfo
 
 MAX_TRACKED_DIRS = 4096
+WALK_START = 32  # files fetched ahead before the reader showed it reads what the walk fetches
+WALK_GROWTH = 8  # more files ahead for each opened file the walk had fetched
 
 
 @dataclass
@@ -24,7 +30,18 @@ class _DirState:
     listed_at: float
     files: list[ObjectInfo]
     opened: int = 0
-    next: int = 0
+    next: int = 0  # files[:next] were issued
+    hits: int = 0  # opened files the walk had issued
+    index: dict[str, int] | None = None  # key -> position in files
+
+    def position(self, key: str) -> int | None:
+        if self.index is None:
+            self.index = {info.key: i for i, info in enumerate(self.files)}
+        return self.index.get(key)
+
+    def room(self) -> int:
+        """How many more files may be issued now: the walk stays within what the reader takes."""
+        return WALK_START + WALK_GROWTH * self.hits - (self.next - self.hits)
 
 
 class DirectoryPrefetcher:
@@ -56,11 +73,14 @@ class DirectoryPrefetcher:
                 self._dirs.popitem(last=False)
         self._dirs.move_to_end(parent.inode)
         state.opened += 1
+        position = state.position(node.info.key)
+        if position is not None and position < state.next:
+            state.hits += 1
         if state.opened >= self.trigger:
             self._issue(state)
 
     def _issue(self, state: _DirState) -> None:
-        while state.next < len(state.files):
+        while state.next < len(state.files) and state.room() > 0:
             if self.cache.transient_bytes >= self.budget:
                 return
             info = state.files[state.next]

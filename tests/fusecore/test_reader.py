@@ -178,3 +178,48 @@ def test_a_seek_abandons_the_prefetches_still_queued_for_the_old_position():
     after_seek = store.ranges[started_before_seek[0]:]
     old_position = [r for r in after_seek if r[1] < 30 * MiB]
     assert len(old_position) <= 1, "queued read-ahead of the abandoned position was not fetched"
+
+
+def test_a_few_random_files_of_a_huge_directory_do_not_fetch_the_directory():
+    """Random opens in a big directory: the walk stops after a bounded number of files the reader never
+    takes (it used to fetch the whole directory ahead, starving the reader's own GETs)."""
+    from fusecore.walk import WALK_START
+
+    store = FakeStore()
+    names = [f"huge/{i:05d}.jpg" for i in range(3000)]
+    for name in names:
+        store.put(name, b"x" * (2 * KiB))
+    dp = datapath(store, cache=256 * MiB, block=1 * MiB, prefetch=64 * MiB)
+    picks = random.Random(11).sample(range(len(names)), 60)
+
+    async def go():
+        await dp.namespace.readdir(1)
+        huge = await dp.namespace.lookup(1, "huge")
+        children = await dp.namespace.readdir(huge.inode)
+        for i in picks:
+            node = dp.namespace.node(children[i][1])
+            dp.walk.on_open(node)
+            await read_all(dp, node.info, 2 * KiB)()
+        await trio.sleep(0.2)
+
+    run(dp, go)
+    assert store.calls["get"] <= len(picks) + WALK_START + 8 * 4, store.calls["get"]
+
+
+def test_a_loader_going_through_a_directory_keeps_the_walk_ahead():
+    store = FakeStore()
+    store.faults.latency = 0.01
+    for i in range(400):
+        store.put(f"seq/{i:04d}.jpg", random.Random(i).randbytes(8 * KiB))
+    dp = datapath(store, cache=256 * MiB, block=1 * MiB, prefetch=64 * MiB)
+
+    async def go():
+        seq = await dp.namespace.lookup(1, "seq")
+        for _, inode in await dp.namespace.readdir(seq.inode):
+            node = dp.namespace.node(inode)
+            dp.walk.on_open(node)
+            await read_all(dp, node.info, 8 * KiB)()
+
+    run(dp, go)
+    stats = dp.stats()
+    assert store.calls["get"] == 400 and stats["cache"]["hits"] >= 300, stats["cache"]
