@@ -8,7 +8,7 @@ import os
 from .runner import Cell, to_dicts
 from .workloads import WORKLOADS
 
-LOWER_IS_BETTER = {"ttfb"}
+LOWER_IS_BETTER = {"ttfb", "bigdir"}
 
 
 def _ratio(workload: str, value: float | None, base: float | None) -> str:
@@ -70,6 +70,11 @@ def markdown(cells: list[Cell], info: dict, targets: list[str]) -> str:
                     row.append(f"{_fmt(c.cpu_s_per_gib)} / {_fmt(c.peak_rss_mib)} / {c.requests} / "
                                f"{_fmt(c.read_amplification)}")
             lines.append("| " + " | ".join(row) + " |")
+    idle = {s: max((c.idle_rss_mib for c in cells if c.system == s and c.run == "cold" and c.idle_rss_mib), default=None)
+            for s in systems}
+    if any(v is not None for v in idle.values()):
+        lines += ["", "Idle RSS before a cold run (MiB, largest over workloads): "
+                  + ", ".join(f"{s} {_fmt(v)}" for s, v in idle.items() if v is not None)]
     if targets:
         lines += ["", "Targets:", ""] + [f"- {t}" for t in targets]
     return "\n".join(lines) + "\n"

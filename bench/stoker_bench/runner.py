@@ -29,6 +29,7 @@ class Cell:
     cpu_seconds: float | None = None
     cpu_s_per_gib: float | None = None
     peak_rss_mib: float | None = None
+    idle_rss_mib: float | None = None  # the serving process before the workload ran
     requests: int = 0
     store_bytes: int = 0
     read_amplification: float | None = None
@@ -87,6 +88,8 @@ def headline(workload: str, o: Outcome) -> tuple[float, str]:
         return o.files / o.seconds, "entries/s"
     if workload == "ttfb":
         return o.extra["ttfb_median_ms"], "ms"
+    if workload == "bigdir":
+        return o.seconds, "s"
     return o.bytes / o.seconds / 1e6, "MB/s"
 
 
@@ -97,6 +100,7 @@ def measure(system, store: StoreProcess, workload: str, d: Dataset, run_index: i
     before_cpu = _cpu_seconds(system)
     sampler = None if own else RssSampler(system.pid)
     if sampler:
+        cell.idle_rss_mib = round(_proc_rss_kib(system.pid) / 1024, 1)
         sampler.start()
     before = store.stats()
     outcome = fn(system, d, run_index)
@@ -153,7 +157,7 @@ def run_all(*, scale: float, systems: list[str], workloads: list[str], workdir: 
                         cells.append(cell)
                         log(f"{workload:>8} {name:>7} {cell.run}: "
                             + (f"{cell.value:.1f} {cell.unit}" if cell.value is not None else cell.note)
-                            + (f", rss {cell.peak_rss_mib} MiB" if cell.peak_rss_mib else "")
+                            + (f", rss {cell.idle_rss_mib} idle / {cell.peak_rss_mib} peak MiB" if cell.peak_rss_mib else "")
                             + (f", {cell.requests} req, amp {cell.read_amplification}" if cell.value is not None else "")
                             + (f" WRONG BYTES x{cell.wrong}" if cell.wrong else "")
                             + (f" {cell.extra}" if cell.extra else ""))

@@ -40,6 +40,7 @@ class Dataset:
     small: list[tuple[str, int]] = field(default_factory=list)
     meta: list[tuple[str, int]] = field(default_factory=list)
     epoch: list[tuple[str, int]] = field(default_factory=list)
+    bigdir: list[tuple[str, int]] = field(default_factory=list)
     epoch_cache: int = 0
 
     @classmethod
@@ -54,11 +55,13 @@ class Dataset:
         d.meta = [(f"meta/files/f-{i:06d}.dat", 1000 + i % 97) for i in range(max(500, int(10_000 * min(1, scale))))]
         d.epoch = [(f"epochs/part-{i:04d}.bin", 32 * MiB) for i in range(max(6, int(24 * scale)))]
         d.epoch_cache = int(sum(s for _, s in d.epoch) / 1.5)
+        d.bigdir = [(f"bigdir/files/f-{i:06d}.jpg", 2000 + i % 1000)
+                    for i in range(max(2000, int(100_000 * min(1, scale))))]
         return d
 
     def objects(self) -> dict[str, int]:
         out = {}
-        for group in (self.seq, self.shards, self.small, self.meta, self.epoch):
+        for group in (self.seq, self.shards, self.small, self.meta, self.epoch, self.bigdir):
             out.update(group)
         return out
 
@@ -199,6 +202,23 @@ def ttfb(system, d: Dataset, run: int) -> Outcome:
                    extra={"ttfb_median_ms": round(times[len(times) // 2] * 1000, 1)})
 
 
+def huge_directory(system, d: Dataset, run: int) -> Outcome:
+    """List a huge flat directory, then read random files of it with 8 threads: a loader's first batches
+    over a 100,000-file folder (at scale >= 1). Seconds for both, lower is better."""
+    picks = random.Random(200 + run).sample(d.bigdir, max(100, int(1000 * min(1, d.scale))))
+    started = time.monotonic()
+    if system.is_mount:
+        listed = len(os.listdir(os.path.join(system.mountpoint, "bigdir/files")))
+    else:
+        listed = system.list_stat("bigdir/files/")
+    list_seconds = time.monotonic() - started
+    results = _parallel(8, picks, lambda kv: read_stream(system, kv[0], kv[1], bs=256 * KiB, verify_every=1))
+    seconds = time.monotonic() - started
+    return Outcome(bytes=sum(b for b, _ in results), files=len(picks), ops=listed, seconds=seconds,
+                   wrong=sum(w for _, w in results) + (listed != len(d.bigdir)),
+                   extra={"list_s": round(list_seconds, 2), "read_s": round(seconds - list_seconds, 2)})
+
+
 WORKLOADS = {
     "seq1": ("large sequential, 1 reader (MB/s)", seq1),
     "seq4": ("large sequential, 4 readers (MB/s)", seq4),
@@ -208,4 +228,5 @@ WORKLOADS = {
     "metadata": ("scandir + stat, big directory (entries/s)", metadata),
     "epochs": ("3 epochs, dataset 1.5x cache (MB/s)", multi_epoch),
     "ttfb": ("time to first byte (ms, lower is better)", ttfb),
+    "bigdir": ("huge directory: list, then random files, 8 threads (s, lower is better)", huge_directory),
 }

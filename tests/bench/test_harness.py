@@ -54,9 +54,12 @@ def test_a_tiny_run_produces_table_json_and_chart(tmp_path):
     assert all(c.wrong == 0 for c in cells), [c for c in cells if c.wrong]
     stoker = [c for c in cells if c.system == "stoker"]
     assert len(stoker) == 2 * len(WORKLOADS) and all(c.value is not None for c in stoker), stoker
-    assert all(c.peak_rss_mib and c.requests >= 0 for c in stoker)
+    assert all(c.peak_rss_mib and c.idle_rss_mib and c.requests >= 0 for c in stoker)
+    bigdir = next(c for c in stoker if c.workload == "bigdir" and c.run == "cold")
+    assert bigdir.unit == "s" and bigdir.extra["list_s"] <= bigdir.value and bigdir.wrong == 0
     paths = write(str(tmp_path / "out"), cells, info, evaluate(cells, info))
     table = open(paths["markdown"]).read()
+    assert "Idle RSS before a cold run" in table
     assert table.count("\n| ") >= len(WORKLOADS) * 2
     data = json.load(open(paths["json"]))
     assert len(data["cells"]) == len(cells)
