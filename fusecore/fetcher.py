@@ -34,23 +34,46 @@ def backoff(attempt: int, retry_after: float | None = None) -> float:
 
 
 class ByteBudget:
-    """An async semaphore over bytes; a request larger than the limit waits for an empty budget."""
+    """An async semaphore over bytes, demand first: a prefetch waits while a demand read waits, and
+    prefetches together hold at most `prefetch_share` of the limit, so a demand read always finds room
+    at once or after the GET that frees it. A request larger than the limit waits for an empty budget."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, prefetch_share: float = 0.75):
         self.limit = limit
+        self.prefetch_share = prefetch_share
         self.used = 0
+        self.prefetch_used = 0
+        self._demand_waiting = 0
         self._changed = trio.Condition()
 
-    async def acquire(self, nbytes: int) -> None:
+    def _prefetch_fits(self, nbytes: int) -> bool:
+        cap = max(nbytes, int(self.limit * self.prefetch_share))
+        return self._demand_waiting == 0 and self.prefetch_used + nbytes <= cap
+
+    async def acquire(self, nbytes: int, *, demand: bool = True) -> int:
+        """Take `nbytes` (at most the whole limit); returns what was taken, for `release`."""
         nbytes = min(nbytes, self.limit)
         async with self._changed:
-            while self.used + nbytes > self.limit:
-                await self._changed.wait()
+            if demand:
+                self._demand_waiting += 1
+                try:
+                    while self.used + nbytes > self.limit:
+                        await self._changed.wait()
+                finally:
+                    self._demand_waiting -= 1
+                    self._changed.notify_all()  # prefetches held back by this demand may go on
+            else:
+                while self.used + nbytes > self.limit or not self._prefetch_fits(nbytes):
+                    await self._changed.wait()
+                self.prefetch_used += nbytes
             self.used += nbytes
+        return nbytes
 
-    async def release(self, nbytes: int) -> None:
+    async def release(self, nbytes: int, *, demand: bool = True) -> None:
         async with self._changed:
-            self.used -= min(nbytes, self.limit)
+            self.used -= nbytes
+            if not demand:
+                self.prefetch_used -= nbytes
             self._changed.notify_all()
 
 
@@ -83,7 +106,7 @@ class Fetcher:
         self._threads = trio.CapacityLimiter(max_concurrency)
         # Prefetches may use at most 3/4 of the connections, so demand reads always find one.
         self._prefetch_slots = trio.CapacityLimiter(max(1, (max_concurrency * 3) // 4))
-        self._bytes = ByteBudget(inflight_limit)
+        self._bytes = ByteBudget(inflight_limit, self._prefetch_share(inflight_limit))
         self._pending: dict[BlockKey, _Pending] = {}
         self._queued = 0  # bytes of prefetches launched but not yet reserved in the cache
         self._nursery: trio.Nursery | None = None
@@ -91,6 +114,11 @@ class Fetcher:
     def set_inflight_limit(self, nbytes: int) -> None:
         """Bound in-flight GET bytes anew (after a cache resize); GETs already running finish."""
         self._bytes.limit = nbytes
+        self._bytes.prefetch_share = self._prefetch_share(nbytes)
+
+    def _prefetch_share(self, limit: int) -> float:
+        """Prefetches leave a quarter of the in-flight bytes to demand reads, where that is a block or more."""
+        return 0.75 if limit >= 4 * self.block_size else 1.0
 
     def start(self, nursery: trio.Nursery) -> None:
         """Background GETs run in `nursery`, so a cancelled reader never cancels a shared GET."""
@@ -208,7 +236,8 @@ class Fetcher:
     async def _fetch(self, key: BlockKey, obj: ObjectInfo, pending: _Pending) -> Buffer:
         start, end = block_extent(key.index, obj.size, key.unit or self.block_size)
         nbytes = end - start
-        await self._bytes.acquire(nbytes)
+        demand = pending.demanded  # a prefetch a reader joined while it waited still holds prefetch room
+        held = await self._bytes.acquire(nbytes, demand=demand)
         self.cache.reserve(nbytes)
         self._settle(pending)  # promised until here: waiting for the byte budget must not free room
         self.metrics.inflight_requests.inc()
@@ -244,7 +273,7 @@ class Fetcher:
             self.metrics.inflight_requests.dec()
             self.metrics.inflight_bytes.dec(nbytes)
             try:
-                await self._bytes.release(nbytes)
+                await self._bytes.release(held, demand=demand)
             finally:
                 # Last, with no await after it: the caller puts the block in the cache before any other
                 # task runs, so the bytes never look free in between (a prefetch could claim them twice).

@@ -312,3 +312,29 @@ def test_prefetches_never_claim_more_room_than_the_staging_cap():
     assert cache.transient_room >= 0 and len(issued) >= 4
     assert cache.stats().prefetch_dropped == 0, "staged prefetches were dropped before anyone read them"
     assert store.calls["get"] == len(issued)
+
+
+def test_a_demand_read_goes_before_queued_prefetches():
+    """Fifty prefetches wait for the in-flight byte budget; a demand read that arrives then starts before
+    any of them (prefetches hold at most 3/4 of the budget and yield to a waiting demand)."""
+    store = FakeStore()
+    store.faults.latency = 0.05
+    a = store.put("a", b"a" * (50 * BLOCK))
+    b = store.put("b", b"b" * BLOCK)
+    fetcher, _ = make(store, concurrency=16, inflight=4 * BLOCK, budget=64 * 1024 * KiB)
+    order = []
+
+    async def body(nursery):
+        fetcher.start(nursery)
+        for index in range(50):
+            assert fetcher.prefetch(a, index)
+        await trio.sleep(0.02)  # the first prefetches are in flight, the rest wait for bytes
+        started_before = len(store.ranges)
+        data, _ = await fetcher.block(b, 0)
+        order.append((started_before, [k for k, _, _ in store.ranges].index("b")))
+        assert bytes(data) == b"b" * BLOCK
+
+    run(body)
+    started_before, demand_position = order[0]
+    assert started_before <= 3  # prefetches held at most 3 of the 4 blocks of budget
+    assert demand_position == started_before  # no prefetch started between the demand's arrival and its GET
