@@ -37,7 +37,7 @@ from .credentials import RotatingCredentials, use_only
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ObjectInfo:
     key: str  # full object key
     size: int
