@@ -23,6 +23,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL ('' to disable)")
     o.add_argument("--handover-namespace", default=os.environ.get("POD_NAMESPACE", "stoker-system"),
                    help="where DatasetCache volumes are handed to the node agents (the release namespace)")
+    o.add_argument("--node-cache-memory", help="Stoker cache memory of each node (the chart's node.cacheMemory): "
+                                                 "DatasetCaches sharing a node never plan past it")
     o.add_argument("--log-level", default="INFO")
     o.set_defaults(func=cmd_operator)
 
@@ -74,6 +76,15 @@ def cmd_operator(args: argparse.Namespace) -> int:
     from . import handlers  # registers the handlers
 
     handlers.HANDOVER_NAMESPACE = args.handover_namespace
+    handlers.WATCHED_NAMESPACES = list(args.namespace)
+    if args.node_cache_memory:
+        from .plan import SpecProblem, quantity_bytes
+
+        try:
+            handlers.NODE_CACHE_MEMORY = quantity_bytes(args.node_cache_memory, what="--node-cache-memory")
+        except SpecProblem as exc:
+            print(f"stoker operator: {exc}", file=sys.stderr)
+            return 2
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("botocore", "boto3", "urllib3", "kubernetes"):

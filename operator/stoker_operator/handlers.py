@@ -14,8 +14,8 @@ import kopf
 from . import CACHE_ANNOTATION, GATE, GROUP, PLURAL, VERSION
 from .handover import LABELS, OWNER_ANNOTATION, handover_name, owner, secret_data
 from .kube import Kube, load_config
-from .plan import (SpecProblem, aggregate, gate_release_patch, human, merge_conditions, plan_id, size_cache,
-                   target_nodes)
+from .plan import (NoRoom, SpecProblem, aggregate, gate_release_patch, human, merge_conditions, node_room, plan_id,
+                   size_cache, target_nodes)
 from .source import StoreBusy, measure, read_secrets, resolve
 
 log = logging.getLogger(__name__)
@@ -24,6 +24,9 @@ RELEASE_WAIT_RETRIES = 60  # x 2 s: nodes that never answer do not block deletio
 
 _kube: Kube | None = None
 HANDOVER_NAMESPACE = os.environ.get("POD_NAMESPACE", "stoker-system")  # set by `stoker operator`
+NODE_CACHE_MEMORY: int | None = None  # node.cacheMemory: DatasetCaches on a node never plan past it
+WATCHED_NAMESPACES: list[str] = []  # empty: the whole cluster
+NO_ROOM_RETRY = 15  # seconds between plans of a DatasetCache that found no room on its nodes
 
 
 def kube() -> Kube:
@@ -61,9 +64,15 @@ def plan(spec, status, meta, namespace, name, body, patch, reason, **_) -> None:
         dataset_bytes, objects = measure(ref, secrets, list(spec.get("paths") or []))
         hand_over(namespace, name, ref, secrets)
         nodes = target_nodes(dict(spec.get("nodeSelector") or {}), kube().nodes())
-        sizing = size_cache(dict(spec), dataset_bytes, objects, nodes)
+        room = room_on(nodes, namespace, name)
+        sizing = size_cache(dict(spec), dataset_bytes, objects, nodes, room, NODE_CACHE_MEMORY or 0)
     except StoreBusy as exc:  # the store is slow or away: try again, the spec may be fine
         raise kopf.TemporaryError(f"listing the dataset: {exc}", delay=30) from None
+    except NoRoom as exc:  # other DatasetCaches hold the nodes' cache memory: plan again when they go
+        patch.status.update(phase="Pending", observedGeneration=generation, conditions=merge_conditions(
+            conditions, {"Sized": ("False", "NodeCacheFull", str(exc)), "Ready": ("False", "Pending", str(exc))}))
+        kopf.warn(body, reason="NodeCacheFull", message=str(exc))
+        raise kopf.TemporaryError(str(exc), delay=NO_ROOM_RETRY) from None
     except SpecProblem as exc:
         patch.status.update(phase="Failed", observedGeneration=generation, conditions=merge_conditions(
             conditions, {"Sized": ("False", "InvalidSource", str(exc)), "Ready": ("False", "Failed", str(exc))}))
@@ -83,6 +92,16 @@ def plan(spec, status, meta, namespace, name, body, patch, reason, **_) -> None:
                                             f"nodes: {', '.join(n.name for n in nodes) or 'none'}")
     if not sizing.fits:
         kopf.warn(body, reason="CacheTooSmall", message=sizing.message)
+
+
+def room_on(nodes, namespace: str, name: str):
+    """What the other DatasetCaches left of the node cache memory on the tightest of `nodes` (None: no limit)."""
+    if not NODE_CACHE_MEMORY:
+        return None
+    others = [c for c in kube().all_caches(WATCHED_NAMESPACES)
+              if (c["metadata"]["namespace"], c["metadata"]["name"]) != (namespace, name)
+              and not c["metadata"].get("deletionTimestamp")]
+    return node_room(NODE_CACHE_MEMORY, [n.name for n in nodes], others)
 
 
 def hand_over(namespace: str, name: str, ref, secrets: dict[str, str]) -> None:
@@ -159,7 +178,11 @@ def replan_on_node_changes(spec, status, meta, namespace, name, patch, **_) -> N
     if [n.name for n in nodes] == list(status.get("targetNodes") or []):
         return
     try:
-        sizing = size_cache(dict(spec), int(status.get("datasetBytes", 0)), int(status.get("objectCount", 0)), nodes)
+        sizing = size_cache(dict(spec), int(status.get("datasetBytes", 0)), int(status.get("objectCount", 0)), nodes,
+                            room_on(nodes, namespace, name), NODE_CACHE_MEMORY or 0)
+    except NoRoom as exc:  # a new node is full of other caches: keep the current nodes
+        log.warning("%s/%s: not re-targeted: %s", namespace, name, exc)
+        return
     except SpecProblem as exc:
         patch.status.update(phase="Degraded", conditions=merge_conditions(
             status.get("conditions") or [], {"Ready": ("False", "NoNodes", str(exc))}))

@@ -116,6 +116,13 @@ class Kube:
         answer = self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)
         return answer.get("items", []), answer.get("metadata", {}).get("resourceVersion", "")
 
+    def all_caches(self, namespaces: list[str]) -> list[dict]:
+        """DatasetCaches of these namespaces (empty: the whole cluster)."""
+        if not namespaces:
+            return self.caches()[0]
+        return [item for ns in namespaces for item in
+                self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL).get("items", [])]
+
     def watch_caches(self, resource_version: str, timeout: int = 60):
         return watch.Watch().stream(self.custom.list_cluster_custom_object, GROUP, VERSION, PLURAL,
                                     resource_version=resource_version, timeout_seconds=timeout)

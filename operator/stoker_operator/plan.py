@@ -69,9 +69,42 @@ def target_nodes(selector: dict[str, str], nodes: list[NodeInfo]) -> list[NodeIn
                   key=lambda n: n.name)
 
 
-def size_cache(spec: dict, dataset_bytes: int, object_count: int, nodes: list[NodeInfo]) -> Sizing:
+class NoRoom(SpecProblem):
+    """The target nodes' Stoker cache memory is taken by other DatasetCaches (worth retrying later)."""
+
+
+@dataclass(frozen=True)
+class NodeRoom:
+    """What other DatasetCaches left of the node cache memory on the tightest target node."""
+
+    free: int
+    node: str = ""
+    taken_by: tuple[tuple[str, int], ...] = ()  # (namespace/name, bytes per node) on that node
+
+    def describe(self, memory: int) -> str:
+        others = ", ".join(f"{name} {human(size)}" for name, size in self.taken_by) or "nothing"
+        return f"on node {self.node} {others} leave {human(max(0, self.free))} of {human(memory)} (node.cacheMemory)"
+
+
+def node_room(memory: int, nodes: list[str], others: list[dict]) -> NodeRoom | None:
+    """The tightest of `nodes` after the cache budgets other DatasetCaches planned there (None: no nodes)."""
+    tightest = None
+    for node in nodes:
+        taken = tuple(sorted(((f"{o['metadata']['namespace']}/{o['metadata']['name']}",
+                               int((o.get("status") or {}).get("cacheBytesPerNode") or 0))
+                              for o in others if node in ((o.get("status") or {}).get("targetNodes") or [])),
+                             key=lambda t: -t[1]))
+        room = NodeRoom(memory - sum(size for _, size in taken), node, taken)
+        if tightest is None or room.free < tightest.free:
+            tightest = room
+    return tightest
+
+
+def size_cache(spec: dict, dataset_bytes: int, object_count: int, nodes: list[NodeInfo],
+               room: NodeRoom | None = None, memory: int = 0) -> Sizing:
     """Per-node cache budget: the explicit cacheSize, or auto (the dataset plus headroom, capped by
-    maxNodeMemoryFraction of the smallest target node's allocatable memory)."""
+    maxNodeMemoryFraction of the smallest target node's allocatable memory and by what other
+    DatasetCaches left of the node cache memory, `room`)."""
     requested = str(spec.get("cacheSize", "auto"))
     fraction = float(spec.get("maxNodeMemoryFraction", 0.5))
     headroom = int(spec.get("headroomPercent", 10))
@@ -80,12 +113,16 @@ def size_cache(spec: dict, dataset_bytes: int, object_count: int, nodes: list[No
         if not nodes:
             raise SpecProblem("no Ready node matches the nodeSelector, so the cache cannot be sized")
         cap = int(min(n.allocatable_memory for n in nodes) * fraction)
+        if room is not None:
+            cap = min(cap, room.free)
         per_node = max(MIN_CACHE_BYTES, min(math.ceil(need * (1 + headroom / 100)), cap))  # a mount needs a floor
         how = f"auto: dataset {human(dataset_bytes)} + {headroom}% headroom, capped at {fraction:g} of " \
               f"{human(min(n.allocatable_memory for n in nodes))} allocatable"
     else:
         per_node = max(MIN_CACHE_BYTES, quantity_bytes(requested))
         how = f"cacheSize {requested}"
+    if room is not None and per_node > room.free:
+        raise NoRoom(f"{human(per_node)} per node does not fit: {room.describe(memory)}")
     warmable = min(dataset_bytes, int(per_node * WARM_FRACTION))
     fits = warmable >= dataset_bytes
     if fits:

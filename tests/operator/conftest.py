@@ -68,17 +68,18 @@ def status(kube, name: str) -> dict:
 class OperatorProcess:
     """The real `stoker operator` (kopf) against the fake API."""
 
-    def __init__(self, kube, tmp_path):
+    def __init__(self, kube, tmp_path, *args: str):
         self.kube = kube
         self.log_path = tmp_path / "operator.log"
         self.proc = None
+        self.args = list(args)
 
     def start(self) -> None:
         env = dict(os.environ, KUBECONFIG=self.kube.kubeconfig_path)
         with open(self.log_path, "ab") as log:
             # no --standalone: a plain cluster (no kopf peering CRDs) works with the defaults
             self.proc = subprocess.Popen([sys.executable, "-m", "stoker", "operator", "--liveness", "",
-                                          "--log-level", "DEBUG"], stdout=log, stderr=log, env=env)
+                                          "--log-level", "DEBUG", *self.args], stdout=log, stderr=log, env=env)
 
     def stop(self) -> None:
         self.proc.terminate()

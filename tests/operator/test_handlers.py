@@ -97,3 +97,34 @@ def test_peering_without_its_crd_is_refused_at_start_not_a_silent_pause(kube, tm
     result = subprocess.run([sys.executable, "-m", "stoker", "operator", "--peering", "stoker", "--liveness", ""],
                             capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 2 and "clusterkopfpeerings.kopf.dev" in result.stderr
+
+
+def test_a_cache_that_finds_its_nodes_full_waits_and_names_who_holds_them(kube, tmp_path, moto_server, s3, bucket):
+    """--node-cache-memory (node.cacheMemory): a second DatasetCache on a full node is Pending, its Sized
+    condition naming the cache that holds the memory; once that one is deleted it is planned."""
+    from .conftest import OperatorProcess, cache
+
+    s3.put_object(Bucket=bucket, Key="d/a.bin", Body=b"a" * 1000)
+    add_node(kube, "n1")
+    add_secret(kube, "creds", SECRETS)
+    source = {"s3": {"bucket": bucket, "prefix": "d", "endpointUrl": moto_server.endpoint, "secretRef": {"name": "creds"}}}
+    operator = OperatorProcess(kube, tmp_path, "--node-cache-memory", "1Gi")
+    operator.start()
+    try:
+        add_cache(kube, "first", {"source": source, "cacheSize": "768Mi"})
+        assert kube.wait_for(lambda: status(kube, "first").get("cacheBytesPerNode") == 768 * 1024**2, 60)
+        add_cache(kube, "second", {"source": source, "cacheSize": "512Mi"})
+
+        def waiting() -> str | None:
+            sized = [c for c in status(kube, "second").get("conditions") or [] if c["type"] == "Sized"]
+            return sized and sized[0]["reason"] == "NodeCacheFull" and sized[0]["message"]
+
+        message = kube.wait_for(waiting, 60)
+        assert message and "ml/first 768.0 MiB" in message and "of 1.0 GiB" in message, status(kube, "second")
+        assert status(kube, "second")["phase"] == "Pending"
+        kube.delete("stoker.dev/v1alpha1", "datasetcaches", "first", NAMESPACE)
+        assert kube.wait_for(lambda: cache(kube, "first") is None, 30)
+        assert kube.wait_for(lambda: status(kube, "second").get("cacheBytesPerNode") == 512 * 1024**2, 60), \
+            status(kube, "second")
+    finally:
+        operator.stop()

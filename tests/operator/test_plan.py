@@ -144,3 +144,21 @@ def test_reports_of_an_earlier_plan_never_make_the_cache_ready():
     assert not node_should_warm("Once", current_report(status, "a"), 100, 100)
     del status["plan"]  # a status written before plans had ids: every report counts, as before
     assert aggregate(status).phase == "Ready"
+
+
+def test_datasetcaches_sharing_a_node_never_plan_past_its_cache_memory():
+    from stoker_operator.plan import NoRoom, node_room
+
+    GiB = 1024**3
+    others = [{"metadata": {"namespace": "ml", "name": "a"}, "status": {"targetNodes": ["n1", "n2"], "cacheBytesPerNode": 5 * GiB}},
+              {"metadata": {"namespace": "ml", "name": "b"}, "status": {"targetNodes": ["n2"], "cacheBytesPerNode": 2 * GiB}}]
+    room = node_room(8 * GiB, ["n1", "n2"], others)
+    assert (room.free, room.node) == (1 * GiB, "n2") and [n for n, _ in room.taken_by] == ["ml/a", "ml/b"]
+    nodes = [NodeInfo("n1", {}, 64 * GiB), NodeInfo("n2", {}, 64 * GiB)]
+    with pytest.raises(NoRoom, match="on node n2 ml/a 5.0 GiB, ml/b 2.0 GiB leave 1.0 GiB of 8.0 GiB"):
+        size_cache({"cacheSize": "2Gi"}, 10 * GiB, 100, nodes, room, 8 * GiB)
+    auto = size_cache({"cacheSize": "auto"}, 10 * GiB, 100, nodes, room, 8 * GiB)
+    assert auto.cache_bytes_per_node == 1 * GiB and not auto.fits  # auto takes what is left, and says so
+    assert size_cache({"cacheSize": "auto"}, 10 * GiB, 100, nodes).cache_bytes_per_node > 8 * GiB  # no limit given
+    with pytest.raises(NoRoom):
+        size_cache({"cacheSize": "auto"}, 10 * GiB, 100, nodes, node_room(8 * GiB, ["n2"], others + others), 8 * GiB)
