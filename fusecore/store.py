@@ -392,18 +392,7 @@ class _PresignedGets:
     def _get_small(self, sign, what: str) -> bytes:
         """The body of a small GET of a URL `sign()` makes (signed again once on an expired signature)."""
         for fresh in (False, True):
-            try:
-                resp = self._pool.request("GET", sign(), preload_content=True, redirect=False)
-            except urllib3.exceptions.ReadTimeoutError:
-                raise Unavailable(f"{what}: store did not answer in time") from None
-            except urllib3.exceptions.ConnectTimeoutError:
-                raise Unavailable(f"{what}: could not connect in time") from None
-            except (urllib3.exceptions.NewConnectionError, urllib3.exceptions.MaxRetryError):
-                raise Unavailable(f"{what}: cannot reach the endpoint") from None
-            except (urllib3.exceptions.HTTPError, OSError) as exc:
-                raise TransientError(f"{what}: connection failed ({type(exc).__name__})") from None
-            except botocore.exceptions.BotoCoreError as exc:
-                raise _translate(exc, what) from None
+            resp = self._send(sign, what, preload_content=True)
             if resp.status == 200:
                 return resp.data
             match = _CODE_RE.search(resp.data or b"")
@@ -412,6 +401,21 @@ class _PresignedGets:
                 continue
             raise _answer_error(resp.status, code, what, retried=True)
         raise AssertionError("unreachable")
+
+    def _send(self, sign, what: str, **kwargs):
+        """GET the URL `sign()` makes; failures to sign or to talk to the store as StoreErrors."""
+        try:
+            return self._pool.request("GET", sign(), redirect=False, **kwargs)
+        except urllib3.exceptions.ReadTimeoutError:
+            raise Unavailable(f"{what}: store did not answer in time") from None
+        except urllib3.exceptions.ConnectTimeoutError:
+            raise Unavailable(f"{what}: could not connect in time") from None
+        except (urllib3.exceptions.NewConnectionError, urllib3.exceptions.MaxRetryError):
+            raise Unavailable(f"{what}: cannot reach the endpoint") from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise TransientError(f"{what}: connection failed ({type(exc).__name__})") from None
+        except botocore.exceptions.BotoCoreError as exc:  # signing: credentials vanished, say
+            raise _translate(exc, what) from None
 
     def forget_urls(self) -> None:
         """Sign again from now on (the credentials changed)."""
@@ -434,22 +438,9 @@ class _PresignedGets:
 
     def read_range(self, key: str, start: int, end: int, etag: str, into: memoryview, progress: Progress) -> None:
         what = f"get {key!r}"
-        length = end - start
         headers = {"Range": f"bytes={start}-{end - 1}", "If-Match": etag}
         for fresh in (False, True):
-            try:
-                resp = self._pool.request("GET", self._url(key, fresh=fresh), headers=headers,
-                                          preload_content=False, redirect=False)
-            except urllib3.exceptions.ReadTimeoutError:
-                raise Unavailable(f"{what}: store did not answer in time") from None
-            except urllib3.exceptions.ConnectTimeoutError:
-                raise Unavailable(f"{what}: could not connect in time") from None
-            except (urllib3.exceptions.NewConnectionError, urllib3.exceptions.MaxRetryError):
-                raise Unavailable(f"{what}: cannot reach the endpoint") from None
-            except (urllib3.exceptions.ProtocolError, OSError) as exc:
-                raise TransientError(f"{what}: connection failed ({type(exc).__name__})") from None
-            except botocore.exceptions.BotoCoreError as exc:  # signing: credentials vanished, say
-                raise _translate(exc, what) from None
+            resp = self._send(lambda: self._url(key, fresh=fresh), what, headers=headers, preload_content=False)
             if resp.status in (200, 206):
                 break
             retry_after = retry_after_seconds(resp.headers.get("Retry-After"))

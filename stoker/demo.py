@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     workdir = tempfile.mkdtemp(prefix="stoker-demo-")
     mountpoint = os.path.join(workdir, "mnt")
     os.mkdir(mountpoint)
-    print(f"stoker demo: starting a local S3 server (moto) ...", flush=True)
+    print("stoker demo: starting a local S3 server (moto) ...", flush=True)
     with MotoServer() as server:
         client = boto3.client("s3", endpoint_url=server.endpoint)
         client.create_bucket(Bucket=BUCKET)

@@ -81,7 +81,8 @@ def plan(spec, status, meta, namespace, name, body, patch, reason, **_) -> None:
     patch.status.update(
         phase="Warming", datasetBytes=dataset_bytes, datasetSize=human(dataset_bytes), objectCount=objects,
         cacheBytesPerNode=sizing.cache_bytes_per_node, warmableBytes=sizing.warmable_bytes,
-        targetNodes=[n.name for n in nodes], volume=ref.as_status(), observedGeneration=generation,
+        targetNodes=[n.name for n in nodes], volume=replacing(status.get("volume"), ref.as_status()),
+        observedGeneration=generation,
         plan=plan_id(generation, ref.as_status(), list(spec.get("paths") or [])),
         conditions=merge_conditions(conditions, {
             "Sized": ("True", "Sized", sizing.message),
@@ -92,6 +93,15 @@ def plan(spec, status, meta, namespace, name, body, patch, reason, **_) -> None:
                                             f"nodes: {', '.join(n.name for n in nodes) or 'none'}")
     if not sizing.fits:
         kopf.warn(body, reason="CacheTooSmall", message=sizing.message)
+
+
+def replacing(old: dict | None, new: dict) -> dict:
+    """A merge patch that replaces `old` by `new` (status is merge-patched: a key left out would stay)."""
+    out = {k: None for k in (old or {}) if k not in new}
+    for key, value in new.items():
+        out[key] = replacing((old or {}).get(key), value) if isinstance(value, dict) and isinstance(
+            (old or {}).get(key), dict) else value
+    return out
 
 
 def room_on(nodes, namespace: str, name: str):

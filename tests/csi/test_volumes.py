@@ -14,7 +14,7 @@ from csi import csi_pb2_grpc as rpc
 from csi.errors import VolumeBusy
 from csi.mounter import MountFailed
 from csi.server import build_server
-from csi.volumes import VolumeLocks, VolumeManager
+from csi.volumes import VolumeLocks
 
 from .conftest import READ_ONLY_MANY, make_volumes
 

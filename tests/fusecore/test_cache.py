@@ -1,6 +1,6 @@
 from collections import OrderedDict
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from fusecore.blocks import BlockKey

@@ -114,8 +114,8 @@ def test_multi_epoch_dataset_larger_than_cache_keeps_hitting():
 
 def test_opening_small_files_of_a_directory_prefetches_its_other_files():
     store = FakeStore()
-    infos = {f"imgs/{i:03d}.jpg": store.put(f"imgs/{i:03d}.jpg", random.Random(i).randbytes(100 * KiB))
-             for i in range(40)}
+    for i in range(40):
+        store.put(f"imgs/{i:03d}.jpg", random.Random(i).randbytes(100 * KiB))
     dp = datapath(store, block=1 * MiB, prefetch=2 * MiB)  # the walk budget: ~20 files ahead at a time
 
     async def go():

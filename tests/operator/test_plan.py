@@ -162,3 +162,13 @@ def test_datasetcaches_sharing_a_node_never_plan_past_its_cache_memory():
     assert size_cache({"cacheSize": "auto"}, 10 * GiB, 100, nodes).cache_bytes_per_node > 8 * GiB  # no limit given
     with pytest.raises(NoRoom):
         size_cache({"cacheSize": "auto"}, 10 * GiB, 100, nodes, node_room(8 * GiB, ["n2"], others + others), 8 * GiB)
+
+
+def test_a_replaced_status_section_drops_what_the_new_plan_lacks():
+    """status is merge-patched: a region removed from the spec must not stay in status.volume."""
+    from stoker_operator.handlers import replacing
+
+    old = {"id": "v", "attributes": {"bucket": "b", "region": "eu", "prefix": "p/"}}
+    new = {"id": "v", "attributes": {"bucket": "b", "prefix": "q/"}}
+    assert replacing(old, new) == {"id": "v", "attributes": {"bucket": "b", "prefix": "q/", "region": None}}
+    assert replacing(None, new) == new
