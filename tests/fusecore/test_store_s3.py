@@ -1,5 +1,6 @@
 """S3Store against a real S3 HTTP API (moto server), with faults injected on real sockets."""
 
+import concurrent.futures
 import time
 
 import pytest
@@ -47,8 +48,8 @@ def test_listings_carry_any_key_and_match_botocores_parse(s3, bucket, moto_serve
         pytest.skip("this test compares the fast listing with botocore's itself")
     names = ["a b.jpg", "a+b", "100%.txt", "ümlaut é.png", "x&y<z>", 'quote"s', "semi;colon=eq?"]
     names += [f"n{i:04d}" for i in range(1100)]
-    for name in names:
-        s3.put_object(Bucket=bucket, Key=f"odd/{name}", Body=name.encode())
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda name: s3.put_object(Bucket=bucket, Key=f"odd/{name}", Body=name.encode()), names))
     s3.put_object(Bucket=bucket, Key="odd/dir one/f", Body=b"f")
     store = store_for(moto_server.endpoint, bucket)
     pages = list(store.list_dir("odd/"))
