@@ -7,7 +7,7 @@ AttributeProblem naming the attribute (never a secret's value).
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -128,21 +128,14 @@ class VolumeSpec:
                            mountpoint=mountpoint, control_socket=control_socket, allow_other=True, **settings)
 
     def store_config(self, credentials: Identity | None = None, **overrides) -> StoreConfig:
-        """Where this volume's objects live, for a store client (checks, listing) outside the mount."""
-        knobs = dict(self.knobs)
-        settings = {"max_concurrency": int(knobs.get("maxConcurrency", 64)),
-                    "connect_timeout": float(knobs.get("connectTimeout", 5.0)),
-                    "request_timeout": float(knobs.get("requestTimeout", 10.0)), **overrides}
-        return StoreConfig(bucket=self.bucket, prefix=self.prefix, endpoint_url=self.endpoint_url, region=self.region,
-                           credentials=credentials, **settings)
+        """Where this volume's objects live, for a store client (checks, listing) outside the mount: the
+        mount's own store settings (one set of defaults, StoreConfig's), with `overrides`."""
+        return dataclasses.replace(self.mount_config("/", "/", credentials=credentials).store, **overrides)
 
     def location(self) -> tuple:
         """What makes two specs the same data (tuning knobs aside)."""
         return self.bucket, self.prefix, self.endpoint_url, self.region
 
-    def identity(self) -> str:
-        """A stable text of everything that shapes the mount, to detect a conflicting re-stage."""
-        return json.dumps([self.bucket, self.prefix, self.endpoint_url, self.region, list(self.knobs)])
 
 
 def parse_volume_context(context: dict[str, str]) -> VolumeSpec:

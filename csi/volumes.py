@@ -507,7 +507,7 @@ def cache_budget(record: VolumeRecord) -> int:
 
 def own_cache_size(record: VolumeRecord) -> int:
     """The cache budget the volume asks for itself (its cacheSize attribute, or the mount default)."""
-    return int(dict(parse_volume_context(record.context).knobs).get("cacheSize", 4 * 1024**3))
+    return parse_volume_context(record.context).mount_config("/", "/").cache_size
 
 
 def _make_dir(path: str) -> None:

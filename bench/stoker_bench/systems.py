@@ -35,11 +35,6 @@ def _unmount(path: str) -> None:
         subprocess.run(["fusermount3", "-uz", path], capture_output=True)
 
 
-def _find_pid(pattern: str) -> int | None:
-    out = subprocess.run(["pgrep", "-n", "-f", pattern], capture_output=True, text=True).stdout.strip()
-    return int(out) if out else None
-
-
 class MountedSystem:
     name = "?"
     is_mount = True
@@ -74,9 +69,6 @@ class MountedSystem:
             deadline = time.monotonic() + 10
             while os.path.exists(f"/proc/{self.pid}") and time.monotonic() < deadline:
                 time.sleep(0.05)
-
-    def drop_kernel_cache(self) -> None:
-        """Between cold and warm runs nothing is dropped: warm means every cache may help."""
 
 
 class Stoker(MountedSystem):
@@ -163,9 +155,6 @@ class Boto3Baseline:
         return None
 
     def stop(self) -> None:
-        return None
-
-    def drop_kernel_cache(self) -> None:
         return None
 
     def open_read(self, key: str, offset: int = 0, size: int | None = None):
