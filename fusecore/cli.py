@@ -19,6 +19,19 @@ from .mounts import NOT_READY_STATUS, is_mounted, unmount
 DEFAULT_READY_TIMEOUT = 120.0
 
 
+def _default(name: str):
+    """A setting's default, from MountConfig or StoreConfig (the one place defaults are written)."""
+    for cls in (MountConfig, StoreConfig):
+        field = cls.__dataclass_fields__.get(name)
+        if field is not None:
+            return field.default
+    raise KeyError(name)
+
+
+def _size_default(name: str) -> str:
+    return format_size(_default(name)).replace(".0 ", "").replace(" ", "")
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     m = sub.add_parser("mount", help="mount s3://BUCKET[/PREFIX] read-only at MOUNTPOINT")
     m.add_argument("source", help="s3://BUCKET[/PREFIX]")
@@ -26,18 +39,27 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--endpoint-url", help="S3-compatible endpoint (MinIO, Ceph RGW, IBM COS, ...)")
     m.add_argument("--region")
     m.add_argument("--profile", help="profile from the shared AWS config/credentials files")
-    m.add_argument("--cache-size", default="4GiB", help="memory budget of the block cache (default 4GiB)")
-    m.add_argument("--block-size", default="4MiB", help="unit of fetch and cache (default 4MiB)")
-    m.add_argument("--max-concurrency", type=int, default=64, help="concurrent GETs (default 64)")
-    m.add_argument("--max-prefetch", default="256MiB", help="read-ahead per sequential reader (default 256MiB)")
-    m.add_argument("--metadata-ttl", default="60", help="seconds to trust listings, or 'forever' (default 60)")
-    m.add_argument("--request-timeout", type=float, default=10.0, help="seconds per socket read (default 10)")
-    m.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect (default 5)")
-    m.add_argument("--max-attempts", type=int, default=5, help="attempts per request, botocore retries (default 5)")
-    m.add_argument("--read-deadline", type=float, default=60.0,
-                   help="a read waiting longer than this fails with EIO (default 60)")
+    m.add_argument("--cache-size", default=_size_default("cache_size"),
+                   help=f"memory budget of the block cache (default {_size_default('cache_size')})")
+    m.add_argument("--block-size", default=_size_default("block_size"),
+                   help=f"unit of fetch and cache (default {_size_default('block_size')})")
+    m.add_argument("--max-concurrency", type=int, default=_default("max_concurrency"),
+                   help=f"concurrent GETs (default {_default('max_concurrency')})")
+    m.add_argument("--max-prefetch", default=_size_default("max_prefetch"),
+                   help=f"read-ahead per sequential reader (default {_size_default('max_prefetch')})")
+    m.add_argument("--metadata-ttl", default=str(_default("metadata_ttl")),
+                   help=f"seconds to trust listings, or 'forever' (default {_default('metadata_ttl'):g})")
+    m.add_argument("--request-timeout", type=float, default=_default("request_timeout"),
+                   help=f"seconds per socket read (default {_default('request_timeout'):g})")
+    m.add_argument("--connect-timeout", type=float, default=_default("connect_timeout"),
+                   help=f"seconds to connect (default {_default('connect_timeout'):g})")
+    m.add_argument("--max-attempts", type=int, default=_default("max_attempts"),
+                   help=f"attempts per metadata request, botocore retries (default {_default('max_attempts')})")
+    m.add_argument("--read-deadline", type=float, default=_default("read_deadline"),
+                   help=f"a read waiting longer than this fails with EIO (default {_default('read_deadline'):g})")
     m.add_argument("--no-kernel-cache", action="store_true", help="do not keep the kernel page cache across opens")
-    m.add_argument("--read-ahead-kb", type=int, default=4096, help="kernel readahead of the mount (root only)")
+    m.add_argument("--read-ahead-kb", type=int, default=_default("read_ahead_kb"),
+                   help="kernel readahead of the mount (root only)")
     m.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     m.add_argument("--metrics-addr", default="127.0.0.1", help="address for --metrics-port (default 127.0.0.1)")
     m.add_argument("--control-socket", help="unix socket of the control API (default: derived from MOUNTPOINT)")

@@ -18,6 +18,7 @@ _SIZE_UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 FOREVER = math.inf
+WARM_FRACTION = 0.9  # `warm` fills at most this share of a cache budget (the rest serves reads meanwhile)
 
 
 class ConfigError(ValueError):

@@ -14,7 +14,7 @@ import trio
 
 from .blocks import block_count
 from .cache import BlockCache
-from .config import Identity, MountConfig
+from .config import WARM_FRACTION, Identity, MountConfig
 from .fetcher import Fetcher
 from .metrics import MountMetrics
 from .namespace import Namespace
@@ -110,7 +110,7 @@ class DataPath:
         files = []
         for path in paths or [""]:
             files.extend(await self.namespace.walk_files(path))
-        budget = int(self.cache.budget * 0.9)
+        budget = int(self.cache.budget * WARM_FRACTION)
         planned, total = [], 0
         for info in files:
             if total + info.size <= budget:

@@ -14,9 +14,9 @@ from datetime import datetime, timezone
 
 from kubernetes.utils.quantity import parse_quantity
 
+from fusecore.config import WARM_FRACTION
 from fusecore.config import format_size as human
 
-WARM_FRACTION = 0.9  # a mount warms at most this share of its cache budget (fusecore DataPath.warm)
 MIN_CACHE_BYTES = 64 * 1024**2  # smallest budget a plan gives a mount (room for blocks and in-flight GETs)
 READY_AT = 0.98  # a node whose cache holds this share of what it was asked to warm is Ready
 
