@@ -35,7 +35,7 @@ $(BIN)/python: | system
 
 $(VENV)/.installed: pyproject.toml $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	$(BIN)/python -m pip install -q -e '.[test,bench,demo]'
 	touch $@
 
 venv: system $(VENV)/.installed

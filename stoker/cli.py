@@ -5,8 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from csi import server as csi_server
 from fusecore import __version__
 from fusecore import cli as fusecore_cli
+from stoker_bench import cli as bench_cli
+from stoker_operator import agent as warm_agent
+from stoker_operator import cli as operator_cli
+
+from . import demo
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,28 +20,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"stoker {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     fusecore_cli.add_commands(sub)
-    from . import demo
-
     demo.add_command(sub)
-    try:
-        from csi import server as csi_server
-    except ImportError:  # grpcio missing in a trimmed install
-        csi_server = None
-    if csi_server is not None:
-        csi_parser = csi_server.add_commands(sub)
-        try:
-            from stoker_operator import agent as warm_agent, cli as operator_cli
-        except ImportError:  # kopf/kubernetes missing in a trimmed install
-            warm_agent = operator_cli = None
-        if operator_cli is not None:
-            warm_agent.extend_csi(csi_parser)
-            operator_cli.add_command(sub)
-    try:
-        from stoker_bench import cli as bench_cli
-    except ImportError:  # the benchmark ships in the same package; tolerate trimmed installs
-        bench_cli = None
-    if bench_cli is not None:
-        bench_cli.add_command(sub)
+    csi_parser = csi_server.add_commands(sub)
+    warm_agent.extend_csi(csi_parser)
+    operator_cli.add_command(sub)
+    bench_cli.add_command(sub)  # matplotlib (the bench extra) is imported only to draw the chart
     return parser
 
 

@@ -4,6 +4,7 @@ mount, three epochs read by concurrent readers the way a data loader would, and 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import hashlib
 import os
 import random
@@ -63,6 +64,10 @@ def read_file(path: str) -> tuple[int, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("moto") is None:
+        print("stoker demo: the embedded S3 server needs moto: pip install 'stoker[demo]' (make demo does)",
+              file=sys.stderr)
+        return 2
     os.environ.update(CREDENTIALS)
     workdir = tempfile.mkdtemp(prefix="stoker-demo-")
     mountpoint = os.path.join(workdir, "mnt")
