@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from stoker.s3server import MotoServer
+from stoker.s3server import MotoServer, free_port
 from tests.conftest import requires_fuse
 from tests.support.faultproxy import FaultProxy
 
@@ -250,7 +250,7 @@ def test_stats_warm_drop_and_metrics(s3, bucket, mounts):
     data = {f"w/{i}": random.Random(i).randbytes(MiB + i) for i in range(5)}
     for k, v in data.items():
         put(s3, bucket, k, v)
-    port = 20000 + os.getpid() % 20000
+    port = free_port()
     mp = mounts.mount(f"s3://{bucket}", "--metrics-port", str(port), "--no-kernel-cache")
     stoker = [sys.executable, "-m", "stoker"]
     warm = subprocess.run([*stoker, "warm", mp, "w"], capture_output=True, text=True, timeout=60)
