@@ -14,6 +14,8 @@ from concurrent import futures
 import grpc
 from google.protobuf import text_format
 
+from fusecore import logs
+
 from . import csi_pb2 as pb
 from . import csi_pb2_grpc as rpc
 from .attributes import looks_like_credential
@@ -211,9 +213,7 @@ def cmd_mounter(args: argparse.Namespace) -> int:
 
 
 def _logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("botocore", "boto3", "urllib3"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logs.configure(level)
 
 
 def add_commands(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

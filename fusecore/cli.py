@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import os
 import stat
 import sys
 
-from . import control
+from . import control, logs
 from .config import (ConfigError, MountConfig, StoreConfig, config_from_document, format_size, identity_from_document,
                      parse_s3_url, parse_size, parse_ttl)
 from .launch import MAX_DOCUMENT, LaunchFailed, NotReady, launch
@@ -180,9 +179,7 @@ def cmd_serve_mount(args: argparse.Namespace) -> int:
 def _mount_here(cfg: MountConfig, log_level: str, ready_fd: int | None) -> int:
     from .daemon import run_mount  # pyfuse3 is needed only by the process that serves
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("botocore", "boto3", "urllib3"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logs.configure(log_level)
 
     def ready(error: str | None) -> None:
         nonlocal ready_fd

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import boto3
 
 from fusecore import control
+from fusecore.mounts import wait_unmounted
 
 from .s3server import MotoServer
 
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             return _epochs(args, mountpoint, expected)
         finally:
             subprocess.run([sys.executable, "-m", "stoker", "unmount", mountpoint])
-            _wait_unmounted(mountpoint)
+            wait_unmounted(mountpoint, 10)
             shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -132,8 +133,3 @@ def _epochs(args: argparse.Namespace, mountpoint: str, expected: dict[str, str])
           f"(Stoker's block cache and the kernel page cache, kept while ETags are unchanged).")
     return 0
 
-
-def _wait_unmounted(path: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while os.path.ismount(path) and time.monotonic() < deadline:
-        time.sleep(0.1)

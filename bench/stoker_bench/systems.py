@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+from fusecore.mounts import is_mounted, unmount, wait_unmounted
+
 ACCESS_KEY, SECRET_KEY = "bench", "bench-secret"
 
 
@@ -26,13 +28,10 @@ def _wait_mounted(path: str, proc: subprocess.Popen | None, timeout: float = 60.
 
 
 def _unmount(path: str) -> None:
-    if os.path.ismount(path):
-        subprocess.run(["fusermount3", "-u", path], capture_output=True)
-    deadline = time.monotonic() + 20
-    while os.path.ismount(path) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if os.path.ismount(path):
-        subprocess.run(["fusermount3", "-uz", path], capture_output=True)
+    """Unmount (lazily if busy) and wait until mountinfo no longer lists it."""
+    if is_mounted(path):
+        unmount(path)
+    wait_unmounted(path, 20)
 
 
 class MountedSystem:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import getpass
-import logging
 import os
 import socket
 import sys
@@ -66,6 +65,8 @@ def peering_missing(namespaced: bool) -> str | None:
 def cmd_operator(args: argparse.Namespace) -> int:
     import kopf
 
+    from fusecore import logs
+
     ensure_identity()
     if args.peering:
         problem = peering_missing(bool(args.namespace))
@@ -86,9 +87,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
             print(f"stoker operator: {exc}", file=sys.stderr)
             return 2
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("botocore", "boto3", "urllib3", "kubernetes"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logs.configure(args.log_level)
     kopf.run(
         standalone=not args.peering,
         peering_name=args.peering,
