@@ -29,6 +29,7 @@ from fusecore.config import ConfigError, MountConfig, config_from_document, iden
     mount_document
 from fusecore.launch import LaunchFailed, NotReady, launch
 from fusecore.mounts import detach_top, mount_fuse_fd, top_mount
+from fusecore.store import StoreError, error_of_kind
 
 from .layout import is_pod_target, is_staging_path
 
@@ -146,12 +147,20 @@ class ProcessMounter:
         except LaunchFailed as exc:
             if mounted is not None:  # never leave the mount of a process that did not start
                 detach_top(cfg.mountpoint, mounted.device)
-            raise (MountNotReady if isinstance(exc, NotReady) else MountFailed)(str(exc)) from None
+            raise _typed(exc) from None
         finally:
             os.close(fd)  # the serving process holds it now: its death aborts the connection
 
     def healthy(self) -> str | None:
         return None
+
+
+def _typed(exc: LaunchFailed) -> Exception:
+    """The mount process's failure as the error it was: a StoreError (no bucket, denied, ...) keeps its
+    kind across the processes, so the CSI answer is NOT_FOUND or PERMISSION_DENIED, not INTERNAL."""
+    if isinstance(exc, NotReady):
+        return MountNotReady(str(exc))
+    return error_of_kind(exc.kind, str(exc)) or MountFailed(str(exc))
 
 
 def _child_env(cfg: MountConfig) -> dict[str, str]:
@@ -186,6 +195,9 @@ class RemoteMounter:
     def start(self, request: MountRequest, timeout: float) -> None:
         reply = self._call(request.message(timeout), timeout + 60)
         if reply.get("error"):
+            store_error = error_of_kind(reply.get("store") or "", reply["error"])
+            if store_error is not None:
+                raise store_error
             kind = {"not_ready": MountNotReady, "refused": MountRefused}.get(reply.get("kind"), MountFailed)
             raise kind(reply["error"])
 
@@ -235,6 +247,8 @@ class _Handler(socketserver.StreamRequestHandler):
             return {"error": str(exc), "kind": "not_ready"}
         except MountFailed as exc:
             return {"error": str(exc)}
+        except StoreError as exc:  # the store refused the mount: its kind travels (errors of the CSI answer)
+            return {"error": str(exc), "kind": "store", "store": exc.kind}
         cfg = mount.config
         log.info("mounted s3://%s/%s at %s", cfg.store.bucket, cfg.store.prefix, cfg.mountpoint)
         return {"ok": True}

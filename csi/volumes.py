@@ -403,8 +403,8 @@ class VolumeManager:
             raise Conflict(f"volume {record.volume_id!r} is already mounted on this node for another source")
 
     def _mount(self, record: VolumeRecord, spec: VolumeSpec, auth: Resolved) -> None:
-        if self.check_store:  # typed errors (no bucket, denied, unreachable) before a process starts
-            S3Store(spec.store_config(auth.identity, max_attempts=2)).check()
+        """Mount the volume; the mount process checks the store first and its typed error (no bucket,
+        access denied, unreachable) comes back through the mounter."""
         _make_dir(record.mount_path)
         cfg = spec.mount_config(record.mount_path, self.state.control_socket(record.volume_id),
                                 credentials=auth.identity, cache_size=record.cache_size)

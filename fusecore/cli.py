@@ -12,7 +12,7 @@ import sys
 from . import control, logs
 from .config import (ConfigError, MountConfig, StoreConfig, config_from_document, format_size, identity_from_document,
                      parse_s3_url, parse_size, parse_ttl)
-from .launch import MAX_DOCUMENT, LaunchFailed, NotReady, launch
+from .launch import MAX_DOCUMENT, LaunchFailed, NotReady, launch, ready_line
 from .mounts import NOT_READY_STATUS, is_mounted, unmount
 
 DEFAULT_READY_TIMEOUT = 120.0
@@ -171,7 +171,7 @@ def cmd_serve_mount(args: argparse.Namespace) -> int:
         message = f"stoker serve-mount: {exc}"
         print(message, file=sys.stderr)
         if args.ready_fd is not None:
-            os.write(args.ready_fd, f"ERR {exc}\n".encode())
+            os.write(args.ready_fd, ready_line(exc))
         return 2
     return _mount_here(cfg, level, args.ready_fd)
 
@@ -181,12 +181,12 @@ def _mount_here(cfg: MountConfig, log_level: str, ready_fd: int | None) -> int:
 
     logs.configure(log_level)
 
-    def ready(error: str | None) -> None:
+    def ready(error: Exception | None) -> None:
         nonlocal ready_fd
         if error is not None:
             print(f"stoker mount: {error}", file=sys.stderr)
         if ready_fd is not None:
-            os.write(ready_fd, (f"ERR {error}" if error else "OK").encode() + b"\n")
+            os.write(ready_fd, ready_line(error))
             os.close(ready_fd)
             ready_fd = None
 

@@ -22,11 +22,11 @@ from .store import S3Store, StoreError
 
 log = logging.getLogger(__name__)
 
-ReadyCallback = Callable[[str | None], None]  # None: mounted and serving; else the reason it failed
+ReadyCallback = Callable[[Exception | None], None]  # None: mounted and serving; else why it failed (typed)
 
 
 class MountError(RuntimeError):
-    pass
+    kind = "mount"
 
 
 def tune_malloc() -> None:
@@ -55,13 +55,13 @@ def run_mount(cfg: MountConfig, ready: ReadyCallback) -> int:
         store = S3Store(cfg.store)
         store.check()
     except (MountError, StoreError) as exc:
-        ready(str(exc))
+        ready(exc)
         return 1
     datapath = DataPath(cfg, store)
     try:
         trio.run(_serve, cfg, datapath, ready)
     except MountError as exc:
-        ready(str(exc))
+        ready(exc)
         return 1
     return 0
 

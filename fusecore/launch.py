@@ -21,7 +21,20 @@ MAX_DOCUMENT = 1024 * 1024  # bytes a serve-mount reads from stdin at most
 
 
 class LaunchFailed(RuntimeError):
-    """The mount did not start; the message says why (never a credential)."""
+    """The mount did not start; the message says why (never a credential), `kind` what kind of failure
+    (a StoreError's kind such as access_denied or no_bucket, or config, mount, failed)."""
+
+    def __init__(self, message: str, kind: str = "failed"):
+        super().__init__(message)
+        self.kind = kind
+
+
+def ready_line(error: Exception | None) -> bytes:
+    """What the serving process writes on its ready pipe: OK, or ERR with the error's kind and message."""
+    if error is None:
+        return b"OK\n"
+    kind = getattr(error, "kind", "config" if isinstance(error, ValueError) else "failed")
+    return f"ERR {kind} {error}".replace("\n", " ").encode() + b"\n"
 
 
 class NotReady(LaunchFailed):
@@ -66,7 +79,8 @@ def launch(cfg: MountConfig, *, log_file: str, ready_timeout: float, log_level: 
     if answer is None:
         raise NotReady(f"the mount did not become ready within {ready_timeout:g}s")
     if answer.startswith("ERR "):
-        raise LaunchFailed(answer[4:])
+        kind, _, message = answer[4:].partition(" ")
+        raise LaunchFailed(message, kind)
     raise LaunchFailed(f"the mount process exited (status {status}); see {log_file}")
 
 

@@ -95,6 +95,14 @@ class TransientError(StoreError):
         self.retry_after = retry_after
 
 
+def error_of_kind(kind: str, message: str) -> StoreError | None:
+    """The StoreError a `kind` names (errors that crossed a process boundary as kind + message)."""
+    for cls in (NotFound, BucketNotFound, AccessDenied, PreconditionFailed, Unavailable, TransientError):
+        if cls.kind == kind:
+            return cls(message)
+    return None
+
+
 def retry_after_seconds(value: str | None) -> float | None:
     """A Retry-After header given in seconds (the HTTP-date form is ignored); at most 60."""
     try:

@@ -112,3 +112,20 @@ def test_callers_other_than_root_are_refused(mounter, tmp_path):
     reply = json.loads(result.stdout)
     assert reply["kind"] == "refused" and "uid 65534" in reply["error"]
     assert ask(mounter.mounter_socket, {"op": "ping"}) == {"ok": True}  # root still is
+
+
+def test_a_mount_processes_error_keeps_its_kind_across_processes():
+    """The serving process writes `ERR <kind> <message>`; the mounter turns it back into the same error
+    type, so the CSI answer is NOT_FOUND or PERMISSION_DENIED rather than INTERNAL."""
+    from csi.mounter import MountFailed, MountNotReady, _typed
+    from fusecore.launch import LaunchFailed, NotReady, ready_line
+    from fusecore.store import AccessDenied, BucketNotFound
+
+    line = ready_line(AccessDenied("bucket 'b': access denied (403)"))
+    assert line == b"ERR access_denied bucket 'b': access denied (403)\n" and ready_line(None) == b"OK\n"
+    kind, _, message = line.decode().strip()[4:].partition(" ")
+    assert isinstance(_typed(LaunchFailed(message, kind)), AccessDenied)
+    assert isinstance(_typed(LaunchFailed("bucket 'b': bucket does not exist", "no_bucket")), BucketNotFound)
+    assert isinstance(_typed(NotReady("slow")), MountNotReady)
+    assert type(_typed(LaunchFailed("cannot mount", "mount"))) is MountFailed
+    assert ready_line(ValueError("cache-size: bad")).startswith(b"ERR config ")
