@@ -252,7 +252,7 @@ class VolumeManager:
                 return
             del record.holders[holder]
             if record.in_use() and isinstance(self._mount_stats(record), dict):
-                self._resize(record, record.cache_size or own_cache_size(record))
+                self._resize(record, cache_budget(record))
             self._retire_or_save(record)
             log.info("released volume %s for %s", volume_id, holder)
 

@@ -78,12 +78,12 @@ def plan(spec, status, meta, namespace, name, body, patch, reason, **_) -> None:
             conditions, {"Sized": ("False", "InvalidSource", str(exc)), "Ready": ("False", "Failed", str(exc))}))
         kopf.warn(body, reason="Failed", message=str(exc))
         return
+    volume = ref.as_status()
     patch.status.update(
         phase="Warming", datasetBytes=dataset_bytes, datasetSize=human(dataset_bytes), objectCount=objects,
         cacheBytesPerNode=sizing.cache_bytes_per_node, warmableBytes=sizing.warmable_bytes,
-        targetNodes=[n.name for n in nodes], volume=replacing(status.get("volume"), ref.as_status()),
-        observedGeneration=generation,
-        plan=plan_id(generation, ref.as_status(), list(spec.get("paths") or [])),
+        targetNodes=[n.name for n in nodes], volume=replacing(status.get("volume"), volume),
+        observedGeneration=generation, plan=plan_id(generation, volume, list(spec.get("paths") or [])),
         conditions=merge_conditions(conditions, {
             "Sized": ("True", "Sized", sizing.message),
             "CacheTooSmall": ("False", "Fits", sizing.message) if sizing.fits
@@ -97,10 +97,11 @@ def plan(spec, status, meta, namespace, name, body, patch, reason, **_) -> None:
 
 def replacing(old: dict | None, new: dict) -> dict:
     """A merge patch that replaces `old` by `new` (status is merge-patched: a key left out would stay)."""
-    out = {k: None for k in (old or {}) if k not in new}
+    old = old or {}
+    out = {k: None for k in old if k not in new}
     for key, value in new.items():
-        out[key] = replacing((old or {}).get(key), value) if isinstance(value, dict) and isinstance(
-            (old or {}).get(key), dict) else value
+        nested = isinstance(value, dict) and isinstance(old.get(key), dict)
+        out[key] = replacing(old[key], value) if nested else value
     return out
 
 

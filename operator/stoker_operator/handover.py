@@ -13,7 +13,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from csi.attributes import SECRET_SPELLINGS, AttributeProblem, parse_secrets
+from csi.attributes import SECRET_KEYS, AttributeProblem, parse_secrets
 
 from .source import VolumeRef
 
@@ -62,8 +62,7 @@ def read_handover(cache_namespace: str, cache_name: str, data: dict[str, str], a
         volume_id, attributes = str(volume["id"]), {str(k): str(v) for k, v in volume["attributes"].items()}
     except (KeyError, ValueError, TypeError, AttributeError):
         raise HandoverProblem("the handover Secret has no valid volume") from None
-    keys = {k for spellings in SECRET_SPELLINGS.values() for k in spellings}
-    secrets = {k: v for k, v in data.items() if k in keys}
+    secrets = {k: v for k, v in data.items() if k in SECRET_KEYS}
     try:
         parse_secrets(secrets)
     except AttributeProblem as exc:
