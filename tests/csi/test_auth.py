@@ -69,3 +69,11 @@ def test_who_may_share_a_mount():
     assert same_principal("pod:ml/a:arn", "pod:ml/a:arn")
     assert not same_principal("pod:ml/a:arn", "pod:ml/b:arn")
     assert not same_principal("node", "secret:aa") and not same_principal("pod:ml/a:arn", "secret:aa")
+
+
+def test_a_bad_node_cache_memory_flag_is_refused_naming_it(capsys):
+    from stoker.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["csi", "--node-cache-memory", "lots"])
+    assert info.value.code == 2 and "node-cache-memory" in capsys.readouterr().err

@@ -172,3 +172,20 @@ def test_a_replaced_status_section_drops_what_the_new_plan_lacks():
     new = {"id": "v", "attributes": {"bucket": "b", "prefix": "q/"}}
     assert replacing(old, new) == {"id": "v", "attributes": {"bucket": "b", "prefix": "q/", "region": None}}
     assert replacing(None, new) == new
+
+
+def test_a_handover_of_another_cache_or_malformed_is_refused():
+    """Node agents take the volume and credentials only from their DatasetCache's own handover."""
+    from stoker_operator.handover import HandoverProblem, read_handover
+
+    good = {"volume": '{"id": "pv-a", "attributes": {"bucket": "b"}}', "accessKeyId": "AKIA1",
+            "secretAccessKey": "s3cr3t", "unrelated": "x"}
+    handover = read_handover("ml", "a", good, {"stoker.dev/datasetcache": "ml/a"})
+    assert (handover.volume_id, handover.secrets) == ("pv-a", {"accessKeyId": "AKIA1", "secretAccessKey": "s3cr3t"})
+    with pytest.raises(HandoverProblem, match="not the one of ml/a"):
+        read_handover("ml", "a", good, {"stoker.dev/datasetcache": "other/b"})
+    with pytest.raises(HandoverProblem, match="no valid volume"):
+        read_handover("ml", "a", dict(good, volume="{"), {"stoker.dev/datasetcache": "ml/a"})
+    with pytest.raises(HandoverProblem, match="contradictory") as info:
+        read_handover("ml", "a", dict(good, AWS_ACCESS_KEY_ID="AKIA2"), {"stoker.dev/datasetcache": "ml/a"})
+    assert "s3cr3t" not in str(info.value)
