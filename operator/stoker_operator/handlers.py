@@ -135,7 +135,8 @@ def progress(type, body, patch, **_) -> None:
     """Fold the node agents' reports into phase, percentage and conditions; release gated pods."""
     status = body.get("status") or {}
     meta = body.get("metadata") or {}
-    if type == "DELETED" or meta.get("deletionTimestamp") or status.get("phase") in (None, "Failed", "Sizing"):
+    unplanned = status.get("phase") in (None, "Pending", "Failed", "Sizing")  # Pending: waiting for room on nodes
+    if type == "DELETED" or meta.get("deletionTimestamp") or unplanned:
         return
     if status.get("observedGeneration") != meta.get("generation"):
         return  # a re-plan is pending; its numbers are not in yet
@@ -182,7 +183,7 @@ def gated_pod(type, namespace, annotations, **_) -> None:
 def replan_on_node_changes(spec, status, meta, namespace, name, patch, **_) -> None:
     """New or lost matching nodes: re-size and re-target without listing the dataset again; hand
     rotated credentials over (the agents pass them to the running mounts)."""
-    if status.get("phase") in (None, "Failed", "Sizing") or status.get("observedGeneration") != meta.get("generation"):
+    if status.get("phase") in (None, "Pending", "Failed", "Sizing") or status.get("observedGeneration") != meta.get("generation"):
         return
     refresh_handover(dict(spec), namespace, name)
     nodes = target_nodes(dict(spec.get("nodeSelector") or {}), kube().nodes())
