@@ -256,6 +256,10 @@ class VolumeManager:
             self._retire_or_save(record)
             log.info("released volume %s for %s", volume_id, holder)
 
+    def holders(self) -> set[str]:
+        """Everyone holding a volume on this node (DatasetCaches, by namespace/name)."""
+        return {holder for record in self.state.records() for holder in record.holders}
+
     def release_holder(self, holder: str) -> None:
         """`holder` lets go of every volume it holds on this node."""
         for record in self.state.records():

@@ -1,10 +1,12 @@
 """The node side of DatasetCaches (pull): runs inside the CSI node plugin (`stoker csi --warm-agent`).
 
-It watches DatasetCaches, and for each one planned onto its node it holds the volume's mount with
-the planned cache budget (VolumeManager.hold), warms it through the mount's control socket, and
-writes its own entry `status.nodes.<node>` only. Pull scales with the cluster (one watch per node,
-no operator fan-out) and survives operator restarts; a restarted agent re-warms over a cache that
-is already warm, which costs no GETs.
+It lists and watches the DatasetCacheNodes of its own node only (label selector, release namespace),
+and for each it holds the volume's mount with the planned cache budget (VolumeManager.hold), warms it
+through the mount's control socket, and writes that object's status. What an agent receives does not
+grow with the cluster or with other nodes' progress; it reports at most every `report_every` seconds
+while warming, and at each change of phase. A DatasetCacheNode being deleted is released (memory
+back), then its finalizer removed. A restarted agent re-warms over a cache that is already warm,
+which costs no GETs, and releases what it held for objects that are gone.
 """
 
 from __future__ import annotations
@@ -19,41 +21,33 @@ from fusecore import control
 
 from .handover import handover_name, read_handover
 from .kube import Kube, NotFoundInCluster, load_config
-from .plan import READY_AT, current_report, node_should_warm, timestamp
+from .nodes import FINALIZER, NodePlan, NotANodePlan, node_selector, plan_of
+from .plan import READY_AT, node_should_warm, timestamp
 
 log = logging.getLogger(__name__)
-REPORT_EVERY = 2.0  # seconds between progress patches while warming
+REPORT_EVERY = 10.0  # seconds between progress reports while warming (phase changes are reported at once)
 RECHECK_EVERY = 30.0  # seconds between KeepWarm checks of a warm cache
 
 
-def _plan_of(obj: dict) -> tuple:
-    """What, if it changes, makes a worker start over at once."""
-    status, spec = obj.get("status") or {}, obj.get("spec") or {}
-    return (status.get("plan"), status.get("volume"), status.get("cacheBytesPerNode"), spec.get("paths"),
-            spec.get("policy"))
-
-
-def _key(obj: dict) -> str:
-    return f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
-
-
 class CacheWorker:
-    """Keeps one DatasetCache warm on this node, in its own thread."""
+    """Keeps one DatasetCacheNode's plan warm on this node, in its own thread."""
 
-    def __init__(self, agent: "WarmAgent", obj: dict):
+    def __init__(self, agent: "WarmAgent", obj: dict, plan: NodePlan):
         self.agent = agent
-        self.key = _key(obj)
-        self.obj = obj
+        self.name = obj["metadata"]["name"]
+        self.plan = plan
+        self.key = plan.cache  # the holder's name in the volume records
+        self.report = dict(obj.get("status") or {})
         self.changed = threading.Event()
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"warm {self.key}", daemon=True)
         self._last_report = 0.0
-        self.held: str | None = None  # the volume this worker holds (released by id, not by what status says)
+        self.held: str | None = None  # the volume this worker holds (released by id)
 
-    def update(self, obj: dict) -> None:
-        replanned = _plan_of(obj) != _plan_of(self.obj)
-        self.obj = obj
-        if replanned:
+    def update(self, obj: dict, plan: NodePlan) -> None:
+        self.report = dict(obj.get("status") or {})
+        if plan != self.plan:
+            self.plan = plan
             self.changed.set()
 
     def stop(self) -> None:
@@ -70,25 +64,27 @@ class CacheWorker:
                 self._report({"phase": "Failed", "message": str(exc)}, force=True)
             self.changed.wait(self.agent.recheck)
 
+    def _current(self) -> dict | None:
+        """This node's last report, if it is about the plan now asked for."""
+        return self.report if self.report and self.report.get("plan") == self.plan.plan else None
+
     def _keep_warm(self) -> None:
-        status = self.obj.get("status") or {}
-        spec = self.obj.get("spec") or {}
-        meta = self.obj["metadata"]
+        plan = self.plan
         try:
             data, annotations = self.agent.kube.secret(self.agent.handover_namespace,
-                                                       handover_name(meta["namespace"], meta["name"]))
+                                                       handover_name(plan.cache_namespace, plan.cache_name))
         except NotFoundInCluster:
             raise RuntimeError("the operator has not handed over this DatasetCache's volume yet") from None
-        handover = read_handover(meta["namespace"], meta["name"], data, annotations)
-        goal = int(status.get("warmableBytes") or status.get("datasetBytes") or 0)
+        handover = read_handover(plan.cache_namespace, plan.cache_name, data, annotations)
+        goal = plan.warmable_bytes
         if self.held is not None and self.held != handover.volume_id:
             self.agent.volumes.release(self.held, self.key)
         sock = self.agent.volumes.hold(handover.volume_id, handover.attributes, handover.secrets, self.key,
-                                       int(status["cacheBytesPerNode"]))
+                                       plan.cache_bytes)
         self.held = handover.volume_id
         cached = control.call(sock, {"op": "stats"})["cache"]["bytes"]
-        mine = current_report(status, self.agent.node)  # a report about an earlier plan counts as none
-        if not node_should_warm(spec.get("policy", "Once"), mine, cached, goal):
+        mine = self._current()  # a report about an earlier plan counts as none
+        if not node_should_warm(plan.policy, mine, cached, goal):
             evicted = cached < READY_AT * goal  # policy Once: say so, do not fetch again
             if mine and (evicted or abs(int(mine.get("cachedBytes", 0)) - cached) > 0.02 * max(goal, 1)):
                 self._report(dict(mine, cachedBytes=cached, phase="Evicted" if evicted else mine["phase"],
@@ -97,10 +93,10 @@ class CacheWorker:
             return
         self._report({"phase": "Warming", "warmedBytes": 0, "cachedBytes": cached, "message": "warming"}, force=True)
         final = None
-        for progress in control.request(sock, {"op": "warm", "paths": list(spec.get("paths") or [])}, timeout=None):
+        for progress in control.request(sock, {"op": "warm", "paths": list(plan.paths)}, timeout=None):
             final = progress
-            if self.stopped.is_set():
-                return
+            if self.stopped.is_set() or self.changed.is_set():
+                return  # released, or re-planned: start over with the new plan
             self._report({"phase": "Warming", "warmedBytes": progress["bytes_done"], "cachedBytes": cached,
                           "filesWarmed": progress["files_done"],
                           "message": f"{progress['files_done']} of {progress['files_total']} files"})
@@ -116,74 +112,91 @@ class CacheWorker:
 
     def _report(self, entry: dict, *, force: bool = False) -> None:
         now = time.monotonic()
-        if not force and now - self._last_report < REPORT_EVERY:
+        if not force and now - self._last_report < self.agent.report_every:
             return
         self._last_report = now
-        meta = self.obj["metadata"]
-        plan = (self.obj.get("status") or {}).get("plan")
-        report = dict(entry, updated=timestamp(), **({"plan": plan} if plan else {}))
-        self.agent.kube.patch_cache_status(meta["namespace"], meta["name"], {"nodes": {self.agent.node: report}})
+        report = {"warmedBytes": 0, "cachedBytes": 0, "filesWarmed": 0, **entry, "updated": timestamp(),
+                  "plan": self.plan.plan}
+        self.agent.kube.patch_node_status(self.agent.handover_namespace, self.name, report)
+        self.report = report
 
-    def release(self, *, report: bool) -> None:
-        """Give the memory back; remove this node's entry (that is what the operator's finalizer waits for)."""
-        self.agent.volumes.release_holder(self.key)  # whatever it holds, even from before a restart
+    def release(self) -> None:
+        """Give the memory back, whatever this holder holds (even from before a restart)."""
+        self.agent.volumes.release_holder(self.key)
         self.held = None
-        if report:
-            meta = self.obj["metadata"]
-            self.agent.kube.patch_cache_status(meta["namespace"], meta["name"], {"nodes": {self.agent.node: None}})
 
 
 class WarmAgent:
     def __init__(self, volumes, node: str, kube: Kube, recheck: float = RECHECK_EVERY,
-                 handover_namespace: str = "stoker-system"):
+                 handover_namespace: str = "stoker-system", report_every: float = REPORT_EVERY):
         self.volumes = volumes
         self.handover_namespace = handover_namespace
         self.recheck = recheck
+        self.report_every = report_every
         self.node = node
         self.kube = kube
-        self.workers: dict[str, CacheWorker] = {}
+        self.workers: dict[str, CacheWorker] = {}  # by DatasetCacheNode name
 
-    def wanted_here(self, obj: dict) -> bool:
-        status = obj.get("status") or {}
-        return (not obj["metadata"].get("deletionTimestamp") and self.node in (status.get("targetNodes") or [])
-                and bool(status.get("volume")) and bool(status.get("cacheBytesPerNode"))
-                and status.get("observedGeneration") == obj["metadata"].get("generation"))
+    def _plan(self, obj: dict) -> NodePlan | None:
+        try:
+            plan = plan_of(obj)
+        except NotANodePlan as exc:
+            log.warning("%s", exc)
+            return None
+        if plan.node != self.node:  # labelled for this node but planned for another: not ours to act on
+            log.warning("DatasetCacheNode %s is for node %s, not %s", obj["metadata"]["name"], plan.node, self.node)
+            return None
+        return plan
 
     def observe(self, event_type: str, obj: dict) -> None:
-        key = _key(obj)
-        worker = self.workers.get(key)
-        if event_type != "DELETED" and self.wanted_here(obj):
+        name = obj["metadata"]["name"]
+        worker = self.workers.get(name)
+        plan = self._plan(obj)
+        if event_type != "DELETED" and not obj["metadata"].get("deletionTimestamp") and plan is not None:
             if worker is None:
-                worker = self.workers[key] = CacheWorker(self, obj)
+                worker = self.workers[name] = CacheWorker(self, obj, plan)
                 worker.thread.start()
             else:
-                worker.update(obj)
+                worker.update(obj, plan)
             return
-        if obj["metadata"].get("deletionTimestamp") is None and event_type != "DELETED" and \
-                self.node in (obj.get("status") or {}).get("targetNodes", []):
-            return  # planned here but being re-planned: keep what is warm until the plan lands
-        mine = self.node in ((obj.get("status") or {}).get("nodes") or {})
         if worker is not None:
             worker.stop()
             worker.thread.join(30)
-            del self.workers[key]
-            worker.obj = obj
-            worker.release(report=mine and event_type != "DELETED")
-        elif mine and event_type != "DELETED":
-            CacheWorker(self, obj).release(report=True)
+            del self.workers[name]
+            worker.release()
+        elif plan is not None:
+            self.volumes.release_holder(plan.cache)
+        if event_type != "DELETED" and FINALIZER in (obj["metadata"].get("finalizers") or []):
+            kept = [f for f in obj["metadata"]["finalizers"] if f != FINALIZER]
+            self.kube.patch_node_object(self.handover_namespace, name, {"metadata": {"finalizers": kept}})
+
+    def reconcile(self, items: list[dict]) -> None:
+        """After a (re-)list: objects that are gone were deleted while this agent was away."""
+        present = {obj["metadata"]["name"] for obj in items}
+        for name in [n for n in self.workers if n not in present]:
+            worker = self.workers.pop(name)
+            worker.stop()
+            worker.release()
+        planned = {p.cache for obj in items if (p := self._plan(obj)) is not None}
+        for holder in self.volumes.holders() - planned:
+            log.info("releasing %s: its DatasetCacheNode is gone", holder)
+            self.volumes.release_holder(holder)
+        for obj in items:
+            self.observe("ADDED", obj)
 
     def run(self, stop: threading.Event) -> None:
+        selector = node_selector(self.node)
         while not stop.is_set():
             try:
-                items, version = self.kube.caches()
-                for obj in items:
-                    self.observe("ADDED", obj)
-                for event in self.kube.watch_caches(version, timeout=60):
-                    self.observe(event["type"], event["object"])
+                items, version = self.kube.node_objects(self.handover_namespace, selector)
+                self.reconcile(items)
+                for event in self.kube.watch_node_objects(self.handover_namespace, selector, version, timeout=60):
+                    if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                        self.observe(event["type"], event["object"])
                     if stop.is_set():
                         break
             except Exception as exc:  # noqa: BLE001 - the API may be briefly away; list and watch again
-                log.warning("watching DatasetCaches: %s", exc)
+                log.warning("watching DatasetCacheNodes: %s", exc)
                 stop.wait(2)
         for worker in self.workers.values():
             worker.stop()
@@ -197,6 +210,8 @@ def extend_csi(parser: argparse.ArgumentParser) -> None:
                         help="where the operator hands over DatasetCache volumes (the release namespace)")
     parser.add_argument("--warm-recheck", type=float, default=RECHECK_EVERY,
                         help=f"seconds between checks that a warm cache is still warm (default {RECHECK_EVERY:g})")
+    parser.add_argument("--warm-report-interval", type=float, default=REPORT_EVERY,
+                        help=f"seconds between progress reports while warming (default {REPORT_EVERY:g})")
     previous = parser.get_default("node_extensions") or []
 
     def start(args: argparse.Namespace, volumes, stop: threading.Event) -> None:
@@ -204,9 +219,9 @@ def extend_csi(parser: argparse.ArgumentParser) -> None:
             return
         load_config()
         agent = WarmAgent(volumes, args.node_id, Kube(), recheck=args.warm_recheck,
-                          handover_namespace=args.handover_namespace)
+                          handover_namespace=args.handover_namespace, report_every=args.warm_report_interval)
         threading.Thread(target=agent.run, args=(stop,), name="warm-agent", daemon=True).start()
-        log.info("warm agent watching DatasetCaches for node %s", args.node_id)
+        log.info("warm agent watching the DatasetCacheNodes of node %s", args.node_id)
 
     parser.set_defaults(node_extensions=[*previous, start])
 

@@ -77,7 +77,6 @@ def cmd_operator(args: argparse.Namespace) -> int:
     from . import handlers  # registers the handlers
 
     handlers.HANDOVER_NAMESPACE = args.handover_namespace
-    handlers.WATCHED_NAMESPACES = list(args.namespace)
     if args.node_cache_memory:
         from .plan import SpecProblem, quantity_bytes
 
@@ -91,7 +90,8 @@ def cmd_operator(args: argparse.Namespace) -> int:
     kopf.run(
         standalone=not args.peering,
         peering_name=args.peering,
-        namespaces=args.namespace or (),
+        # the DatasetCacheNodes live in the handover namespace: a namespaced operator watches it too
+        namespaces=list(dict.fromkeys([*args.namespace, args.handover_namespace])) if args.namespace else (),
         clusterwide=not args.namespace,
         liveness_endpoint=args.liveness or None,
     )

@@ -1,7 +1,10 @@
-"""The DatasetCache CustomResourceDefinition: the one source of truth.
+"""Stoker's CustomResourceDefinitions (DatasetCache, DatasetCacheNode): the one source of truth.
 
 The chart (`charts/stoker/crds/`) and the plain manifests (`deploy/base/`) hold copies written by
-`python -m stoker_operator.crd --write`; a test fails if a copy differs from this definition.
+`python -m stoker_operator.crd --write`; a test fails if a copy differs from these definitions.
+
+A DatasetCache's status holds aggregates only, so it stays small at any cluster size; each target
+node's plan and progress live in a DatasetCacheNode of the release namespace (nodes.py).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import sys
 
 import yaml
 
-from . import GROUP, KIND, PLURAL, VERSION
+from . import GROUP, KIND, NODE_KIND, NODE_PLURAL, PLURAL, VERSION
 
 QUANTITY_OR_AUTO = r"^(auto|[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?)$"
 
@@ -25,7 +28,7 @@ _NODE_STATUS = {
         "filesWarmed": {"type": "integer", "minimum": 0},
         "message": {"type": "string"},
         "updated": {"type": "string", "format": "date-time"},
-        "plan": {"type": "string", "description": "the plan this report is about (status.plan)"},
+        "plan": {"type": "string", "description": "the plan this report is about (spec.plan when it was written)"},
     },
 }
 
@@ -90,7 +93,20 @@ STATUS_SCHEMA = {
         "cacheBytesPerNode": {"type": "integer", "format": "int64", "minimum": 0},
         "warmableBytes": {"type": "integer", "format": "int64", "minimum": 0,
                           "description": "Bytes of the dataset that fit the per-node cache (what Ready means)"},
-        "targetNodes": {"type": "array", "items": {"type": "string"}},
+        "nodeSummary": {
+            "type": "object",
+            "description": "target nodes by the phase of their report about the current plan",
+            "properties": {k: {"type": "integer", "minimum": 0}
+                           for k in ("targets", "ready", "warming", "failed", "waiting")},
+        },
+        "notReady": {
+            "type": "array", "maxItems": 10,
+            "description": "a few target nodes that are not Ready, and why (all of them: the DatasetCacheNodes)",
+            "items": {"type": "object", "properties": {
+                "node": {"type": "string"}, "phase": {"type": "string"}, "message": {"type": "string"}}},
+        },
+        "nodeReports": {"type": "string",
+                        "description": "the label selector of this cache's DatasetCacheNodes (release namespace)"},
         "volume": {
             "type": "object",
             "properties": {
@@ -98,7 +114,6 @@ STATUS_SCHEMA = {
                 "attributes": {"type": "object", "additionalProperties": {"type": "string"}},
             },
         },
-        "nodes": {"type": "object", "additionalProperties": _NODE_STATUS},
         "cachedPercentage": {"type": "number", "minimum": 0, "maximum": 100},
         "cached": {"type": "string"},
         "conditions": {"type": "array", "items": _CONDITION},
@@ -106,21 +121,41 @@ STATUS_SCHEMA = {
         "plan": {"type": "string",
                  "description": "identity of the current plan (generation and resolved source); only node reports "
                                 "of this plan count towards Ready"},
+        "warmedBytes": {"type": "integer", "format": "int64", "minimum": 0,
+                        "description": "bytes the target nodes hold of the current plan, summed"},
         "kopf": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
     },
 }
 
 
-def definition() -> dict:
+NODE_SPEC_SCHEMA = {
+    "type": "object",
+    "required": ["cache", "node", "plan", "cacheBytes"],
+    "properties": {
+        "cache": {"type": "string", "description": "the DatasetCache, namespace/name"},
+        "node": {"type": "string", "description": "the node whose agent warms this plan"},
+        "plan": {"type": "string", "description": "the DatasetCache's plan (status.plan)"},
+        "cacheBytes": {"type": "integer", "format": "int64", "minimum": 0,
+                       "description": "the cache budget of the volume's mount on this node"},
+        "warmableBytes": {"type": "integer", "format": "int64", "minimum": 0,
+                          "description": "what Ready means: bytes of the dataset the budget holds"},
+        "paths": {"type": "array", "items": {"type": "string"}},
+        "policy": {"type": "string", "enum": ["Once", "KeepWarm"]},
+    },
+}
+
+
+def _crd(kind: str, plural: str, short: str, description: str, spec: dict, status: dict, columns: list[dict],
+         required: list[str]) -> dict:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{PLURAL}.{GROUP}"},
+        "metadata": {"name": f"{plural}.{GROUP}"},
         "spec": {
             "group": GROUP,
             "scope": "Namespaced",
-            "names": {"kind": KIND, "plural": PLURAL, "singular": "datasetcache", "listKind": f"{KIND}List",
-                      "shortNames": ["dsc"], "categories": ["stoker"]},
+            "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "listKind": f"{kind}List",
+                      "shortNames": [short], "categories": ["stoker"]},
             "versions": [{
                 "name": VERSION,
                 "served": True,
@@ -128,37 +163,66 @@ def definition() -> dict:
                 "subresources": {"status": {}},
                 "schema": {"openAPIV3Schema": {
                     "type": "object",
-                    "description": "A dataset to keep warm in the Stoker caches of selected nodes.",
-                    "required": ["spec"],
+                    "description": description,
+                    "required": required,
                     "properties": {
                         "apiVersion": {"type": "string"},
                         "kind": {"type": "string"},
                         "metadata": {"type": "object"},
-                        "spec": SPEC_SCHEMA,
-                        "status": STATUS_SCHEMA,
+                        "spec": spec,
+                        "status": status,
                     },
                 }},
-                "additionalPrinterColumns": [
-                    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-                    {"name": "Size", "type": "string", "jsonPath": ".status.datasetSize"},
-                    {"name": "Cached", "type": "string", "jsonPath": ".status.cached"},
-                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-                ],
+                "additionalPrinterColumns": columns,
             }],
         },
     }
 
 
+def definition() -> dict:
+    """The DatasetCache CRD."""
+    return _crd(KIND, PLURAL, "dsc", "A dataset to keep warm in the Stoker caches of selected nodes.",
+                SPEC_SCHEMA, STATUS_SCHEMA, [
+                    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+                    {"name": "Size", "type": "string", "jsonPath": ".status.datasetSize"},
+                    {"name": "Cached", "type": "string", "jsonPath": ".status.cached"},
+                    {"name": "Nodes", "type": "integer", "jsonPath": ".status.nodeSummary.targets"},
+                    {"name": "Ready", "type": "integer", "jsonPath": ".status.nodeSummary.ready"},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                ], ["spec"])
+
+
+def node_definition() -> dict:
+    """The DatasetCacheNode CRD: one object per DatasetCache and target node, written by the operator
+    (spec: the plan) and by that node's agent (status: its report)."""
+    return _crd(NODE_KIND, NODE_PLURAL, "dcn",
+                "One node's part of a DatasetCache: what to warm there (spec), and how far it got (status).",
+                NODE_SPEC_SCHEMA, _NODE_STATUS, [
+                    {"name": "Cache", "type": "string", "jsonPath": ".spec.cache"},
+                    {"name": "Node", "type": "string", "jsonPath": ".spec.node"},
+                    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+                    {"name": "Cached", "type": "integer", "jsonPath": ".status.cachedBytes"},
+                    {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                ], ["spec"])
+
+
+def schema(plural: str) -> dict:
+    """The openAPIV3Schema of one of the CRDs, by plural."""
+    crd = next(c for c in (definition(), node_definition()) if c["spec"]["names"]["plural"] == plural)
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
 def render() -> str:
     return "# Generated by `python -m stoker_operator.crd --write`; edit operator/stoker_operator/crd.py.\n" + \
-        yaml.safe_dump(definition(), sort_keys=False)
+        yaml.safe_dump_all([definition(), node_definition()], sort_keys=False)
 
 
-COPIES = ("charts/stoker/crds/datasetcaches.stoker.dev.yaml", "deploy/base/crd-datasetcache.yaml")
+COPIES = ("charts/stoker/crds/stoker.dev.yaml", "deploy/base/crds.yaml")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="print or write the DatasetCache CRD")
+    parser = argparse.ArgumentParser(description="print or write Stoker's CRDs")
     parser.add_argument("--write", metavar="REPO", nargs="?", const=".", help="write the copies in the repo")
     args = parser.parse_args(argv)
     if args.write is None:

@@ -1,19 +1,24 @@
-"""kopf handlers: thin adapters from DatasetCache and Pod events to plan.py's decisions.
+"""kopf handlers: thin adapters from DatasetCache, DatasetCacheNode and Pod events to plan.py's decisions.
 
-One writer per status field: the operator writes everything in status except `status.nodes`,
-whose entries each node's warm agent writes for its own node only (agent.py).
+The operator writes a DatasetCache's status and the spec of its DatasetCacheNodes (one per target
+node, nodes.py); each node's warm agent writes the status of its own node's objects (agent.py).
+Reports reach the DatasetCache through kopf indexes and a timer: one status write per cache and
+AGGREGATE_EVERY at most, however many nodes report.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import kopf
 
-from . import CACHE_ANNOTATION, GATE, GROUP, PLURAL, VERSION
+from . import CACHE_ANNOTATION, GATE, GROUP, NODE_PLURAL, PLURAL, VERSION
 from .handover import LABELS, OWNER_ANNOTATION, handover_name, owner, secret_data
 from .kube import Kube, load_config
+from .nodes import FINALIZER as NODE_FINALIZER
+from .nodes import NodePlan, NodeState, NotANodePlan, cache_selector, changes, object_name, state_of
 from .plan import (NoRoom, SpecProblem, aggregate, gate_release_patch, human, merge_conditions, node_room, plan_id,
                    size_cache, target_nodes)
 from .source import StoreBusy, measure, read_secrets, resolve
@@ -25,8 +30,10 @@ RELEASE_WAIT_RETRIES = 60  # x 2 s: nodes that never answer do not block deletio
 _kube: Kube | None = None
 HANDOVER_NAMESPACE = os.environ.get("POD_NAMESPACE", "stoker-system")  # set by `stoker operator`
 NODE_CACHE_MEMORY: int | None = None  # node.cacheMemory: DatasetCaches on a node never plan past it
-WATCHED_NAMESPACES: list[str] = []  # empty: the whole cluster
 NO_ROOM_RETRY = 15  # seconds between plans of a DatasetCache that found no room on its nodes
+AGGREGATE_EVERY = 3.0  # seconds between folds of the node reports into a DatasetCache's status
+WRITERS = 16  # DatasetCacheNodes created, re-specced or deleted at once while planning
+UNPLANNED = (None, "Pending", "Sizing", "Failed")  # Pending: waiting for room on nodes
 
 
 def kube() -> Kube:
@@ -44,17 +51,55 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="stoker.dev")
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 60
+    logging.getLogger("kopf.objects").addFilter(_quiet_timer)
     kube()
+
+
+def _quiet_timer(record: logging.LogRecord) -> bool:
+    """The aggregation timer succeeds every few seconds per cache: not worth a log line each time."""
+    return "Timer 'summarize' succeeded" not in record.getMessage()
+
+
+def _key(namespace: str, name: str) -> str:
+    return f"{namespace}/{name}"
+
+
+@kopf.index(GROUP, VERSION, NODE_PLURAL)
+def node_states(namespace, body, **_) -> dict | None:
+    """DatasetCacheNodes by their DatasetCache (namespace/name): the plan each asks for and its report."""
+    state = _state(namespace, body)
+    return {state.plan.cache: state} if state else None
+
+
+@kopf.index(GROUP, VERSION, NODE_PLURAL)
+def node_loads(namespace, body, **_) -> dict | None:
+    """Cache budgets by node: (DatasetCache, bytes) of every DatasetCacheNode there, deleting ones included
+    (their memory is not back yet)."""
+    state = _state(namespace, body)
+    return {state.node: (state.plan.cache, state.plan.cache_bytes)} if state else None
+
+
+def _state(namespace: str, body) -> NodeState | None:
+    if namespace != HANDOVER_NAMESPACE:  # only the release namespace's objects are the operator's
+        return None
+    try:
+        return state_of(dict(body))
+    except NotANodePlan as exc:
+        log.warning("%s", exc)
+        return None
+
+
+def _states(index, namespace: str, name: str) -> list[NodeState]:
+    return list(index.get(_key(namespace, name), ()))
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-def plan(spec, status, meta, namespace, name, body, patch, reason, **_) -> None:
+def plan(spec, status, meta, namespace, name, body, patch, reason, node_loads, **_) -> None:
     """Resolve the source, list the dataset, size the per-node cache and pick the nodes."""
     generation = meta.get("generation")
-    if reason == "resume" and status.get("observedGeneration") == generation and status.get("phase") not in (
-            None, "Pending", "Sizing", "Failed"):
+    if reason == "resume" and status.get("observedGeneration") == generation and status.get("phase") not in UNPLANNED:
         refresh_handover(dict(spec), namespace, name)
         return  # already planned for this generation: an operator restart re-warms nothing
     conditions = list(status.get("conditions") or [])
@@ -64,7 +109,7 @@ def plan(spec, status, meta, namespace, name, body, patch, reason, **_) -> None:
         dataset_bytes, objects = measure(ref, secrets, list(spec.get("paths") or []))
         hand_over(namespace, name, ref, secrets)
         nodes = target_nodes(dict(spec.get("nodeSelector") or {}), kube().nodes())
-        room = room_on(nodes, namespace, name)
+        room = room_on(node_loads, nodes, namespace, name)
         sizing = size_cache(dict(spec), dataset_bytes, objects, nodes, room, NODE_CACHE_MEMORY or 0)
     except StoreBusy as exc:  # the store is slow or away: try again, the spec may be fine
         raise kopf.TemporaryError(f"listing the dataset: {exc}", delay=30) from None
@@ -79,11 +124,15 @@ def plan(spec, status, meta, namespace, name, body, patch, reason, **_) -> None:
         kopf.warn(body, reason="Failed", message=str(exc))
         return
     volume = ref.as_status()
+    plan_name = plan_id(generation, volume, list(spec.get("paths") or []))
+    assign(namespace, name, dict(spec), plan_name, [n.name for n in nodes], sizing.cache_bytes_per_node,
+           sizing.warmable_bytes)
     patch.status.update(
         phase="Warming", datasetBytes=dataset_bytes, datasetSize=human(dataset_bytes), objectCount=objects,
         cacheBytesPerNode=sizing.cache_bytes_per_node, warmableBytes=sizing.warmable_bytes,
-        targetNodes=[n.name for n in nodes], volume=replacing(status.get("volume"), volume),
-        observedGeneration=generation, plan=plan_id(generation, volume, list(spec.get("paths") or [])),
+        volume=replacing(status.get("volume"), volume), observedGeneration=generation, plan=plan_name,
+        nodeSummary={"targets": len(nodes), "ready": 0, "warming": 0, "failed": 0, "waiting": len(nodes)},
+        notReady=[], warmedBytes=0, cachedPercentage=0, cached="0%", nodeReports=cache_selector(namespace, name),
         conditions=merge_conditions(conditions, {
             "Sized": ("True", "Sized", sizing.message),
             "CacheTooSmall": ("False", "Fits", sizing.message) if sizing.fits
@@ -105,14 +154,36 @@ def replacing(old: dict | None, new: dict) -> dict:
     return out
 
 
-def room_on(nodes, namespace: str, name: str):
+def room_on(loads, nodes, namespace: str, name: str):
     """What the other DatasetCaches left of the node cache memory on the tightest of `nodes` (None: no limit)."""
     if not NODE_CACHE_MEMORY:
         return None
-    others = [c for c in kube().all_caches(WATCHED_NAMESPACES)
-              if (c["metadata"]["namespace"], c["metadata"]["name"]) != (namespace, name)
-              and not c["metadata"].get("deletionTimestamp")]
-    return node_room(NODE_CACHE_MEMORY, [n.name for n in nodes], others)
+    names = [n.name for n in nodes]
+    return node_room(NODE_CACHE_MEMORY, names, {n: list(loads.get(n, ())) for n in names}, _key(namespace, name))
+
+
+def assign(namespace: str, name: str, spec: dict, plan_name: str, nodes: list[str], cache_bytes: int,
+           warmable_bytes: int) -> None:
+    """Make this cache's DatasetCacheNodes say the plan: one per target node, none elsewhere."""
+    wanted = {node: NodePlan(_key(namespace, name), node, plan_name, cache_bytes, warmable_bytes,
+                             tuple(spec.get("paths") or ()), str(spec.get("policy") or "Once")) for node in nodes}
+    items, _ = kube().node_objects(HANDOVER_NAMESPACE, cache_selector(namespace, name))
+    current = {}
+    for obj in items:
+        try:
+            current[state_of(obj).node] = obj
+        except NotANodePlan:
+            kube().delete_node_object(HANDOVER_NAMESPACE, obj["metadata"]["name"])
+    create, update, delete = changes(current, wanted)
+    calls = [lambda p=p: kube().create_node_object(HANDOVER_NAMESPACE, p.body(HANDOVER_NAMESPACE)) for p in create]
+    calls += [lambda p=p: kube().patch_node_object(HANDOVER_NAMESPACE, p.body(HANDOVER_NAMESPACE)["metadata"]["name"],
+                                                   {"spec": p.spec()}) for p in update]
+    calls += [lambda n=n: kube().delete_node_object(HANDOVER_NAMESPACE, n) for n in delete]
+    with ThreadPoolExecutor(WRITERS) as pool:
+        list(pool.map(lambda call: call(), calls))
+    if create or update or delete:
+        log.info("%s/%s: plan %s on %d nodes (%d new, %d re-planned, %d released)", namespace, name, plan_name,
+                 len(nodes), len(create), len(update), len(delete))
 
 
 def hand_over(namespace: str, name: str, ref, secrets: dict[str, str]) -> None:
@@ -130,19 +201,18 @@ def refresh_handover(spec: dict, namespace: str, name: str) -> None:
         log.warning("%s/%s: credentials not refreshed: %s", namespace, name, exc)
 
 
-@kopf.on.event(GROUP, VERSION, PLURAL)
-def progress(type, body, patch, **_) -> None:
-    """Fold the node agents' reports into phase, percentage and conditions; release gated pods."""
-    status = body.get("status") or {}
-    meta = body.get("metadata") or {}
-    unplanned = status.get("phase") in (None, "Pending", "Failed", "Sizing")  # Pending: waiting for room on nodes
-    if type == "DELETED" or meta.get("deletionTimestamp") or unplanned:
+@kopf.timer(GROUP, VERSION, PLURAL, interval=AGGREGATE_EVERY)
+def summarize(status, meta, namespace, name, body, patch, node_states, **_) -> None:
+    """Fold the DatasetCacheNodes' reports into phase, counts and conditions (debounced: one write per
+    interval at most, and none when nothing changed); release gated pods once Ready."""
+    if meta.get("deletionTimestamp") or status.get("phase") in UNPLANNED:
         return
     if status.get("observedGeneration") != meta.get("generation"):
         return  # a re-plan is pending; its numbers are not in yet
-    result = aggregate(status)
+    result = aggregate(status, _states(node_states, namespace, name))
     changes = {"phase": result.phase, "cachedPercentage": result.cached_percentage,
-               "cached": f"{result.cached_percentage:g}%"}
+               "cached": f"{result.cached_percentage:g}%", "nodeSummary": result.summary,
+               "notReady": result.not_ready, "warmedBytes": result.warmed_bytes}
     new_conditions = merge_conditions(status.get("conditions") or [], result.conditions)
     if any(status.get(k) != v for k, v in changes.items()) or new_conditions != status.get("conditions"):
         patch.status.update(changes, conditions=new_conditions)
@@ -150,7 +220,7 @@ def progress(type, body, patch, **_) -> None:
             (kopf.info if result.phase == "Ready" else kopf.warn)(
                 body, reason=result.phase, message=f"{result.cached_percentage:g}% of the plan is cached")
     if result.phase == "Ready":
-        release_pods(meta["namespace"], meta["name"], status.get("targetNodes") or [])
+        release_pods(namespace, name, result.ready_nodes)
 
 
 def release_pods(namespace: str, cache: str, nodes: list[str]) -> int:
@@ -169,29 +239,34 @@ def _gated(spec, **_) -> bool:
 
 
 @kopf.on.event("", "v1", "pods", annotations={CACHE_ANNOTATION: kopf.PRESENT}, when=_gated)
-def gated_pod(type, namespace, annotations, **_) -> None:
+def gated_pod(type, namespace, annotations, node_states, **_) -> None:
     """A gated pod that arrives after its cache is Ready is released at once (an event handler,
     so kopf keeps no bookkeeping on users' pods)."""
     if type == "DELETED":
         return
     cache = kube().cache(namespace, annotations[CACHE_ANNOTATION])
     if cache and (cache.get("status") or {}).get("phase") == "Ready":
-        release_pods(namespace, cache["metadata"]["name"], cache["status"].get("targetNodes") or [])
+        name = cache["metadata"]["name"]
+        release_pods(namespace, name, aggregate(cache["status"], _states(node_states, namespace, name)).ready_nodes)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=60, initial_delay=60, idle=30)
-def replan_on_node_changes(spec, status, meta, namespace, name, patch, **_) -> None:
+def replan_on_node_changes(spec, status, meta, namespace, name, patch, node_states, node_loads, **_) -> None:
     """New or lost matching nodes: re-size and re-target without listing the dataset again; hand
     rotated credentials over (the agents pass them to the running mounts)."""
-    if status.get("phase") in (None, "Pending", "Failed", "Sizing") or status.get("observedGeneration") != meta.get("generation"):
+    if status.get("phase") in UNPLANNED or status.get("observedGeneration") != meta.get("generation"):
         return
     refresh_handover(dict(spec), namespace, name)
-    nodes = target_nodes(dict(spec.get("nodeSelector") or {}), kube().nodes())
-    if [n.name for n in nodes] == list(status.get("targetNodes") or []):
+    cluster = kube().nodes()
+    states = _states(node_states, namespace, name)
+    forget_gone_nodes(namespace, name, states, {n.name for n in cluster})
+    nodes = target_nodes(dict(spec.get("nodeSelector") or {}), cluster)
+    planned = sorted(s.node for s in states if not s.deleting)
+    if [n.name for n in nodes] == planned:
         return
     try:
         sizing = size_cache(dict(spec), int(status.get("datasetBytes", 0)), int(status.get("objectCount", 0)), nodes,
-                            room_on(nodes, namespace, name), NODE_CACHE_MEMORY or 0)
+                            room_on(node_loads, nodes, namespace, name), NODE_CACHE_MEMORY or 0)
     except NoRoom as exc:  # a new node is full of other caches: keep the current nodes
         log.warning("%s/%s: not re-targeted: %s", namespace, name, exc)
         return
@@ -199,18 +274,45 @@ def replan_on_node_changes(spec, status, meta, namespace, name, patch, **_) -> N
         patch.status.update(phase="Degraded", conditions=merge_conditions(
             status.get("conditions") or [], {"Ready": ("False", "NoNodes", str(exc))}))
         return
-    patch.status.update(targetNodes=[n.name for n in nodes], cacheBytesPerNode=sizing.cache_bytes_per_node,
-                        warmableBytes=sizing.warmable_bytes)
+    assign(namespace, name, dict(spec), str(status.get("plan")), [n.name for n in nodes], sizing.cache_bytes_per_node,
+           sizing.warmable_bytes)
+    patch.status.update(cacheBytesPerNode=sizing.cache_bytes_per_node, warmableBytes=sizing.warmable_bytes)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)
-def release(status, body, namespace, name, retry, **_) -> None:
-    """Wait until every node agent has given its memory back (each removes its entry from status.nodes),
-    then delete the handover."""
-    holding = sorted((status.get("nodes") or {}).keys())
+def release(body, namespace, name, retry, **_) -> None:
+    """Delete this cache's DatasetCacheNodes and wait until every node agent gave its memory back (each
+    removes its object's finalizer), then delete the handover."""
+    items, _ = kube().node_objects(HANDOVER_NAMESPACE, cache_selector(namespace, name))
+    for obj in items:
+        if not obj["metadata"].get("deletionTimestamp"):
+            kube().delete_node_object(HANDOVER_NAMESPACE, obj["metadata"]["name"])
+    silent = [obj for obj in items if not obj.get("status")]  # never reported: its agent holds nothing yet
+    for obj in silent:  # (one that is just starting sees the deletion and lets go)
+        unblock(obj)
+    items = [obj for obj in items if obj.get("status")]
+    holding = sorted((obj.get("spec") or {}).get("node", obj["metadata"]["name"]) for obj in items)
     if holding and retry < RELEASE_WAIT_RETRIES:
-        raise kopf.TemporaryError(f"waiting for {', '.join(holding)} to release their caches", delay=2)
+        raise kopf.TemporaryError(f"waiting for {len(holding)} nodes to release their caches: "
+                                  f"{', '.join(holding[:10])}", delay=2)
     if holding:
-        kopf.warn(body, reason="ReleaseTimeout", message=f"nodes did not confirm the release: {', '.join(holding)}")
+        kopf.warn(body, reason="ReleaseTimeout", message=f"{len(holding)} nodes did not confirm the release: "
+                                                         f"{', '.join(holding[:10])}")
+        for obj in items:
+            unblock(obj)
     kube().delete_secret(HANDOVER_NAMESPACE, handover_name(namespace, name))
 
+
+def unblock(obj: dict) -> None:
+    """Drop the node-release finalizer of a DatasetCacheNode whose node never answered."""
+    kept = [f for f in obj["metadata"].get("finalizers") or [] if f != NODE_FINALIZER]
+    kube().patch_node_object(HANDOVER_NAMESPACE, obj["metadata"]["name"], {"metadata": {"finalizers": kept}})
+
+
+def forget_gone_nodes(namespace: str, name: str, states: list[NodeState], cluster: set[str]) -> None:
+    """DatasetCacheNodes left for deletion whose node is no longer in the cluster: nobody will release
+    them, so let them go."""
+    for state in states:
+        if state.deleting and state.node not in cluster:
+            unblock({"metadata": {"name": object_name(namespace, name, state.node),
+                                  "finalizers": [NODE_FINALIZER]}})

@@ -9,12 +9,12 @@ The operator deletes it when the DatasetCache is deleted (after the nodes releas
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 
 from csi.attributes import SECRET_KEYS, AttributeProblem, parse_secrets
 
+from .nodes import cache_id
 from .source import VolumeRef
 
 OWNER_ANNOTATION = "stoker.dev/datasetcache"
@@ -28,7 +28,7 @@ class HandoverProblem(ValueError):
 
 def handover_name(namespace: str, name: str) -> str:
     """The Secret of a DatasetCache: the same for the operator and every agent, from the cache's identity."""
-    return "stoker-dc-" + hashlib.sha256(f"{namespace}/{name}".encode()).hexdigest()[:32]
+    return "stoker-dc-" + cache_id(namespace, name)
 
 
 def owner(namespace: str, name: str) -> str:

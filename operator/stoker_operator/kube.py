@@ -8,7 +8,7 @@ import logging
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
-from . import GROUP, PLURAL, VERSION
+from . import GROUP, NODE_PLURAL, PLURAL, VERSION
 from .plan import NodeInfo, quantity_bytes
 
 log = logging.getLogger(__name__)
@@ -112,25 +112,45 @@ class Kube:
                 return None
             raise
 
-    def caches(self) -> tuple[list[dict], str]:
-        answer = self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)
+    # ---- DatasetCacheNodes (nodes.py), in the release namespace
+
+    def node_objects(self, namespace: str, selector: str) -> tuple[list[dict], str]:
+        """(items, resourceVersion) of the DatasetCacheNodes matching a label selector."""
+        answer = self.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, NODE_PLURAL,
+                                                           label_selector=selector)
         return answer.get("items", []), answer.get("metadata", {}).get("resourceVersion", "")
 
-    def all_caches(self, namespaces: list[str]) -> list[dict]:
-        """DatasetCaches of these namespaces (empty: the whole cluster)."""
-        if not namespaces:
-            return self.caches()[0]
-        return [item for ns in namespaces for item in
-                self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL).get("items", [])]
+    def watch_node_objects(self, namespace: str, selector: str, resource_version: str, timeout: int = 60):
+        return watch.Watch().stream(self.custom.list_namespaced_custom_object, GROUP, VERSION, namespace,
+                                    NODE_PLURAL, label_selector=selector, resource_version=resource_version,
+                                    timeout_seconds=timeout)
 
-    def watch_caches(self, resource_version: str, timeout: int = 60):
-        return watch.Watch().stream(self.custom.list_cluster_custom_object, GROUP, VERSION, PLURAL,
-                                    resource_version=resource_version, timeout_seconds=timeout)
-
-    def patch_cache_status(self, namespace: str, name: str, status: dict) -> None:
+    def create_node_object(self, namespace: str, body: dict) -> None:
         try:
-            self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name,
+            self.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, NODE_PLURAL, body)
+        except ApiException as exc:
+            if exc.status != 409:  # created by an earlier attempt: the next plan re-specs it
+                raise
+
+    def patch_node_object(self, namespace: str, name: str, patch: dict) -> None:
+        try:
+            self.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, NODE_PLURAL, name, patch,
+                                                       _content_type=MERGE_PATCH)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def patch_node_status(self, namespace: str, name: str, status: dict) -> None:
+        try:
+            self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, NODE_PLURAL, name,
                                                               {"status": status}, _content_type=MERGE_PATCH)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def delete_node_object(self, namespace: str, name: str) -> None:
+        try:
+            self.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, NODE_PLURAL, name)
         except ApiException as exc:
             if exc.status != 404:
                 raise

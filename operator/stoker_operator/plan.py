@@ -10,12 +10,15 @@ import json
 
 import math
 from dataclasses import dataclass, field
+from typing import Iterable
 from datetime import datetime, timezone
 
 from kubernetes.utils.quantity import parse_quantity
 
 from fusecore.config import WARM_FRACTION
 from fusecore.config import format_size as human
+
+from .nodes import NodeState
 
 MIN_CACHE_BYTES = 64 * 1024**2  # smallest budget a plan gives a mount (room for blocks and in-flight GETs)
 READY_AT = 0.98  # a node whose cache holds this share of what it was asked to warm is Ready
@@ -86,14 +89,14 @@ class NodeRoom:
         return f"on node {self.node} {others} leave {human(max(0, self.free))} of {human(memory)} (node.cacheMemory)"
 
 
-def node_room(memory: int, nodes: list[str], others: list[dict]) -> NodeRoom | None:
-    """The tightest of `nodes` after the cache budgets other DatasetCaches planned there (None: no nodes)."""
+def node_room(memory: int, nodes: list[str], loads: dict[str, list[tuple[str, int]]], me: str) -> NodeRoom | None:
+    """The tightest of `nodes` after the cache budgets other DatasetCaches planned there (None: no nodes).
+
+    `loads`: node -> [(namespace/name, bytes per node)] of every DatasetCacheNode there, `me` left out."""
     tightest = None
     for node in nodes:
-        taken = tuple(sorted(((f"{o['metadata']['namespace']}/{o['metadata']['name']}",
-                               int((o.get("status") or {}).get("cacheBytesPerNode") or 0))
-                              for o in others if node in ((o.get("status") or {}).get("targetNodes") or [])),
-                             key=lambda t: -t[1]))
+        taken = tuple(sorted(((cache, size) for cache, size in loads.get(node, ()) if cache != me),
+                             key=lambda t: (-t[1], t[0])))
         room = NodeRoom(memory - sum(size for _, size in taken), node, taken)
         if tightest is None or room.free < tightest.free:
             tightest = room
@@ -133,11 +136,18 @@ def size_cache(spec: dict, dataset_bytes: int, object_count: int, nodes: list[No
     return Sizing(dataset_bytes, object_count, per_node, warmable, fits, message)
 
 
+NOT_READY_SHOWN = 10  # nodes named in status.notReady (all of them: the DatasetCacheNodes)
+
+
 @dataclass
 class Aggregate:
     phase: str
     cached_percentage: float
     conditions: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # type -> (status, reason, msg)
+    summary: dict[str, int] = field(default_factory=dict)
+    not_ready: list[dict] = field(default_factory=list)
+    ready_nodes: list[str] = field(default_factory=list)
+    warmed_bytes: int = 0
 
 
 def plan_id(generation: int | None, volume: dict, paths: list[str]) -> str:
@@ -147,24 +157,20 @@ def plan_id(generation: int | None, volume: dict, paths: list[str]) -> str:
     return f"{generation}-{digest}"
 
 
-def current_report(status: dict, node: str) -> dict | None:
-    """A node's report if it is about the current plan (a status without a plan id counts every report)."""
-    entry = (status.get("nodes") or {}).get(node)
-    if entry is None or (status.get("plan") and entry.get("plan") != status.get("plan")):
-        return None
-    return entry
-
-
-def aggregate(status: dict) -> Aggregate:
-    """Overall phase and conditions from the per-node reports (status.nodes) against the plan."""
-    targets = status.get("targetNodes") or []
-    nodes = {n: entry for n in targets if (entry := current_report(status, n)) is not None}
+def aggregate(status: dict, states: Iterable[NodeState]) -> Aggregate:
+    """Overall phase, counts and conditions from the DatasetCacheNodes' reports about the current plan."""
+    plan = status.get("plan")
+    targets = sorted((s for s in states if not s.deleting), key=lambda s: s.node)
     warmable = int(status.get("warmableBytes", 0) or 0) or int(status.get("datasetBytes", 0) or 0)
     per_node_goal = max(1, min(warmable, int(status.get("cacheBytesPerNode", 0) or 0) or warmable))
-    cached = sum(min(per_node_goal, int(nodes.get(n, {}).get("cachedBytes", 0) or 0)) for n in targets)
+    reports = {s.node: s.current_report(plan) or {} for s in targets}
+    phases = {node: report.get("phase") for node, report in reports.items()}
+    cached_each = {node: min(per_node_goal, int(r.get("cachedBytes", 0) or 0)) for node, r in reports.items()}
+    cached = sum(cached_each.values())
     percentage = round(100.0 * cached / (per_node_goal * len(targets)), 1) if targets else 0.0
-    ready = [n for n in targets if nodes.get(n, {}).get("phase") == "Ready"]
-    failed = [n for n in targets if nodes.get(n, {}).get("phase") in ("Failed", "Evicted")]
+    ready = [n for n, p in phases.items() if p == "Ready"]
+    failed = [n for n, p in phases.items() if p in ("Failed", "Evicted")]
+    warming = [n for n, p in phases.items() if p == "Warming"]
     was_ready = status.get("phase") in ("Ready", "Degraded")
     if targets and len(ready) == len(targets):
         phase = "Ready"
@@ -172,14 +178,25 @@ def aggregate(status: dict) -> Aggregate:
         phase = "Degraded"
     else:
         phase = "Warming"
+    summary = {"targets": len(targets), "ready": len(ready), "warming": len(warming), "failed": len(failed),
+               "waiting": len(targets) - len(ready) - len(warming) - len(failed)}
+    not_ready = [{"node": n, "phase": phases[n] or "Waiting",
+                  "message": (reports[n].get("message") or "")[:200] if reports[n] else "no report about this plan yet"}
+                 for n in sorted(phases, key=lambda n: (phases[n] not in ("Failed", "Evicted"), n))
+                 if phases[n] != "Ready"][:NOT_READY_SHOWN]
     conditions = {
         "Warmed": ("True", "AllNodesWarm", f"{len(ready)} of {len(targets)} nodes warm")
         if phase == "Ready" else ("False", "Warming", f"{len(ready)} of {len(targets)} nodes warm"
-                                  + (f"; not warm: {', '.join(failed)}" if failed else "")),
+                                  + (f"; not warm: {_names(failed)}" if failed else "")),
         "Ready": ("True", "CacheReady", "training can start on the warm nodes") if phase == "Ready"
         else ("False", phase, "waiting for the nodes to warm"),
     }
-    return Aggregate(phase, percentage, conditions)
+    return Aggregate(phase, percentage, conditions, summary, not_ready, ready, cached)
+
+
+def _names(nodes: list[str], shown: int = NOT_READY_SHOWN) -> str:
+    more = f" and {len(nodes) - shown} more" if len(nodes) > shown else ""
+    return ", ".join(nodes[:shown]) + more
 
 
 def merge_conditions(existing: list[dict], updates: dict[str, tuple[str, str, str]], now: str | None = None) -> list[dict]:

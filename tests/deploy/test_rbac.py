@@ -59,11 +59,19 @@ def test_node_plugin_reads_no_tenant_secret(defaults):
     assert not may(defaults, NODE, "create", "secrets", RELEASE_NS)
 
 
-def test_node_plugin_reports_status_but_cannot_change_a_datasetcache(defaults):
-    assert may(defaults, NODE, "patch", "datasetcaches", "ml", group="stoker.dev", subresource="status")
-    assert may(defaults, NODE, "watch", "datasetcaches", None, group="stoker.dev")
-    for verb in ("patch", "update", "create", "delete"):
-        assert not may(defaults, NODE, verb, "datasetcaches", "ml", group="stoker.dev")
+def test_node_plugin_works_on_its_plans_in_the_release_namespace_only(defaults):
+    """The warm agent follows and reports on DatasetCacheNodes of the release namespace; it reads no
+    tenant's DatasetCache and can neither create nor delete a plan."""
+    assert may(defaults, NODE, "watch", "datasetcachenodes", RELEASE_NS, group="stoker.dev")
+    assert may(defaults, NODE, "patch", "datasetcachenodes", RELEASE_NS, group="stoker.dev", subresource="status")
+    assert may(defaults, NODE, "patch", "datasetcachenodes", RELEASE_NS, group="stoker.dev")  # its finalizer
+    for verb in ("create", "delete", "update"):
+        assert not may(defaults, NODE, verb, "datasetcachenodes", RELEASE_NS, group="stoker.dev"), verb
+    for namespace in ("ml", None):
+        for verb in ("get", "list", "watch", "patch"):
+            assert not may(defaults, NODE, verb, "datasetcachenodes", namespace, group="stoker.dev"), (verb, namespace)
+            assert not may(defaults, NODE, verb, "datasetcaches", namespace, group="stoker.dev"), (verb, namespace)
+        assert not may(defaults, NODE, "patch", "datasetcaches", namespace, group="stoker.dev", subresource="status")
     assert may(defaults, NODE, "get", "serviceaccounts", "ml")  # the role annotation of a pod's account
     assert not may(defaults, NODE, "create", "serviceaccounts", "ml", subresource="token")
     assert not may(defaults, NODE, "list", "pods", None)
@@ -85,6 +93,11 @@ def test_cluster_wide_operator(defaults):
     assert not may(defaults, OPERATOR, "create", "secrets", "ml")
     assert may(defaults, OPERATOR, "create", "secrets", RELEASE_NS)  # handovers
     assert may(defaults, OPERATOR, "delete", "secrets", RELEASE_NS)
+    assert may(defaults, OPERATOR, "create", "datasetcachenodes", RELEASE_NS, group="stoker.dev")  # plans per node
+    assert may(defaults, OPERATOR, "watch", "datasetcachenodes", None, group="stoker.dev")  # kopf's index
+    assert not may(defaults, OPERATOR, "create", "datasetcachenodes", "ml", group="stoker.dev")
+    assert not may(defaults, OPERATOR, "patch", "datasetcachenodes", RELEASE_NS, group="stoker.dev",
+                   subresource="status")  # reports are the nodes' own
     assert not may(defaults, OPERATOR, "delete", "secrets", "ml")
     assert may(defaults, OPERATOR, "list", "pods", None)
     assert may(defaults, OPERATOR, "list", "nodes", None)
@@ -105,6 +118,10 @@ def test_namespaced_operator_reaches_its_namespaces_only(namespaced):
         assert not may(namespaced, OPERATOR, "get", "persistentvolumeclaims", namespace), namespace
     assert not may(namespaced, OPERATOR, "patch", "clusterkopfpeerings", None, group="kopf.dev")
     assert may(namespaced, OPERATOR, "create", "secrets", RELEASE_NS)  # handovers
+    assert may(namespaced, OPERATOR, "create", "datasetcachenodes", RELEASE_NS, group="stoker.dev")
+    assert may(namespaced, OPERATOR, "watch", "datasetcachenodes", RELEASE_NS, group="stoker.dev")
+    assert may(namespaced, OPERATOR, "watch", "datasetcaches", RELEASE_NS, group="stoker.dev")
+    assert not may(namespaced, OPERATOR, "watch", "datasetcachenodes", None, group="stoker.dev")
     assert may(namespaced, OPERATOR, "list", "nodes", None) and may(namespaced, OPERATOR, "get", "persistentvolumes", None)
 
 

@@ -12,6 +12,7 @@ import pytest
 from tests.support.fakekube import FakeKube
 
 NAMESPACE = "ml"
+RELEASE_NS = "stoker-system"  # where the operator hands over volumes and keeps the DatasetCacheNodes
 
 
 @pytest.fixture
@@ -19,7 +20,8 @@ def kube(tmp_path):
     from stoker_operator import crd
 
     with FakeKube() as fake:
-        fake.schemas["datasetcaches"] = crd.definition()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+        for plural in ("datasetcaches", "datasetcachenodes"):
+            fake.schemas[plural] = crd.schema(plural)
         fake.kubeconfig_path = fake.kubeconfig(str(tmp_path / "kubeconfig"))
         fake.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
         yield fake
@@ -63,6 +65,17 @@ def cache(kube, name: str) -> dict | None:
 
 def status(kube, name: str) -> dict:
     return (cache(kube, name) or {}).get("status") or {}
+
+
+def node_object(kube, name: str, node: str) -> dict | None:
+    """The DatasetCacheNode of cache `name` on `node` (release namespace)."""
+    from stoker_operator.nodes import object_name
+
+    return kube.get("stoker.dev/v1alpha1", "datasetcachenodes", object_name(NAMESPACE, name, node), RELEASE_NS)
+
+
+def node_report(kube, name: str, node: str) -> dict:
+    return (node_object(kube, name, node) or {}).get("status") or {}
 
 
 class OperatorProcess:

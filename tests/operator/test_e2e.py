@@ -20,7 +20,8 @@ from tests.conftest import requires_fuse
 from tests.support.waiting import unmount_everything_under
 from tests.csi.conftest import SECRETS, wait_until
 
-from .conftest import NAMESPACE, add_cache, add_node, add_secret, add_stoker_pvc, cache, status, wait_for_events
+from .conftest import (NAMESPACE, RELEASE_NS, add_cache, add_node, add_secret, add_stoker_pvc, cache, node_object,
+                       node_report, status, wait_for_events)
 
 pytestmark = [pytest.mark.integration, requires_fuse]
 
@@ -85,10 +86,14 @@ def test_datasetcache_warms_a_real_mount_and_releases_the_gated_pod(kube, operat
     assert ready, (st, operator.log()[-3000:], node_plugin.log()[-3000:])
     total = sum(len(b) for b in dataset.values())
     assert st["datasetBytes"] == total and st["objectCount"] == len(dataset)
-    assert st["targetNodes"] == ["gpu-1"]
-    node = st["nodes"]["gpu-1"]
+    assert st["nodeSummary"] == {"targets": 1, "ready": 1, "warming": 0, "failed": 0, "waiting": 0}
+    assert node_object(kube, "imagenet", "cpu-1") is None  # not selected: no plan there
+    plan = node_object(kube, "imagenet", "gpu-1")
+    assert plan["spec"]["plan"] == st["plan"] and plan["spec"]["cacheBytes"] == st["cacheBytesPerNode"]
+    node = plan["status"]
     assert node["phase"] == "Ready" and node["warmedBytes"] == total and node["cachedBytes"] >= total
-    assert st["cachedPercentage"] == 100.0
+    assert node["plan"] == st["plan"] and st["notReady"] == []
+    assert st["cachedPercentage"] == 100.0 and st["warmedBytes"] == total
     assert {c["type"]: c["status"] for c in st["conditions"]} == {
         "Sized": "True", "CacheTooSmall": "False", "Warmed": "True", "Ready": "True"}
     assert {"Sized", "Ready"} <= wait_for_events(kube, {"Sized", "Ready"})
@@ -98,7 +103,7 @@ def test_datasetcache_warms_a_real_mount_and_releases_the_gated_pod(kube, operat
     assert stats["cache"]["budget"] == st["cacheBytesPerNode"] and stats["cache"]["bytes"] >= total
     # The volume and its credentials reached the node through the operator's handover in the release
     # namespace (canonical keys only); a status rewritten by someone else is not acted on.
-    handover = kube.get("v1", "secrets", handover_name(NAMESPACE, "imagenet"), "stoker-system")
+    handover = kube.get("v1", "secrets", handover_name(NAMESPACE, "imagenet"), RELEASE_NS)
     assert handover["metadata"]["annotations"]["stoker.dev/datasetcache"] == f"{NAMESPACE}/imagenet"
     assert set(handover["data"]) == {"volume", "accessKeyId", "secretAccessKey"}
     assert "secretRef" not in st["volume"]
@@ -106,7 +111,7 @@ def test_datasetcache_warms_a_real_mount_and_releases_the_gated_pod(kube, operat
     kube.patch("stoker.dev/v1alpha1", "datasetcaches", "imagenet", NAMESPACE, {"status": {"volume": {
         "id": "pv-forged", "attributes": {"bucket": f"{bucket}-elses", "endpointUrl": moto_server.endpoint}}}},
                subresource="status")
-    time.sleep(3)  # the agent re-plans on the changed status and takes the volume from the handover again
+    time.sleep(3)  # the agents never read a DatasetCache: their plan and volume come from the release namespace
     assert [r.volume_id for r in node_plugin.state.records()] == ["pv-imagenet"]
     # The gated pod was released onto the warm node; the other gate stays.
     pod = kube.wait_for(lambda: (p := kube.get("v1", "pods", "trainer-0", NAMESPACE))
@@ -116,7 +121,7 @@ def test_datasetcache_warms_a_real_mount_and_releases_the_gated_pod(kube, operat
     assert terms["nodeSelectorTerms"] == [{"matchExpressions": [
         {"key": "kubernetes.io/hostname", "operator": "In", "values": ["gpu-1"]}]}]
     # Restarting the operator and the node plugin re-plans and re-warms nothing.
-    before = status(kube, "imagenet")
+    before_report = node_report(kube, "imagenet", "gpu-1")
     gets = control.call(sock, {"op": "stats"})["requests"]["get"]
     operator.stop()
     node_plugin.stop()
@@ -125,22 +130,27 @@ def test_datasetcache_warms_a_real_mount_and_releases_the_gated_pod(kube, operat
     assert kube.wait_for(lambda: "Resuming is processed: 1 succeeded" in operator.log().split("is stopping")[-1], 30)
     time.sleep(3)  # a few agent re-checks
     after = status(kube, "imagenet")
-    assert after["phase"] == "Ready" and after["nodes"]["gpu-1"]["updated"] == before["nodes"]["gpu-1"]["updated"]
+    assert after["phase"] == "Ready" and node_report(kube, "imagenet", "gpu-1")["updated"] == before_report["updated"]
     assert control.call(sock, {"op": "stats"})["requests"]["get"] == gets
     # KeepWarm: after the cache lost its contents the node warms it again and the cache is Ready again.
     gets = stats["requests"]["get"]
     control.call(sock, {"op": "drop"})
     assert kube.wait_for(lambda: control.call(sock, {"op": "stats"})["cache"]["bytes"] >= total
-                         and status(kube, "imagenet")["nodes"]["gpu-1"]["phase"] == "Ready"
+                         and node_report(kube, "imagenet", "gpu-1")["phase"] == "Ready"
                          and status(kube, "imagenet")["phase"] == "Ready", 60), status(kube, "imagenet")
     assert control.call(sock, {"op": "stats"})["requests"]["get"] > gets
-    assert "Degraded" in wait_for_events(kube, {"Degraded"})
+    reports = [o.get("status", {}) for o in kube.history("stoker.dev/v1alpha1", "datasetcachenodes",
+                                                         node_object(kube, "imagenet", "gpu-1")["metadata"]["name"],
+                                                         RELEASE_NS)]
+    rewarm = [r.get("phase") for r in reports if r.get("updated", "") > before_report["updated"]]
+    assert rewarm[:1] == ["Warming"] and rewarm[-1] == "Ready", rewarm
     # Deleting the DatasetCache releases the node's memory (the mount nobody else uses stops).
     mount_path = kubelet_staging_path(node_plugin.kubelet_dir, "pv-imagenet")  # where the warm mount lives
     kube.delete("stoker.dev/v1alpha1", "datasetcaches", "imagenet", NAMESPACE)
     assert kube.wait_for(lambda: cache(kube, "imagenet") is None, 60), (status(kube, "imagenet"), operator.log()[-2000:])
     assert wait_until(lambda: not is_mounted(mount_path), 30)
-    assert kube.get("v1", "secrets", handover_name(NAMESPACE, "imagenet"), "stoker-system") is None
+    assert kube.get("v1", "secrets", handover_name(NAMESPACE, "imagenet"), RELEASE_NS) is None
+    assert node_object(kube, "imagenet", "gpu-1") is None
 
 
 def test_a_dataset_larger_than_the_cache_warms_what_fits(kube, operator, node_plugin, moto_server, s3, bucket):
@@ -157,7 +167,7 @@ def test_a_dataset_larger_than_the_cache_warms_what_fits(kube, operator, node_pl
     assert st["datasetBytes"] == total and st["cacheBytesPerNode"] == budget
     too_small = next(c for c in st["conditions"] if c["type"] == "CacheTooSmall")
     assert too_small["status"] == "True" and "90.0 MiB" in too_small["message"]
-    node = st["nodes"]["gpu-1"]
+    node = node_report(kube, "shards", "gpu-1")
     assert 0.5 * budget < node["warmedBytes"] <= 0.9 * budget and "did not fit" in node["message"]
     assert "CacheTooSmall" in wait_for_events(kube, {"CacheTooSmall"})
     stats = control.call(node_plugin.state.control_socket(f"s3://{bucket}/shards/"), {"op": "stats"})
@@ -168,7 +178,7 @@ def test_a_dataset_larger_than_the_cache_warms_what_fits(kube, operator, node_pl
     kube.patch("stoker.dev/v1alpha1", "datasetcaches", "shards", NAMESPACE, {"spec": {"paths": ["00.tar", "01.tar"]}})
     assert kube.wait_for(lambda: (s := status(kube, "shards")).get("plan") not in (None, old_plan)
                          and s.get("phase") == "Ready", 120), status(kube, "shards")
-    node = status(kube, "shards")["nodes"]["gpu-1"]
+    node = node_report(kube, "shards", "gpu-1")
     assert node["plan"] == status(kube, "shards")["plan"] and node["warmedBytes"] == 2 * 3 * 1024 * 1024
     kube.delete("stoker.dev/v1alpha1", "datasetcaches", "shards", NAMESPACE)
     assert kube.wait_for(lambda: cache(kube, "shards") is None, 60)

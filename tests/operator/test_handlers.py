@@ -10,7 +10,7 @@ import pytest
 
 from tests.csi.conftest import SECRETS
 
-from .conftest import NAMESPACE, add_cache, add_node, add_secret, add_stoker_pvc, status
+from .conftest import NAMESPACE, add_cache, add_node, add_secret, add_stoker_pvc, node_object, status
 
 pytestmark = pytest.mark.integration
 
@@ -53,7 +53,7 @@ def test_bad_sources_fail_with_a_clear_message(kube, operator, moto_server, buck
     after = {p: kube.list(v, p) for v, p in (("v1", "pods"), ("v1", "persistentvolumes"), ("v1", "secrets"))}
     assert before == after
     patched = {path for method, path in kube.requests if method in ("PATCH", "PUT", "DELETE", "POST")
-               and "/datasetcaches/" not in path and "/events" not in path}
+               and "/datasetcaches/" not in path and "/events" not in path}  # no plan: no DatasetCacheNode either
     assert patched == set()
 
 
@@ -75,8 +75,10 @@ def test_fixing_the_spec_replans(kube, operator, moto_server, s3, bucket):
     st = kube.wait_for(lambda: status(kube, "c").get("phase") == "Warming" and status(kube, "c"), 60)
     assert st, status(kube, "c")
     assert (st["datasetBytes"], st["objectCount"], st["cacheBytesPerNode"]) == (1500, 2, 1024**3)
-    assert st["volume"]["id"] == f"s3://{bucket}/data/" and st["targetNodes"] == ["n1"]
+    assert st["volume"]["id"] == f"s3://{bucket}/data/" and st["nodeSummary"]["targets"] == 1
     assert st["observedGeneration"] == 2
+    plan = node_object(kube, "c", "n1")["spec"]
+    assert (plan["plan"], plan["cacheBytes"], plan["node"], plan["cache"]) == (st["plan"], 1024**3, "n1", f"{NAMESPACE}/c")
 
 
 def test_a_secret_reference_stays_in_the_caches_namespace():

@@ -7,6 +7,7 @@ import math
 import pytest
 from hypothesis import given, strategies as st
 
+from stoker_operator.nodes import NodePlan, NodeState
 from stoker_operator.plan import (MIN_CACHE_BYTES, WARM_FRACTION, NodeInfo, SpecProblem, aggregate,
                                   gate_release_patch, merge_conditions, node_should_warm, quantity_bytes,
                                   size_cache, target_nodes)
@@ -66,19 +67,48 @@ def test_auto_sizing_never_exceeds_the_cap_and_fits_means_fits(dataset, memory, 
     assert sizing.fits == (sizing.warmable_bytes >= dataset)
 
 
-def status(phase="Warming", **nodes_):
-    return {"phase": phase, "targetNodes": sorted(nodes_), "datasetBytes": 1000, "warmableBytes": 1000,
-            "cacheBytesPerNode": 2000, "nodes": nodes_}
+PLAN = "1-abc"
+
+
+def status(phase="Warming", plan=PLAN):
+    return {"phase": phase, "datasetBytes": 1000, "warmableBytes": 1000, "cacheBytesPerNode": 2000, "plan": plan}
+
+
+def states(plan=PLAN, reported=PLAN, deleting=(), **reports) -> list[NodeState]:
+    """DatasetCacheNodes asking for `plan`, with reports about `reported`."""
+    return [NodeState(NodePlan("ml/c", node, plan, 2000, 1000), dict(r, plan=reported) if r else {}, node in deleting)
+            for node, r in reports.items()]
 
 
 def test_aggregate_phases():
-    assert aggregate(status(a={"phase": "Warming", "cachedBytes": 500}, b={})).phase == "Warming"
-    ready = aggregate(status(a={"phase": "Ready", "cachedBytes": 1000}, b={"phase": "Ready", "cachedBytes": 1500}))
-    assert ready.phase == "Ready" and ready.cached_percentage == 100.0
-    assert ready.conditions["Ready"][0] == "True"
-    half = aggregate(status("Ready", a={"phase": "Ready", "cachedBytes": 1000}, b={"phase": "Evicted", "cachedBytes": 0}))
+    assert aggregate(status(), states(a={"phase": "Warming", "cachedBytes": 500}, b={})).phase == "Warming"
+    ready = aggregate(status(), states(a={"phase": "Ready", "cachedBytes": 1000}, b={"phase": "Ready", "cachedBytes": 1500}))
+    assert ready.phase == "Ready" and ready.cached_percentage == 100.0 and ready.ready_nodes == ["a", "b"]
+    assert ready.conditions["Ready"][0] == "True" and ready.summary == {
+        "targets": 2, "ready": 2, "warming": 0, "failed": 0, "waiting": 0}
+    half = aggregate(status("Ready"), states(a={"phase": "Ready", "cachedBytes": 1000}, b={"phase": "Evicted", "cachedBytes": 0}))
     assert half.phase == "Degraded" and half.cached_percentage == 50.0 and "b" in half.conditions["Warmed"][2]
-    assert aggregate({"phase": "Warming", "targetNodes": []}).phase == "Warming"
+    assert half.not_ready == [{"node": "b", "phase": "Evicted", "message": ""}]
+    assert aggregate(status(), []).phase == "Warming"
+    # a node leaving the plan (its object being deleted) no longer counts
+    leaving = aggregate(status(), states(deleting=("b",), a={"phase": "Ready", "cachedBytes": 1000}, b={}))
+    assert leaving.phase == "Ready" and leaving.summary["targets"] == 1
+
+
+def test_a_huge_plan_keeps_a_small_status():
+    """5,000 nodes: the DatasetCache's status names at most NOT_READY_SHOWN of them, failed ones first."""
+    import json
+
+    from stoker_operator.plan import NOT_READY_SHOWN
+
+    reports = {f"node-{i:05d}": ({"phase": "Ready", "cachedBytes": 1000} if i % 3 else
+                                 {"phase": "Failed", "message": "x" * 500} if i % 2 else {}) for i in range(5000)}
+    result = aggregate(status(), states(**reports))
+    assert result.summary == {"targets": 5000, "ready": 3333, "warming": 0, "failed": 833, "waiting": 834}
+    assert len(result.not_ready) == NOT_READY_SHOWN and all(n["phase"] == "Failed" for n in result.not_ready)
+    assert "and 823 more" in result.conditions["Warmed"][2]
+    written = {"nodeSummary": result.summary, "notReady": result.not_ready, "conditions": result.conditions}
+    assert len(json.dumps(written)) < 6000
 
 
 def test_conditions_keep_their_transition_time_until_the_status_flips():
@@ -128,31 +158,29 @@ def test_evicted_nodes_rewarm_only_with_keepwarm():
 def test_reports_of_an_earlier_plan_never_make_the_cache_ready():
     """After a spec change (new paths or source) the nodes' old Ready reports count for nothing: gated pods
     wait for the new plan, and under policy Once the agents warm it."""
-    from stoker_operator.plan import aggregate, current_report, node_should_warm, plan_id
+    from stoker_operator.plan import plan_id
 
     old = plan_id(1, {"id": "pv", "attributes": {"bucket": "b"}}, ["train"])
     new = plan_id(2, {"id": "pv", "attributes": {"bucket": "b"}}, ["train", "val"])
     assert old != new and plan_id(2, {"id": "pv", "attributes": {"bucket": "b"}}, ["val", "train"]) == new
-    ready = {"phase": "Ready", "cachedBytes": 100, "warmedBytes": 100}
-    status = {"targetNodes": ["a", "b"], "warmableBytes": 100, "cacheBytesPerNode": 200, "plan": new,
-              "phase": "Warming", "nodes": {"a": dict(ready, plan=old), "b": dict(ready, plan=old)}}
-    result = aggregate(status)
-    assert result.phase == "Warming" and result.cached_percentage == 0.0
-    assert current_report(status, "a") is None and node_should_warm("Once", current_report(status, "a"), 100, 100)
-    status["nodes"] = {"a": dict(ready, plan=new), "b": dict(ready, plan=new)}
-    assert aggregate(status).phase == "Ready"
-    assert not node_should_warm("Once", current_report(status, "a"), 100, 100)
-    del status["plan"]  # a status written before plans had ids: every report counts, as before
-    assert aggregate(status).phase == "Ready"
+    ready = {"phase": "Ready", "cachedBytes": 1000, "warmedBytes": 1000}
+    # the objects still ask for the old plan (the operator has not re-specced them yet), or already ask
+    # for the new one but the node's report is about the old one: neither counts
+    for stale in (states(plan=old, reported=old, a=ready, b=ready), states(plan=new, reported=old, a=ready, b=ready)):
+        result = aggregate(status(plan=new), stale)
+        assert result.phase == "Warming" and result.cached_percentage == 0.0 and result.ready_nodes == []
+        assert stale[0].current_report(new) is None and node_should_warm("Once", stale[0].current_report(new), 1000, 1000)
+    fresh = states(plan=new, reported=new, a=ready, b=ready)
+    assert aggregate(status(plan=new), fresh).phase == "Ready"
+    assert not node_should_warm("Once", fresh[0].current_report(new), 1000, 1000)
 
 
 def test_datasetcaches_sharing_a_node_never_plan_past_its_cache_memory():
     from stoker_operator.plan import NoRoom, node_room
 
     GiB = 1024**3
-    others = [{"metadata": {"namespace": "ml", "name": "a"}, "status": {"targetNodes": ["n1", "n2"], "cacheBytesPerNode": 5 * GiB}},
-              {"metadata": {"namespace": "ml", "name": "b"}, "status": {"targetNodes": ["n2"], "cacheBytesPerNode": 2 * GiB}}]
-    room = node_room(8 * GiB, ["n1", "n2"], others)
+    others = {"n1": [("ml/a", 5 * GiB), ("ml/me", 3 * GiB)], "n2": [("ml/a", 5 * GiB), ("ml/b", 2 * GiB)]}
+    room = node_room(8 * GiB, ["n1", "n2"], others, "ml/me")
     assert (room.free, room.node) == (1 * GiB, "n2") and [n for n, _ in room.taken_by] == ["ml/a", "ml/b"]
     nodes = [NodeInfo("n1", {}, 64 * GiB), NodeInfo("n2", {}, 64 * GiB)]
     with pytest.raises(NoRoom, match="on node n2 ml/a 5.0 GiB, ml/b 2.0 GiB leave 1.0 GiB of 8.0 GiB"):
@@ -161,7 +189,7 @@ def test_datasetcaches_sharing_a_node_never_plan_past_its_cache_memory():
     assert auto.cache_bytes_per_node == 1 * GiB and not auto.fits  # auto takes what is left, and says so
     assert size_cache({"cacheSize": "auto"}, 10 * GiB, 100, nodes).cache_bytes_per_node > 8 * GiB  # no limit given
     with pytest.raises(NoRoom):
-        size_cache({"cacheSize": "auto"}, 10 * GiB, 100, nodes, node_room(8 * GiB, ["n2"], others + others), 8 * GiB)
+        size_cache({"cacheSize": "auto"}, 10 * GiB, 100, nodes, node_room(8 * GiB, ["n2"], {"n2": others["n2"] * 2}, "ml/me"), 8 * GiB)
 
 
 def test_a_replaced_status_section_drops_what_the_new_plan_lacks():

@@ -8,6 +8,7 @@ kubeconfig written by `kubeconfig()`. Not a conformance server: just the boundar
 
 from __future__ import annotations
 
+import bisect
 import copy
 import json
 import threading
@@ -32,7 +33,8 @@ CORE = [  # (plural, kind, namespaced, has_status)
     ("namespaces", "Namespace", False, True),
 ]
 GROUPS = {  # group -> version -> [(plural, kind, namespaced, has_status)]
-    "stoker.dev": {"v1alpha1": [("datasetcaches", "DatasetCache", True, True)]},
+    "stoker.dev": {"v1alpha1": [("datasetcaches", "DatasetCache", True, True),
+                                ("datasetcachenodes", "DatasetCacheNode", True, True)]},
     "events.k8s.io": {"v1": [("events", "Event", True, False)]},
 }
 
@@ -132,7 +134,9 @@ class FakeKube:
     def __init__(self):
         self._lock = threading.Condition()
         self._objects: dict[tuple, dict] = {}  # (prefix, plural, namespace, name) -> object
-        self._events: list[tuple[int, tuple, str, dict]] = []
+        self._events: dict[tuple, list[tuple[int, tuple, str, dict]]] = {}  # (prefix, plural) -> events
+        self._kinds: dict[tuple, dict[tuple, dict]] = {}  # (prefix, plural) -> {key: object}
+        self.watches: list[dict] = []  # per watch request: path, labelSelector, events and bytes delivered
         self._rv = 100
         self.requests: list[tuple[str, str]] = []
         self.pruned: list[str] = []  # fields the API server would have dropped (see prune)
@@ -195,6 +199,12 @@ class FakeKube:
                                          headers={"Content-Type": "application/merge-patch+json"})
         urllib.request.urlopen(request, timeout=10).close()
 
+    def history(self, api_version: str, plural: str, name: str, namespace: str | None = None) -> list[dict]:
+        """Every version of one object, oldest first (what a watch from the beginning delivered)."""
+        key = (self._prefix(api_version), plural, namespace, name)
+        with self._lock:
+            return [copy.deepcopy(o) for _, k, _, o in self._events.get(key[:2], []) if k == key]
+
     def delete(self, api_version: str, plural: str, name: str, namespace: str | None = None) -> None:
         with self._lock:
             self._delete((self._prefix(api_version), plural, namespace, name))
@@ -225,7 +235,8 @@ class FakeKube:
         if key[2] is not None:
             meta["namespace"] = key[2]
         self._objects[key] = obj
-        self._events.append((self._rv, key, event_type, copy.deepcopy(obj)))
+        self._kinds.setdefault(key[:2], {})[key] = obj
+        self._events.setdefault(key[:2], []).append((self._rv, key, event_type, copy.deepcopy(obj)))
         self._lock.notify_all()
         return obj
 
@@ -240,10 +251,11 @@ class FakeKube:
                 self._store(key, obj, "MODIFIED")
             return obj
         del self._objects[key]
+        del self._kinds[key[:2]][key]
         self._rv += 1
         gone = copy.deepcopy(obj)
         gone["metadata"]["resourceVersion"] = str(self._rv)
-        self._events.append((self._rv, key, "DELETED", gone))
+        self._events.setdefault(key[:2], []).append((self._rv, key, "DELETED", gone))
         self._lock.notify_all()
         return gone
 
@@ -420,7 +432,8 @@ class FakeKube:
     def _list(self, h, prefix, plural, namespace, query) -> None:
         selector = query.get("labelSelector", "")
         with self._lock:
-            items = [o for k, o in self._objects.items() if self._matches(k, prefix, plural, namespace, query)
+            items = [o for k, o in self._kinds.get((prefix, plural), {}).items()
+                     if self._matches(k, prefix, plural, namespace, query)
                      and _selector_matches(selector, o["metadata"].get("labels") or {})]
             rv = str(self._rv)
         h._send(200, {"kind": "List", "apiVersion": "v1", "metadata": {"resourceVersion": rv}, "items": items})
@@ -433,13 +446,19 @@ class FakeKube:
         h.send_header("Transfer-Encoding", "chunked")
         h.end_headers()
         selector = query.get("labelSelector", "")
+        stats = {"path": urlparse(h.path).path, "labelSelector": selector, "events": 0, "bytes": 0}
+        with self._lock:
+            self.watches.append(stats)
+        events = self._events.setdefault((prefix, plural), [])
         try:
             while True:
                 with self._lock:
-                    batch = [(rv, t, o) for rv, k, t, o in self._events
-                             if rv > since and self._matches(k, prefix, plural, namespace, query)
+                    start = bisect.bisect_right(events, since, key=lambda e: e[0])
+                    batch = [(rv, t, o) for rv, k, t, o in events[start:]
+                             if self._matches(k, prefix, plural, namespace, query)
                              and _selector_matches(selector, o["metadata"].get("labels") or {})]
                     if not batch:
+                        since = events[-1][0] if events else since
                         remaining = deadline - time.monotonic()
                         if remaining <= 0 or self._closed:
                             break
@@ -449,6 +468,8 @@ class FakeKube:
                     since = rv
                     line = json.dumps({"type": event_type, "object": obj}).encode() + b"\n"
                     h.wfile.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
+                    stats["events"] += 1
+                    stats["bytes"] += len(line)
                 h.wfile.flush()
             h.wfile.write(b"0\r\n\r\n")
             h.wfile.flush()

@@ -1,0 +1,65 @@
+"""DatasetCacheNode names, labels and the operator's create / re-spec / delete decisions."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from stoker_operator.crd import schema
+from stoker_operator.nodes import (FINALIZER, NODE_LABEL, NodePlan, NotANodePlan, changes, label_value,
+                                   node_selector, object_name, plan_of, state_of)
+
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+
+
+def plan(node: str, plan_name: str = "1-abc", cache_bytes: int = 100) -> NodePlan:
+    return NodePlan("ml/imagenet", node, plan_name, cache_bytes, 90, ("train",), "KeepWarm")
+
+
+def test_names_and_labels_are_valid_for_any_node_name():
+    long_node = ".".join(["segment" + "x" * 50] * 4)  # 231 characters: a valid node name, too long for a label
+    for node in ("gpu-1", "ip-10-0-1-23.ec2.internal", long_node):
+        name = object_name("ml", "imagenet", node)
+        assert len(name) <= 253 and DNS_SUBDOMAIN.match(name), name
+        value = label_value(node)
+        assert len(value) <= 63 and re.match(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$", value)
+        assert plan(node).body("stoker-system")["metadata"]["labels"][NODE_LABEL] == value
+        assert node_selector(node) == f"{NODE_LABEL}={value}"
+    assert label_value("gpu-1") == "gpu-1" and label_value(long_node) != label_value(long_node + "y")
+    assert object_name("ml", "imagenet", "n1") != object_name("ml", "imagenet2", "n1")
+    assert object_name("ml", "a", "n1") != object_name("ml2", "a", "n1")
+
+
+def test_a_node_plan_round_trips_through_its_object_and_the_schema_allows_it():
+    import jsonschema
+
+    body = plan("gpu-1").body("stoker-system")
+    assert body["metadata"]["finalizers"] == [FINALIZER]
+    assert body["metadata"]["labels"]["stoker.dev/cache-name"] == "imagenet"
+    jsonschema.validate(body, schema("datasetcachenodes"))
+    assert plan_of(body) == plan("gpu-1")
+    state = state_of(dict(body, status={"phase": "Ready", "plan": "1-abc"}))
+    assert state.current_report("1-abc") == {"phase": "Ready", "plan": "1-abc"}
+    assert state.current_report("2-def") is None
+
+
+@pytest.mark.parametrize("spec", [None, {}, {"cache": "no-slash", "node": "n", "plan": "p", "cacheBytes": 1},
+                                  {"cache": "a/b/c", "node": "n", "plan": "p", "cacheBytes": 1},
+                                  {"cache": "a/b", "node": "n", "plan": "p", "cacheBytes": "lots"},
+                                  {"cache": "/b", "node": "n", "plan": "p", "cacheBytes": 1}])
+def test_a_malformed_node_object_is_refused(spec):
+    with pytest.raises(NotANodePlan):
+        plan_of({"metadata": {"name": "x"}, "spec": spec})
+
+
+def test_changes_create_respec_and_delete_only_what_differs():
+    current = {n: plan(n).body("s") for n in ("keep", "resize", "leave", "going")}
+    current["resize"]["spec"]["cacheBytes"] = 50
+    current["going"]["metadata"]["deletionTimestamp"] = "2026-12-02T00:00:00Z"  # already on its way out
+    wanted = {n: plan(n) for n in ("keep", "resize", "new")}
+    create, update, delete = changes(current, wanted)
+    assert [p.node for p in create] == ["new"]
+    assert [p.node for p in update] == ["resize"]
+    assert delete == [current["leave"]["metadata"]["name"]]
+    assert changes({n: plan(n).body("s") for n in ("a", "b")}, {n: plan(n) for n in ("a", "b")}) == ([], [], [])
