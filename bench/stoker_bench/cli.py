@@ -10,7 +10,7 @@ import sys
 from fusecore.config import parse_size
 
 from .fixture import scratch_dir
-from .report import write
+from .report import write, write_operator
 from .runner import run_all
 from .systems import SYSTEMS
 from .targets import evaluate
@@ -28,10 +28,44 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bandwidth-mbps", type=float, default=16.0, help="MB/s per connection (default 16)")
     p.add_argument("--cache-size", default="2GiB", help="Stoker's cache and rclone's cache limit (default 2GiB)")
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs of every system)")
+    p.add_argument("--operator", action="store_true",
+                   help="instead: the DatasetCache operator at cluster scale (simulated nodes, faked API server)")
+    p.add_argument("--nodes", default="100,1000,5000", help="--operator: node counts (default 100,1000,5000)")
     p.set_defaults(func=run)
 
 
+def run_operator(args: argparse.Namespace) -> int:
+    """The operator's figures per cluster size: planning time, object sizes, requests, events per agent."""
+    from . import operator_scale
+
+    try:
+        counts = [int(n) for n in args.nodes.split(",") if n]
+    except ValueError:
+        print(f"stoker bench: --nodes: {args.nodes!r} is not a comma-separated list of node counts", file=sys.stderr)
+        return 2
+    if not counts or min(counts) < 1:
+        print("stoker bench: --nodes: give at least one count of 1 or more", file=sys.stderr)
+        return 2
+    workdir = scratch_dir("stoker-bench-operator-")
+    try:
+        rows = []
+        for n in counts:
+            os.makedirs(os.path.join(workdir, str(n)))
+            rows.append(operator_scale.run(n, workdir=os.path.join(workdir, str(n)),
+                                           log=lambda line: print(line, flush=True)).row())
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    paths = write_operator(args.out, rows)
+    with open(paths["markdown"]) as f:
+        print(f.read())
+    print("written: " + ", ".join(paths.values()))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.operator:
+        return run_operator(args)
     systems = [s for s in args.systems.split(",") if s]
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = [s for s in systems if s not in SYSTEMS] + [w for w in workloads if w not in WORKLOADS]

@@ -99,7 +99,8 @@ def _states(index, namespace: str, name: str) -> list[NodeState]:
 def plan(spec, status, meta, namespace, name, body, patch, reason, node_loads, **_) -> None:
     """Resolve the source, list the dataset, size the per-node cache and pick the nodes."""
     generation = meta.get("generation")
-    if reason == "resume" and status.get("observedGeneration") == generation and status.get("phase") not in UNPLANNED:
+    if (reason == "resume" and status.get("observedGeneration") == generation and status.get("phase") not in UNPLANNED
+            and status.get("nodeReports")):  # (planned before DatasetCacheNodes existed: plan again, once)
         refresh_handover(dict(spec), namespace, name)
         return  # already planned for this generation: an operator restart re-warms nothing
     conditions = list(status.get("conditions") or [])
@@ -284,12 +285,11 @@ def release(body, namespace, name, retry, **_) -> None:
     """Delete this cache's DatasetCacheNodes and wait until every node agent gave its memory back (each
     removes its object's finalizer), then delete the handover."""
     items, _ = kube().node_objects(HANDOVER_NAMESPACE, cache_selector(namespace, name))
-    for obj in items:
-        if not obj["metadata"].get("deletionTimestamp"):
-            kube().delete_node_object(HANDOVER_NAMESPACE, obj["metadata"]["name"])
+    live = [obj["metadata"]["name"] for obj in items if not obj["metadata"].get("deletionTimestamp")]
     silent = [obj for obj in items if not obj.get("status")]  # never reported: its agent holds nothing yet
-    for obj in silent:  # (one that is just starting sees the deletion and lets go)
-        unblock(obj)
+    with ThreadPoolExecutor(WRITERS) as pool:  # (one that is just starting sees the deletion and lets go)
+        list(pool.map(lambda n: kube().delete_node_object(HANDOVER_NAMESPACE, n), live))
+        list(pool.map(unblock, silent))
     items = [obj for obj in items if obj.get("status")]
     holding = sorted((obj.get("spec") or {}).get("node", obj["metadata"]["name"]) for obj in items)
     if holding and retry < RELEASE_WAIT_RETRIES:

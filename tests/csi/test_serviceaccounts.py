@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from csi.serviceaccounts import ServiceAccountRoles
-from tests.support.fakekube import FakeKube
+from stoker_bench.fakekube import FakeKube
 
 
 def test_role_from_the_service_account_annotation(tmp_path):

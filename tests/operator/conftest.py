@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.support.fakekube import FakeKube
+from stoker_bench.fakekube import FakeKube
 
 NAMESPACE = "ml"
 RELEASE_NS = "stoker-system"  # where the operator hands over volumes and keeps the DatasetCacheNodes

@@ -1,4 +1,5 @@
-"""A small in-memory Kubernetes API server over real HTTP, for operator and agent tests.
+"""A small in-memory Kubernetes API server over real HTTP, for operator and agent tests and for the
+operator's scale benchmark (`stoker bench --operator`).
 
 Serves discovery, get/list/watch/create/patch (merge and JSON patch)/delete for the resources the
 operator touches, with resourceVersions, label selectors, the status subresource, finalizers and
@@ -20,7 +21,6 @@ from urllib.parse import parse_qs, urlparse
 
 import yaml
 
-from .waiting import wait_for
 
 CORE = [  # (plural, kind, namespaced, has_status)
     ("pods", "Pod", True, True),
@@ -210,8 +210,15 @@ class FakeKube:
             self._delete((self._prefix(api_version), plural, namespace, name))
 
     @staticmethod
-    def wait_for(predicate, timeout: float):
-        return wait_for(predicate, timeout)
+    def wait_for(predicate, timeout: float, interval: float = 0.1):
+        """Poll `predicate` until it returns something truthy (returned) or `timeout` passes (last value)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(interval)
+        return predicate()
 
     # ---- the object store
 
@@ -369,7 +376,7 @@ class FakeKube:
         prefix, plural, namespace, name, sub = route
         key = (prefix, plural, namespace, name)
         if method == "GET" and name is None:
-            if query.get("watch") in ("true", "1"):
+            if query.get("watch") in ("1", "t", "T", "TRUE", "true", "True"):  # Go strconv.ParseBool
                 return self._watch(h, prefix, plural, namespace, query)
             return self._list(h, prefix, plural, namespace, query)
         with self._lock:
