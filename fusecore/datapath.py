@@ -82,6 +82,7 @@ class DataPath:
             "fuse_reads": {"count": self.reader.read_calls, "bytes_requested": self.reader.read_bytes},
             "errors": errors,
             "skipped_names": self.namespace.skipped_names,
+            "namespace_entries": self.namespace.entries,
             "credential_rotations": self.rotations,
         }
 

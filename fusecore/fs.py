@@ -57,7 +57,6 @@ class StokerFS(pyfuse3.Operations):
         self.kernel_cache = kernel_cache
         self.uid, self.gid = uid, gid
         self.timeout = min(namespace.ttl, _MAX_TIMEOUT) if not math.isinf(namespace.ttl) else _MAX_TIMEOUT
-        self._opened_etag: dict[int, str] = {}  # inode -> ETag the kernel page cache holds
 
     def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -92,7 +91,9 @@ class StokerFS(pyfuse3.Operations):
             negative.st_ino = 0  # the kernel caches "no such name" for entry_timeout
             negative.entry_timeout = self.timeout
             return negative
-        return self._attrs(node)
+        attrs = self._attrs(node)
+        self.ns.remember(node)  # the kernel now holds a reference to this inode
+        return attrs
 
     @_boundary
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
@@ -110,8 +111,10 @@ class StokerFS(pyfuse3.Operations):
         entries = await self.ns.readdir(fh)
         for index in range(start_id, len(entries)):
             name, inode = entries[index]
-            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attrs(self.ns.node(inode)), index + 1):
+            node = self.ns.node(inode)
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attrs(node), index + 1):
                 break
+            self.ns.remember(node)  # readdirplus: each entry sent counts as a lookup
 
     async def releasedir(self, fh: int) -> None:
         return None
@@ -126,8 +129,8 @@ class StokerFS(pyfuse3.Operations):
         assert node.info is not None
         fh = self.reader.open(node.info)
         self.on_open(node)
-        same_version = self._opened_etag.get(inode) == node.info.etag
-        self._opened_etag[inode] = node.info.etag
+        same_version = node.cached_etag == node.info.etag
+        node.cached_etag = node.info.etag
         return pyfuse3.FileInfo(fh=fh, keep_cache=self.kernel_cache and same_version)
 
     @_boundary
@@ -147,4 +150,7 @@ class StokerFS(pyfuse3.Operations):
         return not (mode & os.W_OK)
 
     async def forget(self, inode_list: Any) -> None:
-        return None  # inodes are kept for the life of the mount (stable numbers, see README)
+        """The kernel dropped references: entries it no longer holds may be swept (namespace.sweep)."""
+        for inode, count in inode_list:
+            self.ns.forget(inode, count)
+        self.ns.sweep()

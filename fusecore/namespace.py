@@ -7,6 +7,10 @@ lookups in the same directory the directory is listed once instead.
 
 Keys that are not valid POSIX names are skipped, deterministically (see `valid_name`), and a key
 that is both an object and a prefix ("a" and "a/b") shows as the directory; the object is hidden.
+
+Entries are bounded: the kernel's lookup count is kept per inode (`remember`, `forget`), and an entry
+the kernel no longer references is dropped once its directory's listing is older than the TTL or no
+longer holds it (`sweep`); looking it up again lists or resolves it afresh, under a new inode number.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ class Node:
     checked_at: float = -math.inf  # when this node was last confirmed by the store
     lookups_since_list: int = 0
     entries: list[tuple[str, int]] | None = None  # dirs: children sorted by name, kept until they change
+    refs: int = 0  # the kernel's lookup count: while above 0 the inode number must stay valid
+    cached_etag: str | None = None  # files: the version the kernel's page cache may hold (keep_cache)
 
     def sorted_children(self) -> list[tuple[str, int]]:
         """The children in name order, sorted once per change (readdir pages index into it)."""
@@ -84,6 +90,8 @@ class Namespace:
         self._by_path: dict[str, int] = {"": ROOT_INODE}
         self._next_inode = ROOT_INODE + 1
         self._listing: dict[int, trio.Event] = {}
+        self._unreferenced: set[int] = set()  # inodes the kernel holds no reference to: sweep candidates
+        self._swept_at = clock()
         self.skipped_names = 0
         self.mount_time = time.time()
 
@@ -108,6 +116,59 @@ class Namespace:
         nodes = (self._nodes[inode] for _, inode in node.sorted_children())
         return [n.info for n in nodes if not n.is_dir and n.info is not None]
 
+    @property
+    def entries(self) -> int:
+        """Nodes held in memory (the root included)."""
+        return len(self._nodes)
+
+    # ---- the kernel's references ---------------------------------------------------------
+    def remember(self, node: Node) -> None:
+        """The kernel got this inode in a reply (lookup, readdirplus entry): one more reference."""
+        node.refs += 1
+        self._unreferenced.discard(node.inode)
+
+    def forget(self, inode: int, count: int) -> None:
+        """The kernel dropped `count` references (the entry may go at the next sweep)."""
+        node = self._nodes.get(inode)
+        if node is not None and inode != ROOT_INODE:
+            node.refs = max(0, node.refs - count)
+            if node.refs == 0:
+                self._unreferenced.add(inode)
+
+    def sweep(self, *, force: bool = False) -> list[int]:
+        """Drop unreferenced entries whose directory listing expired or no longer holds them (at most once
+        per TTL unless forced: entries of a fresh listing are what spares the store a LIST)."""
+        now = self._clock()
+        if not force and now - self._swept_at < min(self.ttl, 60.0):
+            return []
+        self._swept_at = now
+        dropped = []
+        for inode in list(self._unreferenced):
+            node = self._nodes.get(inode)
+            if node is None or node.refs > 0 or inode == ROOT_INODE:
+                self._unreferenced.discard(inode)
+            elif self._droppable(node):
+                self._drop(node)
+                dropped.append(inode)
+        return dropped
+
+    def _droppable(self, node: Node) -> bool:
+        if node.is_dir and node.children:
+            return False  # its children go first; the directory follows at a later sweep
+        parent = self.parent_of(node)
+        return parent is None or parent.children.get(node.name) != node.inode or not self._fresh(parent.listed_at)
+
+    def _drop(self, node: Node) -> None:
+        parent = self.parent_of(node)
+        if parent is not None and parent.children.get(node.name) == node.inode:
+            parent.set_child(node.name, None)  # (its listing has expired: the next access lists it again)
+            if parent.refs == 0:
+                self._unreferenced.add(parent.inode)
+        del self._nodes[node.inode]
+        if self._by_path.get(node.path) == node.inode:
+            del self._by_path[node.path]
+        self._unreferenced.discard(node.inode)
+
     def key_of(self, node: Node) -> str:
         return self.prefix + node.path
 
@@ -116,6 +177,7 @@ class Namespace:
 
     async def lookup(self, parent_inode: int, name: str) -> Node:
         """The child `name` of a directory, or NotFound."""
+        self.sweep()
         parent = self.node(parent_inode)
         if not parent.is_dir or not valid_name(name):
             raise NotFound(name)
@@ -133,6 +195,7 @@ class Namespace:
     async def readdir(self, inode: int) -> list[tuple[str, int]]:
         """The directory's (name, inode) pairs in name order; the same list until the directory changes,
         so that each readdir page costs its own entries only (no re-sort, no copy)."""
+        self.sweep()
         node = self.node(inode)
         if not node.is_dir:
             raise NotFound(node.path)
@@ -195,10 +258,12 @@ class Namespace:
         for name, info in files.items():
             if name not in dirs:
                 children[name] = self._upsert(_join(node.path, name), False, info, now).inode
+        gone = [inode for name, inode in node.children.items() if children.get(name) != inode]
         node.children = children
         node.entries = None
         node.listed_at = node.checked_at = now
         node.lookups_since_list = 0
+        self._unreferenced.update(i for i in gone if i in self._nodes and self._nodes[i].refs == 0)
 
     async def _resolve(self, parent: Node, name: str) -> Node:
         """One HEAD and one LIST, concurrently: is `name` an object, a prefix, or neither?"""
@@ -237,6 +302,7 @@ class Namespace:
             node = Node(inode, path, is_dir)
             self._nodes[inode] = node
             self._by_path[path] = inode
+            self._unreferenced.add(inode)  # until the kernel is told about it
         if not is_dir:
             node.info = info
         node.checked_at = now

@@ -387,3 +387,34 @@ def test_seconds_of_throttling_are_ridden_out(s3, bucket, mounts, moto_server):
         assert time.monotonic() - started >= 2.5  # it did wait the burst out
         stats = mounts.stats(mp)
         assert stats["requests"]["throttled"] >= 2 and stats["requests"]["throttled"] <= proxy.faults_served
+
+
+def test_entries_the_kernel_forgets_leave_the_mount_and_come_back_right(s3, bucket, mounts):
+    """Bounded metadata through a real kernel: after `ls -l` every entry is held; once the kernel drops its
+    dentries (FORGET) and the listing's TTL passed, the mount lets them go; they are listed again on use,
+    with the right bytes."""
+    data = {f"many/{i:04d}.bin": random.Random(i).randbytes(100 + i) for i in range(300)}
+    for k, v in data.items():
+        put(s3, bucket, k, v)
+    mp = mounts.mount(f"s3://{bucket}", "--metadata-ttl", "1", "--no-kernel-cache")
+    names = sorted(os.listdir(os.path.join(mp, "many")))
+    sizes = {n: os.stat(os.path.join(mp, "many", n)).st_size for n in names}
+    assert sizes == {k.split("/")[1]: len(v) for k, v in data.items()}
+    held = mounts.stats(mp)["namespace_entries"]
+    assert held >= 300
+    time.sleep(1.5)  # the listing expires
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("2\n")  # reclaim dentries and inodes: the kernel sends FORGET for each
+
+    def let_go() -> int:
+        os.listdir(mp)  # a kernel request, in case the FORGETs arrived before the TTL passed
+        return mounts.stats(mp)["namespace_entries"]
+
+    deadline = time.monotonic() + 20
+    while let_go() > held // 10 and time.monotonic() < deadline:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("2\n")
+        time.sleep(0.5)
+    assert let_go() <= held // 10, (held, let_go())
+    for k, v in list(data.items())[::37]:
+        assert read_whole(os.path.join(mp, k)) == v

@@ -94,12 +94,13 @@ def test_changes_are_picked_up_after_the_ttl_only():
 
     async def go():
         first = await ns.lookup(ROOT_INODE, "f")
+        ns.remember(first)  # the kernel holds it
         store.put("f", b"newer")
         clock.now += 5
         assert (await ns.lookup(ROOT_INODE, "f")).info.size == 3
         clock.now += 6
         second = await ns.lookup(ROOT_INODE, "f")
-        assert second.inode == first.inode, "inode numbers are stable"
+        assert second.inode == first.inode, "inode numbers are stable while the kernel holds them"
         assert second.info.size == 5
 
     trio.run(go)
@@ -123,3 +124,65 @@ def test_readdir_pages_of_a_huge_directory_cost_their_own_entries_only():
     assert first is again and len(first) == 20_000 and first[0][0] == "000000"
     big.set_child("zz-new", 999_999)
     assert big.sorted_children() is not first and big.sorted_children()[-1] == ("zz-new", 999_999)
+
+
+def test_entries_the_kernel_forgot_are_dropped_once_their_listing_expires():
+    """Memory stays bounded: an unreferenced entry goes when its directory listing is older than the TTL
+    (or no longer holds it); a referenced one never goes; a directory goes after its children."""
+    store = FakeStore()
+    for i in range(100):
+        store.put(f"d/{i:03d}", b"x" * i)
+    store.put("keep/a", b"a")
+    clock = Clock()
+    ns = ns_for(store, ttl=10.0, clock=clock)
+
+    async def listed(path_inode):
+        return await ns.readdir(path_inode)
+
+    d = trio.run(ns.lookup, ROOT_INODE, "d")
+    ns.remember(d)
+    entries = trio.run(listed, d.inode)
+    for _, inode in entries:
+        ns.remember(ns.node(inode))  # as readdirplus does
+    held = ns.node(entries[5][1])
+    ns.remember(held)  # a second reference: an open file, say
+    assert ns.entries == 1 + 1 + 100  # root, d (resolved by HEAD + LIST: the root was not listed), the files
+    for _, inode in entries:
+        ns.forget(inode, 1)
+    assert ns.sweep(force=True) == []  # a fresh listing keeps what it lists
+    clock.now += 11  # the listing expired
+    ns.forget(ROOT_INODE, 1)  # the root itself is never forgotten
+    dropped = ns.sweep()
+    assert len(dropped) == 99 and held.inode not in dropped
+    assert ns.node(held.inode) is held and ns.entries == 1 + 1 + 1
+    with pytest.raises(NotFound):
+        ns.node(entries[0][1])
+    # the directory still has a referenced child; once that goes, the directory follows (after its own forget)
+    ns.forget(held.inode, 1)
+    assert ns.sweep(force=True) == [held.inode]
+    ns.forget(d.inode, 1)
+    assert ns.sweep(force=True) == [d.inode] and ns.entries == 1  # the root only
+    # looked up again: listed afresh, same bytes, new inode numbers
+    again = trio.run(ns.lookup, ROOT_INODE, "d")
+    assert again.inode != d.inode
+    assert [n for n, _ in trio.run(listed, again.inode)] == [n for n, _ in entries]
+    assert ns.node(dict(trio.run(listed, again.inode))["007"]).info.size == 7
+
+
+def test_an_entry_gone_from_a_new_listing_is_dropped_when_unreferenced():
+    store = FakeStore()
+    store.put("a", b"1")
+    store.put("b", b"2")
+    clock = Clock()
+    ns = ns_for(store, ttl=10.0, clock=clock)
+    first = dict(trio.run(ns.readdir, ROOT_INODE))
+    for inode in first.values():
+        ns.remember(ns.node(inode))
+    del store.objects["b"]
+    clock.now += 11
+    second = dict(trio.run(ns.readdir, ROOT_INODE))
+    assert second == {"a": first["a"]}  # still held by the kernel: the same inode
+    assert ns.sweep(force=True) == []  # "b" is gone from the listing but the kernel still holds it
+    ns.forget(first["b"], 1)
+    assert ns.sweep(force=True) == [first["b"]]  # the listing is fresh, but no longer holds it
+    assert ns.node(first["a"]).path == "a"
