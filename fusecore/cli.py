@@ -74,10 +74,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     m.set_defaults(func=cmd_mount)
 
     # The serving process a mount starts (fusecore.launch): its configuration arrives on stdin.
-    v = sub.add_parser("serve-mount")
-    v.add_argument("--ready-fd", type=int)
-    v.add_argument("--fuse-fd", type=int)
-    v.set_defaults(func=cmd_serve_mount)
+    _serve_arguments(sub.add_parser("serve-mount"))
 
     u = sub.add_parser("unmount", help="unmount a Stoker mount")
     u.add_argument("mountpoint")
@@ -155,6 +152,19 @@ def cmd_mount(args: argparse.Namespace) -> int:
         print(f"stoker mount: {exc}", file=sys.stderr)
         return NOT_READY_STATUS if isinstance(exc, NotReady) else 1
     return 0
+
+
+def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ready-fd", type=int)
+    parser.add_argument("--fuse-fd", type=int)
+    parser.set_defaults(func=cmd_serve_mount)
+
+
+def serve_main(argv: list[str]) -> int:
+    """`python -m fusecore serve-mount ...`: what fusecore.launch starts (see fusecore/__main__.py)."""
+    parser = argparse.ArgumentParser(prog="python -m fusecore")
+    _serve_arguments(parser.add_subparsers(dest="command", required=True).add_parser("serve-mount"))
+    return cmd_serve_mount(parser.parse_args(argv))
 
 
 def cmd_serve_mount(args: argparse.Namespace) -> int:

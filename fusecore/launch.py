@@ -48,10 +48,11 @@ def serve_document(cfg: MountConfig, log_level: str = "INFO") -> bytes:
 
 def launch(cfg: MountConfig, *, log_file: str, ready_timeout: float, log_level: str = "INFO",
            env: dict[str, str] | None = None) -> None:
-    """Start `stoker serve-mount` in its own session for `cfg` and return once it mounted."""
+    """Start the serving process (`python -m fusecore serve-mount`, the data path alone) in its own session
+    for `cfg` and return once it mounted."""
     os.makedirs(os.path.dirname(log_file) or ".", mode=0o700, exist_ok=True)
     read_fd, write_fd = os.pipe()
-    argv = [sys.executable, "-m", "stoker", "serve-mount", "--ready-fd", str(write_fd)]
+    argv = [sys.executable, "-m", "fusecore", "serve-mount", "--ready-fd", str(write_fd)]
     inherited = [write_fd]
     if cfg.fuse_fd is not None:
         argv += ["--fuse-fd", str(cfg.fuse_fd)]

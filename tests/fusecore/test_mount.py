@@ -311,11 +311,12 @@ def test_a_mount_whose_process_was_killed_can_be_unmounted_and_mounted_again(s3,
     assert read_whole(os.path.join(mp2, "f")) == b"still here"
 
 
-def test_serve_mount_refuses_a_document_it_does_not_know(tmp_path):
+@pytest.mark.parametrize("entry", ["fusecore", "stoker"])
+def test_serve_mount_refuses_a_document_it_does_not_know(tmp_path, entry):
     """The serving process takes only a mount document on stdin: anything else is one line and status 2."""
     doc = {"config": {"store": {"bucket": "b"}, "mountpoint": str(tmp_path), "preload": "/tmp/x.so"},
            "credentials": None, "log_level": "INFO"}
-    result = subprocess.run([sys.executable, "-m", "stoker", "serve-mount"], input=json.dumps(doc), text=True,
+    result = subprocess.run([sys.executable, "-m", entry, "serve-mount"], input=json.dumps(doc), text=True,
                             capture_output=True, timeout=60)
     assert result.returncode == 2 and "unknown setting(s) preload" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not os.path.ismount(str(tmp_path))
@@ -418,3 +419,18 @@ def test_entries_the_kernel_forgets_leave_the_mount_and_come_back_right(s3, buck
     assert let_go() <= held // 10, (held, let_go())
     for k, v in list(data.items())[::37]:
         assert read_whole(os.path.join(mp, k)) == v
+
+
+def test_a_mount_process_carries_the_data_path_only(s3, bucket, mounts):
+    """The serving process is `python -m fusecore serve-mount`: no CSI, operator or bench front end (grpc,
+    the kubernetes client, jsonschema) in its memory. Its idle RSS is in `stoker bench` (issue: <= 60 MiB)."""
+    put(s3, bucket, "a", b"a" * 1000)
+    mp = mounts.mount(f"s3://{bucket}")
+    pid = mounts.stats(mp)["pid"]
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        assert f.read().split(b"\0")[1:4] == [b"-m", b"fusecore", b"serve-mount"]
+    with open(f"/proc/{pid}/maps") as f:
+        maps = f.read()
+    for library in ("cygrpc", "_upb", "rpds"):  # grpc, protobuf, jsonschema's native parts
+        assert library not in maps, library
+    assert read_whole(os.path.join(mp, "a")) == b"a" * 1000
