@@ -42,8 +42,11 @@ def evaluate(cells: list[Cell], info: dict) -> list[str]:
     if rss:
         worst = max(rss, key=lambda c: c.peak_rss_mib - _budget(c, info) / 2**20)
         over = worst.peak_rss_mib - _budget(worst, info) / 2**20
-        check("Stoker RSS <= cache budget + 150 MiB", over <= 150,
+        check("Stoker peak RSS <= cache budget + 100 MiB", over <= 100,
               f"worst {worst.workload}/{worst.run}: {worst.peak_rss_mib:.0f} MiB, {over:+.0f} MiB vs budget")
+    idle = [c.idle_rss_mib for c in rss if c.idle_rss_mib is not None and c.run == "cold"]  # a fresh mount
+    if idle:
+        check("Stoker idle RSS <= 60 MiB", max(idle) <= 60, f"largest fresh mount: {max(idle):.0f} MiB")
     return out
 
 

@@ -219,6 +219,26 @@ def huge_directory(system, d: Dataset, run: int) -> Outcome:
                    extra={"list_s": round(list_seconds, 2), "read_s": round(seconds - list_seconds, 2)})
 
 
+def mixed(system, d: Dataset, run: int) -> Outcome:
+    """Two large sequential readers and eight small-file readers at once, then (Stoker) `stoker warm` of the
+    small files: the mixed load under which a mount's peak memory is judged (MB/s)."""
+    order = d.small[:]
+    random.Random(300 + run).shuffle(order)
+    started = time.monotonic()
+    with ThreadPoolExecutor(2) as large_pool:
+        large = [large_pool.submit(read_stream, system, key, size) for key, size in d.seq[:2]]
+        small = _parallel(8, order, lambda kv: read_stream(system, kv[0], kv[1], bs=256 * KiB, verify_every=1))
+        results = small + [f.result() for f in large]
+    if system.name == "stoker":
+        from fusecore import control
+
+        for _ in control.request(control.default_control_socket(system.mountpoint),
+                                 {"op": "warm", "paths": ["small"]}, timeout=None):
+            pass
+    return Outcome(bytes=sum(b for b, _ in results), files=len(results), seconds=time.monotonic() - started,
+                   wrong=sum(w for _, w in results))
+
+
 WORKLOADS = {
     "seq1": ("large sequential, 1 reader (MB/s)", seq1),
     "seq4": ("large sequential, 4 readers (MB/s)", seq4),
@@ -229,4 +249,5 @@ WORKLOADS = {
     "epochs": ("3 epochs, dataset 1.5x cache (MB/s)", multi_epoch),
     "ttfb": ("time to first byte (ms, lower is better)", ttfb),
     "bigdir": ("huge directory: list, then random files, 8 threads (s, lower is better)", huge_directory),
+    "mixed": ("2 large + 8 small-file readers, then warm (MB/s)", mixed),
 }
