@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from fusecore.store import AccessDenied, BucketNotFound, NotFound, StoreError, TransientError, Unavailable
+from fusecore.store_errors import AccessDenied, BucketNotFound, NotFound, StoreError, TransientError, Unavailable
 
 from .attributes import AttributeProblem
 from .mounter import MountFailed, MountNotReady

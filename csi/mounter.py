@@ -29,7 +29,7 @@ from fusecore.config import ConfigError, MountConfig, config_from_document, iden
     mount_document
 from fusecore.launch import LaunchFailed, NotReady, launch
 from fusecore.mounts import detach_top, mount_fuse_fd, top_mount
-from fusecore.store import StoreError, error_of_kind
+from fusecore.store_errors import StoreError, error_of_kind
 
 from .layout import is_pod_target, is_staging_path
 

@@ -19,7 +19,7 @@ import urllib.parse
 from dataclasses import dataclass
 
 from fusecore.config import StoreConfig
-from fusecore.store import S3Admin
+from csi.admin import S3Admin
 
 from .attributes import AttributeProblem, VolumeSpec, parse_secrets, parse_volume_context
 from .errors import BadRequest, Conflict

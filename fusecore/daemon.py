@@ -18,7 +18,8 @@ from .config import MountConfig
 from .datapath import DataPath
 from .fs import StokerFS
 from .mounts import is_mounted
-from .store import S3Store, StoreError
+from .store import S3Store
+from .store_errors import StoreError
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ from .fetcher import Fetcher
 from .metrics import MountMetrics
 from .namespace import Namespace
 from .reader import Reader
-from .store import ObjectStore, StoreError
+from .objects import ObjectStore
+from .store_errors import StoreError
 from .walk import DirectoryPrefetcher
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import errno
 
-from .store import AccessDenied, BucketNotFound, NotFound, PreconditionFailed, StoreError, TransientError, Unavailable
+from .store_errors import AccessDenied, BucketNotFound, NotFound, PreconditionFailed, StoreError, TransientError, Unavailable
 
 ERRNO_BY_ERROR: dict[type[StoreError], int] = {
     NotFound: errno.ENOENT,

@@ -15,7 +15,8 @@ from .blocks import BlockKey, block_extent
 from .cache import BlockCache, Buffer
 from .metrics import MountMetrics
 from .buffers import allocate
-from .store import ObjectInfo, ObjectStore, PreconditionFailed, Progress, StoreError, TransientError, Unavailable
+from .objects import ObjectInfo, ObjectStore, Progress
+from .store_errors import PreconditionFailed, StoreError, TransientError, Unavailable
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import pyfuse3
 from .errors import errno_for
 from .namespace import Namespace, Node
 from .reader import Reader
-from .store import StoreError
+from .store_errors import StoreError
 
 log = logging.getLogger(__name__)
 

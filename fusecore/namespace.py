@@ -24,7 +24,8 @@ from typing import Awaitable, Callable, Iterable
 import trio
 
 from .metrics import MountMetrics
-from .store import Listing, NotFound, ObjectInfo, ObjectStore
+from .objects import Listing, ObjectInfo, ObjectStore
+from .store_errors import NotFound
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ from .cache import Buffer
 from .fetcher import Fetcher
 from .metrics import MountMetrics
 from .prefetch import ReadAhead
-from .store import ObjectInfo, StoreError
+from .objects import ObjectInfo
+from .store_errors import StoreError
 
 
 class OpenFile:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from .cache import BlockCache
 from .fetcher import Fetcher
 from .namespace import Namespace, Node
-from .store import ObjectInfo
+from .objects import ObjectInfo
 
 MAX_TRACKED_DIRS = 4096
 WALK_START = 32  # files fetched ahead before the reader showed it reads what the walk fetches

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from csi.attributes import AttributeProblem, parse_secrets, parse_volume_context
-from fusecore.store import S3Store, StoreError, TransientError, Unavailable
+from fusecore.store import S3Store
+from fusecore.store_errors import StoreError, TransientError, Unavailable
 
 from .kube import Kube, NotFoundInCluster
 from .plan import SpecProblem

@@ -119,7 +119,7 @@ def test_a_mount_processes_error_keeps_its_kind_across_processes():
     type, so the CSI answer is NOT_FOUND or PERMISSION_DENIED rather than INTERNAL."""
     from csi.mounter import MountFailed, MountNotReady, _typed
     from fusecore.launch import LaunchFailed, NotReady, ready_line
-    from fusecore.store import AccessDenied, BucketNotFound
+    from fusecore.store_errors import AccessDenied, BucketNotFound
 
     line = ready_line(AccessDenied("bucket 'b': access denied (403)"))
     assert line == b"ERR access_denied bucket 'b': access denied (403)\n" and ready_line(None) == b"OK\n"

@@ -10,7 +10,8 @@ import pytest
 
 from fusecore.config import Credentials, StoreConfig, WebIdentity
 from fusecore.credentials import RotatingCredentials
-from fusecore.store import AccessDenied, S3Store
+from fusecore.store import S3Store
+from fusecore.store_errors import AccessDenied
 
 pytestmark = pytest.mark.integration
 

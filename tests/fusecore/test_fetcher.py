@@ -9,7 +9,7 @@ from fusecore.blocks import BlockKey
 from fusecore.cache import BlockCache
 from fusecore.fetcher import Fetcher
 from fusecore.metrics import MountMetrics
-from fusecore.store import AccessDenied, PreconditionFailed, Unavailable
+from fusecore.store_errors import AccessDenied, PreconditionFailed, Unavailable
 from tests.support.fakestore import FakeStore
 
 KiB = 1024

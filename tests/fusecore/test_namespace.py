@@ -5,7 +5,7 @@ import trio
 
 from fusecore.metrics import MountMetrics
 from fusecore.namespace import LIST_AFTER_LOOKUPS, ROOT_INODE, Namespace, valid_name
-from fusecore.store import NotFound
+from fusecore.store_errors import NotFound
 from tests.support.fakestore import FakeStore
 
 

@@ -6,8 +6,8 @@ import time
 import pytest
 
 from fusecore.config import StoreConfig
-from fusecore.store import (AccessDenied, BucketNotFound, NotFound, PreconditionFailed, S3Store, TransientError,
-                            Unavailable)
+from fusecore.store import S3Store
+from fusecore.store_errors import AccessDenied, BucketNotFound, NotFound, PreconditionFailed, TransientError, Unavailable
 from stoker.s3server import MotoServer
 from tests.support.faultproxy import FaultProxy
 

@@ -8,8 +8,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from fusecore.store import (AccessDenied, Listing, NotFound, ObjectInfo, PreconditionFailed, Progress,
-                            TransientError, Unavailable)
+from fusecore.objects import Listing, ObjectInfo, Progress
+from fusecore.store_errors import AccessDenied, NotFound, PreconditionFailed, TransientError, Unavailable
 
 
 @dataclass

@@ -1,0 +1,234 @@
+"""Ranged GETs and listings over presigned URLs with urllib3: botocore signs, urllib3 moves the bytes
+(a fraction of botocore's per-request CPU), and listing pages are parsed with the C XML parser."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import http.client
+import logging
+import os
+import re
+import threading
+import time
+import urllib.parse
+from typing import Iterator
+import xml.sax.saxutils
+from xml.etree import ElementTree
+
+import botocore.exceptions
+import botocore.utils
+import urllib3
+
+from .bodies import read_body
+from .config import StoreConfig
+from .objects import Listing, ObjectInfo, Progress
+from .store_errors import (PreconditionFailed, TransientError, Unavailable, answer_error, check_range,
+                           retry_after_seconds, translate)
+
+log = logging.getLogger(__name__)
+
+
+def parse_timestamp(value):
+    """S3's timestamps: ISO 8601 in listings (fast path), else botocore's general parser."""
+    if isinstance(value, str) and len(value) >= 20 and value[10:11] == "T":
+        try:
+            return datetime.datetime.fromisoformat(value)
+        except ValueError:
+            pass
+    return botocore.utils.parse_timestamp(value)
+
+
+def direct_gets_possible() -> bool:
+    """Presigned GETs go straight to the endpoint; with a proxy configured, stay on botocore."""
+    names = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
+    return not any(os.environ.get(n) for n in names) and os.environ.get("STOKER_BOTOCORE_GETS") != "1"
+
+
+_CODE_RE = re.compile(rb"<Code>([^<]+)</Code>")
+
+
+class PresignedGets:
+    """Range GETs through presigned URLs on a urllib3 connection pool.
+
+    botocore spends ~1.2 ms of CPU per GetObject (events, endpoint rules, signing, parsing); a GET
+    of a presigned URL costs ~0.35 ms (measured here, bench/README). Each object's URL is signed
+    once and reused for URL_REUSE seconds. Throttling and 5xx answers become TransientError, which
+    the fetcher retries with backoff up to the configured number of attempts; timeouts become
+    Unavailable at once, so a silent store fails reads in bounded time.
+    """
+
+    URL_LIFETIME = 3600
+    URL_REUSE = 600
+    MAX_URLS = 100_000
+
+    def __init__(self, client, cfg: StoreConfig):
+        self._client = client
+        self._bucket = cfg.bucket
+        self._urls: dict[str, tuple[float, str]] = {}
+        self._lock = threading.Lock()
+        ca = os.environ.get("AWS_CA_BUNDLE") or botocore.httpsession.get_cert_path(True)
+        self._pool = urllib3.PoolManager(
+            num_pools=4, maxsize=cfg.max_concurrency + 8, block=False, retries=False, ca_certs=ca,
+            timeout=urllib3.Timeout(connect=cfg.connect_timeout, read=cfg.request_timeout))
+
+    def list_pages(self, prefix: str, delimiter: str | None) -> Iterator[Listing]:
+        """ListObjectsV2 pages through presigned URLs, parsed with the C XML parser while the next page
+        is already on its way (botocore's generic parser costs ~60 ms per 1,000-key page and waits for
+        nothing: a 100,000-entry directory over a 20 ms store took 24 s, now ~4.5 s)."""
+        what = f"list {prefix!r}"
+
+        def fetch(token: str | None) -> bytes:
+            params = {"Bucket": self._bucket, "Prefix": prefix, "EncodingType": "url"}
+            if delimiter:
+                params["Delimiter"] = delimiter
+            if token:
+                params["ContinuationToken"] = token
+            return self._get_small(lambda: self._client.generate_presigned_url(
+                "list_objects_v2", Params=params, ExpiresIn=self.URL_LIFETIME), what)
+
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="list") as ahead:
+            coming: concurrent.futures.Future | None = ahead.submit(fetch, None)
+            while coming is not None:
+                body = coming.result()
+                token = _continuation(body, what)
+                coming = ahead.submit(fetch, token) if token else None
+                yield parse_listing(body, what)
+
+    def _get_small(self, sign, what: str) -> bytes:
+        """The body of a small GET of a URL `sign()` makes (signed again once on an expired signature)."""
+        for fresh in (False, True):
+            resp = self._send(sign, what, preload_content=True)
+            if resp.status == 200:
+                return resp.data
+            code = _code_in(resp.data, resp.status)
+            if _sign_again(resp.status, code, fresh):
+                continue
+            raise answer_error(resp.status, code, what, retried=True)
+        raise AssertionError("unreachable")
+
+    def _send(self, sign, what: str, **kwargs):
+        """GET the URL `sign()` makes; failures to sign or to talk to the store as StoreErrors."""
+        try:
+            return self._pool.request("GET", sign(), redirect=False, **kwargs)
+        except urllib3.exceptions.ReadTimeoutError:
+            raise Unavailable(f"{what}: store did not answer in time") from None
+        except urllib3.exceptions.ConnectTimeoutError:
+            raise Unavailable(f"{what}: could not connect in time") from None
+        except (urllib3.exceptions.NewConnectionError, urllib3.exceptions.MaxRetryError):
+            raise Unavailable(f"{what}: cannot reach the endpoint") from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise TransientError(f"{what}: connection failed ({type(exc).__name__})") from None
+        except botocore.exceptions.BotoCoreError as exc:  # signing: credentials vanished, say
+            raise translate(exc, what) from None
+
+    def forget_urls(self) -> None:
+        """Sign again from now on (the credentials changed)."""
+        with self._lock:
+            self._urls.clear()
+
+    def _url(self, key: str, *, fresh: bool = False) -> str:
+        now = time.monotonic()
+        with self._lock:
+            cached = self._urls.get(key)
+            if cached is not None and not fresh and now - cached[0] < self.URL_REUSE:
+                return cached[1]
+        url = self._client.generate_presigned_url(
+            "get_object", Params={"Bucket": self._bucket, "Key": key}, ExpiresIn=self.URL_LIFETIME)
+        with self._lock:
+            if len(self._urls) >= self.MAX_URLS:
+                self._urls.clear()
+            self._urls[key] = (now, url)
+        return url
+
+    def read_range(self, key: str, start: int, end: int, etag: str, into: memoryview, progress: Progress) -> None:
+        what = f"get {key!r}"
+        headers = {"Range": f"bytes={start}-{end - 1}", "If-Match": etag}
+        for fresh in (False, True):
+            resp = self._send(lambda: self._url(key, fresh=fresh), what, headers=headers, preload_content=False)
+            if resp.status in (200, 206):
+                break
+            retry_after = retry_after_seconds(resp.headers.get("Retry-After"))
+            code = _error_code(resp)
+            if _sign_again(resp.status, code, fresh):
+                continue
+            raise answer_error(resp.status, code, what, retried=False, retry_after=retry_after)
+        if resp.headers.get("ETag") not in (None, etag):
+            resp.release_conn()
+            raise PreconditionFailed(f"{what}: object changed since it was listed")
+        try:
+            declared = resp.headers.get("Content-Length")
+            length = int(declared) if declared is not None else None
+        except ValueError:
+            resp.close()
+            raise TransientError(f"{what}: malformed Content-Length") from None
+        try:
+            check_range(start, end, resp.status, resp.headers.get("Content-Range"), length, what)
+        except TransientError:
+            resp.close()
+            raise
+        fp = getattr(resp, "_fp", None)
+        readinto = fp.readinto if fp is not None and hasattr(fp, "readinto") else resp.readinto
+        try:
+            read_body(readinto, into, progress, resp.release_conn, resp.close, what)
+        except urllib3.exceptions.ReadTimeoutError:
+            raise Unavailable(f"{what}: store stopped sending") from None
+        except (urllib3.exceptions.HTTPError, OSError, http.client.HTTPException, ValueError) as exc:
+            raise TransientError(f"{what}: {type(exc).__name__} while reading the body") from None
+
+
+_S3_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
+
+
+_TRUNCATED = re.compile(rb"<IsTruncated>\s*true\s*</IsTruncated>")
+
+
+_TOKEN = re.compile(rb"<NextContinuationToken>([^<]*)</NextContinuationToken>")
+
+
+def _continuation(body: bytes, what: str) -> str | None:
+    """The token of the next page (found without parsing the page, to ask for the next one at once)."""
+    if not _TRUNCATED.search(body):
+        return None
+    match = _TOKEN.search(body)
+    if match is None or not match.group(1):
+        raise Unavailable(f"{what}: a truncated listing without a continuation token")
+    return xml.sax.saxutils.unescape(match.group(1).decode(), {"&quot;": '"', "&apos;": "'"})
+
+
+def parse_listing(body: bytes, what: str) -> Listing:
+    """One ListObjectsV2 answer (EncodingType=url) as a Listing."""
+    try:
+        root = ElementTree.fromstring(body)
+    except ElementTree.ParseError:
+        raise TransientError(f"{what}: the listing is not valid XML") from None
+    ns = _S3_NS if root.tag.startswith(_S3_NS) else ""
+    files = []
+    for item in root.iterfind(f"{ns}Contents"):
+        modified = item.findtext(f"{ns}LastModified") or ""
+        files.append(ObjectInfo(urllib.parse.unquote(item.findtext(f"{ns}Key") or ""),
+                                int(item.findtext(f"{ns}Size") or 0), item.findtext(f"{ns}ETag") or "",
+                                parse_timestamp(modified).timestamp() if modified else 0.0))
+    dirs = [urllib.parse.unquote(p.findtext(f"{ns}Prefix") or "") for p in root.iterfind(f"{ns}CommonPrefixes")]
+    return Listing(files=files, dirs=dirs)
+
+
+def _error_code(resp) -> str:
+    """The S3 error code of a streamed error answer (read, then its connection handed back)."""
+    try:
+        body = resp.read(64 * 1024)
+    except Exception:  # noqa: BLE001 - the status alone still says enough
+        body = b""
+    finally:
+        resp.release_conn()
+    return _code_in(body, resp.status)
+
+
+def _code_in(body: bytes | None, status: int) -> str:
+    match = _CODE_RE.search(body or b"")
+    return match.group(1).decode(errors="replace") if match else str(status)
+
+
+def _sign_again(status: int, code: str, fresh: bool) -> bool:
+    """An expired presigned URL (or rotated credentials): worth one fresh signature."""
+    return status == 403 and not fresh and code in ("AccessDenied", "ExpiredToken", "RequestExpired")
