@@ -124,6 +124,13 @@ def size_cache(spec: dict, dataset_bytes: int, object_count: int, nodes: list[No
     else:
         per_node = max(MIN_CACHE_BYTES, quantity_bytes(requested))
         how = f"cacheSize {requested}"
+        if memory and per_node > memory:  # waiting for room would never help
+            raise SpecProblem(f"cacheSize {requested} is more than a node's Stoker cache memory "
+                              f"({human(memory)}, node.cacheMemory)")
+        smallest = min(nodes, key=lambda n: n.allocatable_memory, default=None)
+        if smallest is not None and per_node > smallest.allocatable_memory:
+            raise SpecProblem(f"cacheSize {requested} is more than node {smallest.name} has "
+                              f"({human(smallest.allocatable_memory)} allocatable)")
     if room is not None and per_node > room.free:
         raise NoRoom(f"{human(per_node)} per node does not fit: {room.describe(memory)}")
     warmable = min(dataset_bytes, int(per_node * WARM_FRACTION))

@@ -217,3 +217,15 @@ def test_a_handover_of_another_cache_or_malformed_is_refused():
     with pytest.raises(HandoverProblem, match="contradictory") as info:
         read_handover("ml", "a", dict(good, AWS_ACCESS_KEY_ID="AKIA2"), {"stoker.dev/datasetcache": "ml/a"})
     assert "s3cr3t" not in str(info.value)
+
+
+def test_a_cache_size_no_node_can_hold_is_refused_not_left_pending():
+    from stoker_operator.plan import NoRoom
+
+    nodes = [NodeInfo("small", {}, 32 * GiB), NodeInfo("big", {}, 512 * GiB)]
+    with pytest.raises(SpecProblem, match="more than a node's Stoker cache memory") as info:
+        size_cache({"cacheSize": "100Ti"}, GiB, 10, nodes, None, 64 * GiB)
+    assert not isinstance(info.value, NoRoom)  # Failed with the reason, not Pending forever
+    with pytest.raises(SpecProblem, match="more than node small has"):
+        size_cache({"cacheSize": "40Gi"}, GiB, 10, nodes)
+    assert size_cache({"cacheSize": "30Gi"}, GiB, 10, nodes, None, 64 * GiB).cache_bytes_per_node == 30 * GiB
