@@ -21,6 +21,8 @@ from urllib.parse import parse_qs, urlparse
 
 import yaml
 
+from .fixture import wait_for
+
 
 CORE = [  # (plural, kind, namespaced, has_status)
     ("pods", "Pod", True, True),
@@ -209,16 +211,7 @@ class FakeKube:
         with self._lock:
             self._delete((self._prefix(api_version), plural, namespace, name))
 
-    @staticmethod
-    def wait_for(predicate, timeout: float, interval: float = 0.1):
-        """Poll `predicate` until it returns something truthy (returned) or `timeout` passes (last value)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(interval)
-        return predicate()
+    wait_for = staticmethod(wait_for)
 
     # ---- the object store
 

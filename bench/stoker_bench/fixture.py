@@ -65,3 +65,14 @@ class StoreProcess:
 
 def scratch_dir(prefix: str = "stoker-bench-") -> str:
     return tempfile.mkdtemp(prefix=prefix)
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.1):
+    """Poll `predicate` until it returns something truthy (returned) or `timeout` passes (last value)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()

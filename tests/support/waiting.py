@@ -2,20 +2,8 @@
 
 from __future__ import annotations
 
-import time
-
 from fusecore.mounts import mount_entries, unmount_stack
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.1):
-    """Poll `predicate` until it returns something truthy (returned) or `timeout` passes (last value)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()
+from stoker_bench.fixture import wait_for  # noqa: F401 - the tests' polling helper
 
 
 def unmount_everything_under(root: str) -> None:
