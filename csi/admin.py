@@ -23,13 +23,13 @@ class S3Admin(S3Store):
             err = translate(exc, f"get {key!r}")
             if isinstance(err, NotFound):
                 return None
-            raise err from None
+            raise err from exc
 
     def put_small(self, key: str, body: bytes) -> None:
         try:
             self._client.put_object(Bucket=self.bucket, Key=key, Body=body)
         except Exception as exc:  # noqa: BLE001 - translated below
-            raise translate(exc, f"put {key!r}") from None
+            raise translate(exc, f"put {key!r}") from exc
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every object whose key starts with `prefix` (which must end in '/'); returns the count."""
@@ -49,7 +49,7 @@ class S3Admin(S3Store):
             answer = self._client.delete_objects(
                 Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
         except Exception as exc:  # noqa: BLE001 - translated below
-            raise translate(exc, f"delete {len(keys)} objects") from None
+            raise translate(exc, f"delete {len(keys)} objects") from exc
         if answer.get("Errors"):
             first = answer["Errors"][0]
             raise answer_error(None, first.get("Code", ""), f"delete {first.get('Key')!r}", retried=True)

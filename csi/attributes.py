@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from fusecore.config import ConfigError, Credentials, Identity, MountConfig, StoreConfig, parse_size, parse_ttl
 
@@ -115,8 +115,8 @@ class VolumeSpec:
         knobs = dict(self.knobs)
         if cache_size is not None:
             knobs["cacheSize"] = cache_size
-        settings: dict[str, object] = {}
-        store: dict[str, object] = {}
+        settings: dict[str, Any] = {}  # values of the knobs' own types (checked by their parsers)
+        store: dict[str, Any] = {}
         for name, value in knobs.items():
             setting = KNOBS[name].setting
             if setting.startswith("store."):

@@ -198,7 +198,7 @@ class RemoteMounter:
             store_error = error_of_kind(reply.get("store") or "", reply["error"])
             if store_error is not None:
                 raise store_error
-            kind = {"not_ready": MountNotReady, "refused": MountRefused}.get(reply.get("kind"), MountFailed)
+            kind = {"not_ready": MountNotReady, "refused": MountRefused}.get(str(reply.get("kind")), MountFailed)
             raise kind(reply["error"])
 
     def healthy(self) -> str | None:

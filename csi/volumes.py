@@ -30,11 +30,11 @@ from typing import Iterator
 
 from fusecore import control
 from fusecore.config import format_size, identity_document
-from fusecore.mounts import bind_follower, fs_type, is_mounted, mount_table, top_mount, unmount_stack
 from fusecore.store import S3Store
 
 from .attributes import TOKENS_KEY, VolumeSpec, parse_volume_context
 from .auth import AuthPolicy, MissingCredentials, Resolved, resolve, same_principal
+from .kernel import HostMounts, MountTable, top_of
 from .errors import Conflict, NodeFull, NotStaged, PermissionDenied, StillMounted, UnknownVolume, VolumeBusy
 from .layout import DEFAULT_KUBELET_DIR, DRIVER_NAME, driver_staging_dir, kubelet_staging_path  # noqa: F401
 from .mounter import MountFailed, Mounter, MountRequest
@@ -79,8 +79,9 @@ class VolumeLocks:
 class VolumeManager:
     def __init__(self, state: StateDir, mounter: Mounter, *, secrets: SecretStore, policy: AuthPolicy = AuthPolicy(),
                  kubelet_dir: str = DEFAULT_KUBELET_DIR, ready_timeout: float = 60.0, check_store: bool = True,
-                 node_cache_memory: int | None = None):
+                 node_cache_memory: int | None = None, mounts: MountTable | None = None):
         self.state = state
+        self.mounts = mounts or HostMounts()  # the kernel's mount table (a fake in fast tests)
         self.node_cache_memory = node_cache_memory  # the sum of every mount's cache budget stays below it
         self.mounter = mounter
         self.secrets = secrets
@@ -101,7 +102,7 @@ class VolumeManager:
         with self.locks.hold(volume_id, self.lock_wait):
             record = self.state.load(volume_id)
             if record is None:
-                if is_mounted(staging_path):
+                if self._is_mounted(staging_path):
                     raise Conflict(f"{staging_path} is already a mount point")
                 record = VolumeRecord(volume_id, staging_path, _stored(context))
                 self._check_fits(volume_id, cache_budget(record))
@@ -124,10 +125,10 @@ class VolumeManager:
         with self.locks.hold(volume_id, self.lock_wait):
             record = self.state.load(volume_id)
             if record is None or record.ephemeral or record.mount_path != staging_path:
-                if fs_type(staging_path) == STOKER_FS_TYPE:
+                if self._fs_type(staging_path) == STOKER_FS_TYPE:
                     self._unmount(staging_path)  # ours, but no record knows it any more
                 return
-            live = [t for t in record.binds() if is_mounted(t)]
+            live = [t for t in record.binds() if self._is_mounted(t)]
             if live:
                 raise NotStaged(f"volume {volume_id!r} is still published at {', '.join(live)}; unpublish first")
             record.staging_path = None
@@ -172,7 +173,7 @@ class VolumeManager:
         with self.locks.hold(volume_id, self.lock_wait):
             record = self.state.load(volume_id)
             if record is None:
-                if is_mounted(target):
+                if self._is_mounted(target):
                     raise Conflict(f"{target} is already a mount point")
                 record = VolumeRecord(volume_id, target, _stored(context), ephemeral=True)
                 self._check_fits(volume_id, cache_budget(record))
@@ -191,7 +192,7 @@ class VolumeManager:
         if target in record.targets:
             if record.targets[target] != how:
                 raise Conflict(f"volume {record.volume_id!r} is already published at {target} with another capability")
-        elif is_mounted(target):
+        elif self._is_mounted(target):
             raise Conflict(f"{target} is already a mount point")
         if self._behind(record, [target]):
             self._bind(record, target)
@@ -203,12 +204,12 @@ class VolumeManager:
         target = os.path.abspath(target)
         with self.locks.hold(volume_id, self.lock_wait):
             record = self.state.load(volume_id)
-            ours = record is not None and target in record.targets
-            if ours or fs_type(target) == STOKER_FS_TYPE:
+            ours = record if record is not None and target in record.targets else None
+            if ours is not None or self._fs_type(target) == STOKER_FS_TYPE:
                 self._unmount(target)  # every layer: the bind and what repairs stacked on it
-            if ours:
-                del record.targets[target]
-                self._retire_or_save(record)  # an inline volume's mount was at the target: it stops
+            if ours is not None:
+                del ours.targets[target]
+                self._retire_or_save(ours)  # an inline volume's mount was at the target: it stops
             _remove_dir(target)
             log.info("unpublished volume %s from %s", volume_id, target)
 
@@ -229,7 +230,7 @@ class VolumeManager:
             record = self.state.load(volume_id)
             if record is None:
                 path = kubelet_staging_path(self.kubelet_dir, volume_id)
-                if is_mounted(path):
+                if self._is_mounted(path):
                     raise Conflict(f"{path} is already a mount point")
                 record = VolumeRecord(volume_id, path, _stored(context), holders={holder: cache_size})
                 self._check_fits(volume_id, cache_budget(record))
@@ -240,7 +241,7 @@ class VolumeManager:
                 self._adopt(record, spec, auth)
                 self._repair(record)
                 record.holders[holder] = cache_size
-                self._resize(record, record.cache_size)
+                self._resize(record, cache_budget(record))
             self.state.save(record)
             return self.state.control_socket(volume_id)
 
@@ -351,9 +352,9 @@ class VolumeManager:
         A directory is removed only when nothing is mounted there and it does not exist: a dead
         FUSE mount answers ENOTCONN to every look, and that is a mount to repair, not a removal."""
         changed = False
-        if record.staging_path and _removed(record.staging_path):
+        if record.staging_path and self._removed(record.staging_path):
             record.staging_path, changed = None, True
-        for target in [t for t in record.targets if _removed(t)]:
+        for target in [t for t in record.targets if self._removed(t)]:
             del record.targets[target]
             changed = True
         if not changed:
@@ -363,10 +364,10 @@ class VolumeManager:
 
     def _unmount_orphans(self, known: set[str]) -> None:
         folder = driver_staging_dir(self.kubelet_dir) + os.sep
-        for point in sorted({m.point for m in mount_table() if m.fs_type == STOKER_FS_TYPE}):
+        for point in sorted({m.point for m in self.mounts.table() if m.fs_type == STOKER_FS_TYPE}):
             if point.startswith(folder) and point not in known:
                 log.warning("unmounting %s: no volume record names it", point)
-                unmount_stack(point)
+                self.mounts.unmount(point)
 
     def _repair(self, record: VolumeRecord) -> None:
         """Serve again if the mount is dead, with a new mount on top of the dead one (it propagates to
@@ -380,7 +381,7 @@ class VolumeManager:
 
     def _serving(self, record: VolumeRecord) -> dict | str:
         """The stats of the volume's live mount, or why its mount is not serving."""
-        top = top_mount(record.mount_path)
+        top = top_of(record.mount_path, self.mounts.table())
         if top is None or top.fs_type != STOKER_FS_TYPE:
             return f"the volume's mount at {record.mount_path} is gone"
         stats = self._mount_stats(record)
@@ -388,9 +389,9 @@ class VolumeManager:
 
     def _behind(self, record: VolumeRecord, paths: list[str] | None = None) -> list[str]:
         """Those of `paths` (default: every bind) where a lookup does not reach the volume's current mount."""
-        table = mount_table()
-        mine = top_mount(record.mount_path, table)
-        tops = {path: top_mount(path, table) for path in (record.binds() if paths is None else paths)}
+        table = self.mounts.table()
+        mine = top_of(record.mount_path, table)
+        tops = {path: top_of(path, table) for path in (record.binds() if paths is None else paths)}
         return [path for path, top in tops.items() if mine is None or top is None or top.device != mine.device]
 
     def _mount_stats(self, record: VolumeRecord) -> dict | str:
@@ -413,7 +414,7 @@ class VolumeManager:
         cfg = spec.mount_config(record.mount_path, self.state.control_socket(record.volume_id),
                                 credentials=auth.identity, cache_size=record.cache_size)
         self.mounter.start(MountRequest(cfg, self.state.log_file(record.volume_id)), self.ready_timeout)
-        top = top_mount(record.mount_path)
+        top = top_of(record.mount_path, self.mounts.table())
         if top is None or top.fs_type != STOKER_FS_TYPE:
             raise StillMounted(f"the mount process reported ready but {record.mount_path} is not mounted")
         record.who = auth.who
@@ -461,7 +462,7 @@ class VolumeManager:
     def _bind(self, record: VolumeRecord, path: str) -> None:
         _make_dir(path)
         try:
-            bind_follower(record.mount_path, path)
+            self.mounts.bind(record.mount_path, path)
         except OSError as exc:
             raise StillMounted(f"bind mount at {path} failed: {exc.strerror}") from None
 
@@ -487,8 +488,27 @@ class VolumeManager:
         self.secrets.delete(record.volume_id)
         self._problems.pop(record.volume_id, None)
 
+    def _is_mounted(self, path: str) -> bool:
+        return top_of(path, self.mounts.table()) is not None
+
+    def _fs_type(self, path: str) -> str | None:
+        top = top_of(path, self.mounts.table())
+        return top.fs_type if top else None
+
+    def _removed(self, path: str) -> bool:
+        """Kubelet removed this directory (nothing is mounted there and it does not exist)."""
+        if self._is_mounted(path):
+            return False
+        try:
+            os.lstat(path)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return False
+
     def _unmount(self, path: str) -> None:
-        problem = unmount_stack(path)
+        problem = self.mounts.unmount(path)
         if problem:
             raise StillMounted(f"could not unmount {problem}")
 
@@ -520,19 +540,6 @@ def _make_dir(path: str) -> None:
         os.makedirs(path, mode=0o750)
     except FileExistsError:
         pass
-
-
-def _removed(path: str) -> bool:
-    """Kubelet removed this directory (nothing is mounted there and it does not exist)."""
-    if is_mounted(path):
-        return False
-    try:
-        os.lstat(path)
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    return False
 
 
 def _remove_dir(path: str, *, quiet: bool = False) -> None:

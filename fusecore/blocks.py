@@ -14,7 +14,7 @@ class BlockKey(NamedTuple):
 
     key: str
     etag: str
-    index: int
+    index: int  # type: ignore[assignment]  # (tuple.index: a NamedTuple field named as the block's role)
     unit: int = 0
 
 

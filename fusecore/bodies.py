@@ -35,6 +35,6 @@ def body_reader(body) -> tuple:
     """
     raw = getattr(body, "_raw_stream", None)
     fp = getattr(raw, "_fp", None)
-    if fp is not None and hasattr(fp, "readinto") and hasattr(raw, "release_conn"):
+    if raw is not None and fp is not None and hasattr(fp, "readinto") and hasattr(raw, "release_conn"):
         return fp.readinto, raw.release_conn
     return body.readinto, body.close

@@ -20,7 +20,7 @@ import mmap
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Hashable
+from typing import AbstractSet, Hashable
 
 from .blocks import BlockKey
 
@@ -78,7 +78,7 @@ class FrequencySketch:
         self._counts = {k: c // 2 for k, c in self._counts.items() if c > 1}
         self._additions //= 2
 
-    def forget(self, keys: set[Hashable]) -> None:
+    def forget(self, keys: AbstractSet[Hashable]) -> None:
         for key in keys:
             self._counts.pop(key, None)
 

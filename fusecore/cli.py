@@ -131,8 +131,8 @@ def _fuse_fd(fd: int) -> int:
     try:
         given, fuse = os.fstat(fd), os.stat("/dev/fuse")
     except OSError:
-        given = fuse = None
-    if given is None or not stat.S_ISCHR(given.st_mode) or given.st_rdev != fuse.st_rdev:
+        raise ConfigError(f"fuse-fd: {fd} is not an open /dev/fuse descriptor") from None
+    if not stat.S_ISCHR(given.st_mode) or given.st_rdev != fuse.st_rdev:
         raise ConfigError(f"fuse-fd: {fd} is not an open /dev/fuse descriptor")
     return fd
 

@@ -191,7 +191,7 @@ def _check_type(name: str, value: Any, kind: Any) -> Any:
     for option in options:
         types = allowed.get(option)
         if types and isinstance(value, types) and not (option in ("int", "float") and isinstance(value, bool)):
-            return float(value) if option == "float" else value
+            return float(value) if option == "float" else value  # type: ignore[arg-type]  # narrowed by isinstance above
     raise ConfigError(f"{name}: expected {kind}, got {type(value).__name__}")
 
 

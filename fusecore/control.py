@@ -48,7 +48,10 @@ async def serve(datapath: DataPath, path: str, *, task_status=trio.TASK_STATUS_I
     listener = trio.SocketListener(sock)
     task_status.started()
     try:
-        await trio.serve_listeners(lambda stream: _handle(datapath, stream), [listener])
+        async def handle(stream: trio.SocketStream) -> None:
+            await _handle(datapath, stream)
+
+        await trio.serve_listeners(handle, [listener])
     finally:
         try:
             os.unlink(path)
@@ -78,7 +81,10 @@ async def _handle(datapath: DataPath, stream: trio.SocketStream) -> None:
             elif op == "resize":
                 await _send(stream, datapath.resize(int(request["cache_size"])))
             elif op == "credentials":
-                await _send(stream, datapath.rotate(identity_from_document(request.get("credentials"))))
+                identity = identity_from_document(request.get("credentials"))
+                if identity is None:
+                    raise ValueError("credentials: none given")
+                await _send(stream, datapath.rotate(identity))
             elif op == "warm":
                 paths = [str(p) for p in request.get("paths", [])]
                 result = await datapath.warm(paths, lambda progress: _send(stream, progress))

@@ -77,7 +77,7 @@ class DataPath:
                 "cache": int(m.value(m.bytes_served, source="cache")),
                 "network": int(m.value(m.bytes_served, source="network")),
             },
-            "inflight": {"requests": self.fetcher.inflight, "bytes": int(m.inflight_bytes._value.get())},
+            "inflight": {"requests": self.fetcher.inflight, "bytes": int(m.value(m.inflight_bytes))},
             "open_files": self.reader.open_files,
             "walk_prefetches": self.walk.issued,
             "fuse_reads": {"count": self.reader.read_calls, "bytes_requested": self.reader.read_bytes},
@@ -118,7 +118,7 @@ class DataPath:
             if total + info.size <= budget:
                 planned.append(info)
                 total += info.size
-        progress = {"files_total": len(planned), "bytes_total": total, "files_done": 0, "bytes_done": 0,
+        progress: dict[str, float | int | bool] = {"files_total": len(planned), "bytes_total": total, "files_done": 0, "bytes_done": 0,
                     "skipped_files": len(files) - len(planned), "errors": 0}
         slots = trio.CapacityLimiter(self.cfg.store.max_concurrency)
         block_size = self.cfg.block_size

@@ -65,6 +65,7 @@ def launch(cfg: MountConfig, *, log_file: str, ready_timeout: float, log_level: 
         os.close(log_fd)
         os.close(write_fd)
     try:
+        assert child.stdin is not None  # stdin=PIPE
         child.stdin.write(serve_document(cfg, log_level))
         child.stdin.close()
     except OSError:

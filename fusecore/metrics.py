@@ -47,6 +47,8 @@ class MountMetrics:
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
 
-    def value(self, counter: Counter, **labels: str) -> float:
-        metric = counter.labels(**labels) if labels else counter
-        return metric._value.get()  # noqa: SLF001 - prometheus-client has no public getter
+    def value(self, metric: Counter | Gauge, **labels: str) -> float:
+        """The current value of a counter or gauge (through the registry's public sample lookup)."""
+        family = next(iter(metric.describe()))
+        sample = family.name + ("_total" if family.type == "counter" else "")
+        return self.registry.get_sample_value(sample, labels) or 0.0

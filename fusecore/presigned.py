@@ -1,5 +1,8 @@
 """Ranged GETs and listings over presigned URLs with urllib3: botocore signs, urllib3 moves the bytes
-(a fraction of botocore's per-request CPU), and listing pages are parsed with the C XML parser."""
+(a fraction of botocore's per-request CPU), and listing pages are parsed with the C XML parser.
+
+Errors here are raised `from None` on purpose: urllib3's exceptions quote the request URL, and a
+presigned URL carries the credential and any session token, which a chained traceback would log."""
 
 from __future__ import annotations
 

@@ -78,7 +78,7 @@ class S3Store:
         try:
             self._client.list_objects_v2(Bucket=self.bucket, Prefix=self.cfg.prefix, MaxKeys=1)
         except Exception as exc:  # noqa: BLE001 - translated below
-            raise translate(exc, what) from None
+            raise translate(exc, what) from exc
 
     def list_dir(self, prefix: str) -> Iterator[Listing]:
         if self._gets is not None:
@@ -92,9 +92,9 @@ class S3Store:
                     dirs=[p["Prefix"] for p in page.get("CommonPrefixes", ())],
                 )
         except botocore.exceptions.BotoCoreError as exc:
-            raise translate(exc, f"list {prefix!r}") from None
+            raise translate(exc, f"list {prefix!r}") from exc
         except botocore.exceptions.ClientError as exc:
-            raise translate(exc, f"list {prefix!r}") from None
+            raise translate(exc, f"list {prefix!r}") from exc
 
     def list_all(self, prefix: str) -> Iterator[ObjectInfo]:
         if self._gets is not None:
@@ -107,7 +107,7 @@ class S3Store:
                 for item in page.get("Contents", ()):
                     yield _info(item)
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
-            raise translate(exc, f"list {prefix!r}") from None
+            raise translate(exc, f"list {prefix!r}") from exc
 
     def head(self, key: str) -> ObjectInfo | None:
         try:
@@ -116,14 +116,14 @@ class S3Store:
             err = translate(exc, f"head {key!r}")
             if isinstance(err, NotFound):
                 return None
-            raise err from None
+            raise err from exc
         return ObjectInfo(key, resp["ContentLength"], resp["ETag"], resp["LastModified"].timestamp())
 
     def has_prefix(self, prefix: str) -> bool:
         try:
             resp = self._client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, MaxKeys=1)
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
-            raise translate(exc, f"list {prefix!r}") from None
+            raise translate(exc, f"list {prefix!r}") from exc
         return resp.get("KeyCount", 0) > 0
 
     def get_range(self, key: str, start: int, end: int, etag: str) -> bytearray | mmap.mmap:
@@ -164,9 +164,9 @@ class S3Store:
         except StoreError:
             raise
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
-            raise translate(exc, what) from None
+            raise translate(exc, what) from exc
         except (OSError, ValueError, http.client.HTTPException) as exc:
-            raise TransientError(f"{what}: {type(exc).__name__} while reading the body") from None
+            raise TransientError(f"{what}: {type(exc).__name__} while reading the body") from exc
 
 
 def _info(item: dict) -> ObjectInfo:

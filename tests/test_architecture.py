@@ -17,6 +17,16 @@ def test_import_contracts_hold():
     assert "KEPT" in result.stdout and "BROKEN" not in result.stdout
 
 
+def test_mypy_finds_nothing():
+    """Type check (pyproject's [tool.mypy]: the product packages, the generated gRPC modules aside)."""
+    mypy = shutil.which("mypy", path=os.path.dirname(sys.executable)) or shutil.which("mypy")
+    assert mypy, "mypy is a test dependency"
+    result = subprocess.run([mypy, "--no-incremental", "--no-error-summary"], cwd=ROOT, capture_output=True,
+                            text=True)
+    errors = [line for line in result.stdout.splitlines() if ": error:" in line]
+    assert result.returncode == 0 and not errors, result.stdout[-4000:] + result.stderr[-2000:]
+
+
 def test_ruff_finds_nothing():
     """Lint (pyproject's [tool.ruff]): unused or undefined names, mutable defaults, bare excepts."""
     ruff = shutil.which("ruff", path=os.path.dirname(sys.executable)) or shutil.which("ruff")

@@ -10,6 +10,7 @@ kubeconfig written by `kubeconfig()`. Not a conformance server: just the boundar
 from __future__ import annotations
 
 import bisect
+import typing
 import copy
 import json
 import threading
@@ -201,7 +202,7 @@ class FakeKube:
                                          headers={"Content-Type": "application/merge-patch+json"})
         urllib.request.urlopen(request, timeout=10).close()
 
-    def history(self, api_version: str, plural: str, name: str, namespace: str | None = None) -> list[dict]:
+    def history(self, api_version: str, plural: str, name: str, namespace: str | None = None) -> "typing.List[dict]":
         """Every version of one object, oldest first (what a watch from the beginning delivered)."""
         key = (self._prefix(api_version), plural, namespace, name)
         with self._lock:

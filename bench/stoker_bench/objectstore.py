@@ -111,6 +111,7 @@ class ObjectStoreServer:
             await writer.drain()
             self.stats.bytes_sent += len(body)
             return True
+        assert key is not None  # no body: the object to stream
         await self._stream(writer, key, start, end)
         return True
 
@@ -203,7 +204,9 @@ class ObjectStoreServer:
         keys = self._sorted_keys[bucket]
 
         i = bisect.bisect_right(keys, after) if after else bisect.bisect_left(keys, prefix)
-        contents, prefixes, last = [], [], None
+        contents: list[str] = []
+        prefixes: list[str] = []
+        last = None
         truncated = False
         while i < len(keys):
             key = keys[i]

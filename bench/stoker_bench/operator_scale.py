@@ -94,7 +94,8 @@ class FakeVolumes:
     """VolumeManager's hold/release seam for the real agents."""
 
     def __init__(self, sock: str):
-        self.sock, self.held = sock, {}
+        self.sock = sock
+        self.held: dict[str, str] = {}
 
     def hold(self, volume_id, attributes, secrets, holder, cache_size) -> str:
         self.held[holder] = volume_id
@@ -254,9 +255,9 @@ def _max_events_per_selector(kube: FakeKube, nodes: int) -> int:
     counts = dict.fromkeys((f"gpu-{i:05d}" for i in range(nodes)), 0)
     for _, _, _, obj in events:
         labels = obj["metadata"].get("labels") or {}
-        for node in [labels.get(NODE_LABEL)] if labels.get(NODE_LABEL) in counts else counts:
-            if _selector_matches(node_selector(node), labels):
-                counts[node] += 1
+        node = labels.get(NODE_LABEL)  # the simulated nodes' names are their label values
+        if isinstance(node, str) and node in counts and _selector_matches(node_selector(node), labels):
+            counts[node] += 1
     return max(counts.values(), default=0)
 
 

@@ -208,7 +208,7 @@ def python_client_ceiling(store: StoreProcess, d: Dataset, connections: int = 48
         resp = pool.request("GET", url, headers={"Range": f"bytes={i * block}-{(i + 1) * block - 1}"},
                             preload_content=False)
         view, pos = memoryview(buffers[i % connections]), 0
-        while pos < block and (n := resp._fp.readinto(view[pos:pos + 262144])):
+        while pos < block and (n := resp._fp.readinto(view[pos:pos + 262144])):  # type: ignore[attr-defined]
             pos += n
         resp.release_conn()
         return pos

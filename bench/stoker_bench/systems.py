@@ -170,4 +170,4 @@ class Boto3Baseline:
         return n
 
 
-SYSTEMS = {"stoker": Stoker, "s3fs": S3fs, "rclone": Rclone, "boto3": Boto3Baseline}
+SYSTEMS: dict[str, type] = {"stoker": Stoker, "s3fs": S3fs, "rclone": Rclone, "boto3": Boto3Baseline}

@@ -60,7 +60,7 @@ class Dataset:
         return d
 
     def objects(self) -> dict[str, int]:
-        out = {}
+        out: dict[str, int] = {}
         for group in (self.seq, self.shards, self.small, self.meta, self.epoch, self.bigdir):
             out.update(group)
         return out

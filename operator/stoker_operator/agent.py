@@ -106,7 +106,7 @@ class CacheWorker:
         ok = errors == 0 and final is not None and final["bytes_done"] >= READY_AT * final["bytes_total"]
         self._report({"phase": "Ready" if ok else "Failed", "warmedBytes": final["bytes_done"] if final else 0,
                       "cachedBytes": stats["bytes"], "filesWarmed": final["files_done"] if final else 0,
-                      "message": (f"warm in {final.get('seconds', 0)}s{skipped}" if ok
+                      "message": (f"warm in {(final or {}).get('seconds', 0)}s{skipped}" if ok
                                   else f"{errors} files could not be read{skipped}")}, force=True)
         log.info("%s: warmed %d bytes on %s", self.key, final["bytes_done"] if final else 0, self.agent.node)
 

@@ -96,7 +96,7 @@ def _states(index, namespace: str, name: str) -> list[NodeState]:
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-def plan(spec, status, meta, namespace, name, body, patch, reason, node_loads, **_) -> None:
+def plan(*, spec, status, meta, namespace, name, body, patch, reason, node_loads=None, **_) -> None:
     """Resolve the source, list the dataset, size the per-node cache and pick the nodes."""
     generation = meta.get("generation")
     if (reason == "resume" and status.get("observedGeneration") == generation and status.get("phase") not in UNPLANNED
@@ -148,7 +148,7 @@ def plan(spec, status, meta, namespace, name, body, patch, reason, node_loads, *
 def replacing(old: dict | None, new: dict) -> dict:
     """A merge patch that replaces `old` by `new` (status is merge-patched: a key left out would stay)."""
     old = old or {}
-    out = {k: None for k in old if k not in new}
+    out: dict = {k: None for k in old if k not in new}
     for key, value in new.items():
         nested = isinstance(value, dict) and isinstance(old.get(key), dict)
         out[key] = replacing(old[key], value) if nested else value
@@ -203,7 +203,7 @@ def refresh_handover(spec: dict, namespace: str, name: str) -> None:
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=AGGREGATE_EVERY)
-def summarize(status, meta, namespace, name, body, patch, node_states, **_) -> None:
+def summarize(*, status, meta, namespace, name, body, patch, node_states=None, **_) -> None:
     """Fold the DatasetCacheNodes' reports into phase, counts and conditions (debounced: one write per
     interval at most, and none when nothing changed); release gated pods once Ready."""
     if meta.get("deletionTimestamp") or status.get("phase") in UNPLANNED:
@@ -240,7 +240,7 @@ def _gated(spec, **_) -> bool:
 
 
 @kopf.on.event("", "v1", "pods", annotations={CACHE_ANNOTATION: kopf.PRESENT}, when=_gated)
-def gated_pod(type, namespace, annotations, node_states, **_) -> None:
+def gated_pod(*, type, namespace, annotations, node_states=None, **_) -> None:
     """A gated pod that arrives after its cache is Ready is released at once (an event handler,
     so kopf keeps no bookkeeping on users' pods)."""
     if type == "DELETED":
@@ -252,7 +252,8 @@ def gated_pod(type, namespace, annotations, node_states, **_) -> None:
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=60, initial_delay=60, idle=30)
-def replan_on_node_changes(spec, status, meta, namespace, name, patch, node_states, node_loads, **_) -> None:
+def replan_on_node_changes(*, spec, status, meta, namespace, name, patch, node_states=None, node_loads=None,
+                           **_) -> None:
     """New or lost matching nodes: re-size and re-target without listing the dataset again; hand
     rotated credentials over (the agents pass them to the running mounts)."""
     if status.get("phase") in UNPLANNED or status.get("observedGeneration") != meta.get("generation"):
@@ -284,7 +285,7 @@ def replan_on_node_changes(spec, status, meta, namespace, name, patch, node_stat
 def release(body, namespace, name, retry, **_) -> None:
     """Delete this cache's DatasetCacheNodes and wait until every node agent gave its memory back (each
     removes its object's finalizer), then delete the handover."""
-    items, _ = kube().node_objects(HANDOVER_NAMESPACE, cache_selector(namespace, name))
+    items, _version = kube().node_objects(HANDOVER_NAMESPACE, cache_selector(namespace, name))
     live = [obj["metadata"]["name"] for obj in items if not obj["metadata"].get("deletionTimestamp")]
     silent = [obj for obj in items if not obj.get("status")]  # never reported: its agent holds nothing yet
     with ThreadPoolExecutor(WRITERS) as pool:  # (one that is just starting sees the deletion and lets go)

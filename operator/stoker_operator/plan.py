@@ -213,8 +213,9 @@ def merge_conditions(existing: list[dict], updates: dict[str, tuple[str, str, st
     for kind, (status, reason, message) in updates.items():
         old = by_type.get(kind)
         changed = old is None or old.get("status") != status
+        since = now if old is None or changed else old.get("lastTransitionTime", now)
         by_type[kind] = {"type": kind, "status": status, "reason": reason, "message": message,
-                         "lastTransitionTime": now if changed else old.get("lastTransitionTime", now)}
+                         "lastTransitionTime": since}
     order = ["Sized", "CacheTooSmall", "Warmed", "Ready"]
     return sorted(by_type.values(), key=lambda c: order.index(c["type"]) if c["type"] in order else 99)
 

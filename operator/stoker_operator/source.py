@@ -66,7 +66,7 @@ def _from_pvc(name: str, namespace: str, kube: Kube) -> VolumeRef:
 def read_secrets(ref: VolumeRef, kube: Kube) -> dict[str, str]:
     """The credentials of the source; a source without any is refused (nothing falls back to the
     operator's or a node's own identity)."""
-    if not ref.secret_name:
+    if not ref.secret_name or not ref.secret_namespace:
         raise SpecProblem("the source has no credentials: give source.s3 a secretRef, or use a PVC whose volume "
                           "has a node-stage (or node-publish) secret")
     try:

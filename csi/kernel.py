@@ -1,0 +1,47 @@
+"""The node's mount table as the volume lifecycle sees it: what is mounted where, read-only binds
+that follow a mount, and unmounting everything stacked on a path.
+
+`HostMounts` is the kernel (fusecore.mounts: mountinfo, mount(2), umount2); a fake with the same
+rules stands beside it for fast tests (tests/support/fakekernel.py). Mount *processes* are started
+through the Mounter (mounter.py); this is everything else VolumeManager does to mounts.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+from fusecore.mounts import MountInfo, bind_follower, mount_table, unmount_stack
+
+
+class MountTable(Protocol):
+    def table(self) -> list[MountInfo]: ...
+
+    def bind(self, source: str, target: str) -> None:
+        """A read-only bind of `source` at `target` that follows later mounts stacked on `source`; OSError."""
+
+    def unmount(self, path: str) -> str | None:
+        """Unmount every layer at `path`; None once nothing is mounted there, else why something still is."""
+
+
+class HostMounts:
+    """The kernel's mount table."""
+
+    def table(self) -> list[MountInfo]:
+        return mount_table()
+
+    def bind(self, source: str, target: str) -> None:
+        bind_follower(source, target)
+
+    def unmount(self, path: str) -> str | None:
+        return unmount_stack(path)
+
+
+def top_of(path: str, table: list[MountInfo]) -> MountInfo | None:
+    """The mount a lookup of `path` reaches (the last one stacked there), or None."""
+    target = os.path.abspath(path)
+    found = None
+    for entry in table:
+        if entry.point == target:
+            found = entry
+    return found
