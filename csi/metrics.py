@@ -30,19 +30,19 @@ class VolumesCollector:
         for record in self.volumes.state.records():
             volume = record.volume_id
             try:
-                stats = control.call(self.volumes.state.control_socket(volume), {"op": "stats"}, timeout=2)
+                stats = control.stats(self.volumes.state.control_socket(volume), timeout=2)
             except (control.ControlError, OSError, ValueError):
                 up.add_metric([volume], 0)
                 continue
             up.add_metric([volume], 1)
-            budget.add_metric([volume], stats["cache"]["budget"])
-            cached.add_metric([volume], stats["cache"]["bytes"])
-            hit.add_metric([volume], stats["cache"]["hit_ratio"])
-            fetched.add_metric([volume], stats["bytes_fetched"])
-            for source, value in stats["bytes_served"].items():
-                served.add_metric([volume, source], value)
-            gets.add_metric([volume], stats["requests"]["get"])
-            inflight.add_metric([volume], stats["inflight"]["bytes"])
+            budget.add_metric([volume], stats.cache.budget)
+            cached.add_metric([volume], stats.cache.bytes)
+            hit.add_metric([volume], stats.cache.hit_ratio)
+            fetched.add_metric([volume], stats.bytes_fetched)
+            served.add_metric([volume, "cache"], stats.served_from_cache)
+            served.add_metric([volume, "network"], stats.served_from_network)
+            gets.add_metric([volume], stats.get_requests)
+            inflight.add_metric([volume], stats.inflight_bytes)
         yield from (up, budget, cached, hit, fetched, served, gets, inflight)
         node = GaugeMetricFamily("stoker_node_cache_budget_bytes", "cache budgets of every volume on the node together")
         node.add_metric([], sum(self.volumes.node_cache_usage().values()))

@@ -252,7 +252,7 @@ class VolumeManager:
             if record is None or holder not in record.holders:
                 return
             del record.holders[holder]
-            if record.in_use() and isinstance(self._mount_stats(record), dict):
+            if record.in_use() and not isinstance(self._mount_stats(record), str):
                 self._resize(record, cache_budget(record))
             self._retire_or_save(record)
             log.info("released volume %s for %s", volume_id, holder)
@@ -305,8 +305,7 @@ class VolumeManager:
         behind = self._behind(record)
         if behind:
             return Health(True, f"{behind[0]} does not show the volume's mount")
-        cache = stats.get("cache", {})
-        return Health(False, "mounted and serving", int(cache.get("bytes", 0)), int(cache.get("budget", 0)))
+        return Health(False, "mounted and serving", stats.cache.bytes, stats.cache.budget)
 
     def condition(self, record: VolumeRecord) -> Health:
         health = self.health(record)
@@ -379,13 +378,13 @@ class VolumeManager:
         for path in self._behind(record):
             self._bind(record, path)
 
-    def _serving(self, record: VolumeRecord) -> dict | str:
+    def _serving(self, record: VolumeRecord) -> control.MountStats | str:
         """The stats of the volume's live mount, or why its mount is not serving."""
         top = top_of(record.mount_path, self.mounts.table())
         if top is None or top.fs_type != STOKER_FS_TYPE:
             return f"the volume's mount at {record.mount_path} is gone"
         stats = self._mount_stats(record)
-        return stats if isinstance(stats, dict) else f"the mount process is gone or not answering ({stats})"
+        return stats if not isinstance(stats, str) else f"the mount process is gone or not answering ({stats})"
 
     def _behind(self, record: VolumeRecord, paths: list[str] | None = None) -> list[str]:
         """Those of `paths` (default: every bind) where a lookup does not reach the volume's current mount."""
@@ -394,10 +393,10 @@ class VolumeManager:
         tops = {path: top_of(path, table) for path in (record.binds() if paths is None else paths)}
         return [path for path, top in tops.items() if mine is None or top is None or top.device != mine.device]
 
-    def _mount_stats(self, record: VolumeRecord) -> dict | str:
+    def _mount_stats(self, record: VolumeRecord) -> control.MountStats | str:
         """The mount process's stats, or why it did not answer."""
         try:
-            return control.call(self.state.control_socket(record.volume_id), {"op": "stats"}, timeout=5)
+            return control.stats(self.state.control_socket(record.volume_id), timeout=5)
         except (control.ControlError, OSError, ValueError) as exc:
             return str(exc)
 
@@ -440,8 +439,7 @@ class VolumeManager:
         record.who = auth.who
         self.state.save(record)
         try:
-            control.call(self.state.control_socket(record.volume_id),
-                         {"op": "credentials", "credentials": identity_document(auth.identity)}, timeout=10)
+            control.rotate(self.state.control_socket(record.volume_id), identity_document(auth.identity))
         except (control.ControlError, OSError) as exc:
             log.warning("volume %s: new credentials saved; the mount did not take them (%s)", record.volume_id, exc)
             return
@@ -467,7 +465,7 @@ class VolumeManager:
             raise StillMounted(f"bind mount at {path} failed: {exc.strerror}") from None
 
     def _resize(self, record: VolumeRecord, cache_size: int) -> None:
-        control.call(self.state.control_socket(record.volume_id), {"op": "resize", "cache_size": cache_size})
+        control.resize(self.state.control_socket(record.volume_id), cache_size)
 
     def _retire_or_save(self, record: VolumeRecord) -> bool:
         """Stop the mount of a volume nothing uses any more (True), else save the record (False)."""

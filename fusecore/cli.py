@@ -251,7 +251,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def cmd_warm(args: argparse.Namespace) -> int:
     try:
         final = None
-        for progress in control.request(_socket(args), {"op": "warm", "paths": args.paths}, timeout=None):
+        for progress in control.warm(_socket(args), args.paths):
             final = progress
             if not args.quiet:
                 _progress_bar(progress)
@@ -262,17 +262,16 @@ def cmd_warm(args: argparse.Namespace) -> int:
         print()
     if final is None:
         return 1
-    skipped = f", {final['skipped_files']} files did not fit the cache" if final["skipped_files"] else ""
-    print(f"warmed {final['files_done']} files, {format_size(final['bytes_done'])} in {final.get('seconds', 0)}s"
-          f"{skipped}{', ' + str(final['errors']) + ' errors' if final['errors'] else ''}")
-    return 1 if final["errors"] else 0
+    skipped = f", {final.skipped_files} files did not fit the cache" if final.skipped_files else ""
+    print(f"warmed {final.files_done} files, {format_size(final.bytes_done)} in {final.seconds}s"
+          f"{skipped}{', ' + str(final.errors) + ' errors' if final.errors else ''}")
+    return 1 if final.errors else 0
 
 
-def _progress_bar(p: dict) -> None:
-    total = p["bytes_total"] or 1
-    frac = min(1.0, p["bytes_done"] / total)
+def _progress_bar(p: control.WarmProgress) -> None:
+    frac = min(1.0, p.bytes_done / (p.bytes_total or 1))
     bar = "#" * int(frac * 30)
-    done, total = format_size(p["bytes_done"]), format_size(p["bytes_total"])
+    done, total = format_size(p.bytes_done), format_size(p.bytes_total)
     print(f"\r[{bar:<30}] {frac:6.1%} {done}/{total}", end="", flush=True)
 
 

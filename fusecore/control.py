@@ -10,12 +10,13 @@ import json
 import logging
 import os
 import socket
-from typing import Iterator
+from typing import Any, Iterator
 
 import trio
 
 from .config import identity_from_document
 from .datapath import DataPath
+from .messages import MalformedReply, MountStats, WarmProgress
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,28 @@ def default_control_socket(mountpoint: str) -> str:
 
 class ControlError(RuntimeError):
     pass
+
+
+def stats(path: str, timeout: float | None = 30.0) -> MountStats:
+    """The mount's stats, typed."""
+    try:
+        return MountStats.from_wire(call(path, {"op": "stats"}, timeout))
+    except MalformedReply as exc:
+        raise ControlError(str(exc)) from None
+
+
+def warm(path: str, paths: list[str]) -> Iterator[WarmProgress]:
+    """Warm `paths` of the mount (all of it: []), yielding its progress until done."""
+    for reply in request(path, {"op": "warm", "paths": list(paths)}, timeout=None):
+        yield WarmProgress.from_wire(reply)
+
+
+def resize(path: str, cache_size: int, timeout: float | None = 30.0) -> None:
+    call(path, {"op": "resize", "cache_size": cache_size}, timeout)
+
+
+def rotate(path: str, credentials: dict[str, Any] | None, timeout: float | None = 10.0) -> None:
+    call(path, {"op": "credentials", "credentials": credentials}, timeout)
 
 
 async def serve(datapath: DataPath, path: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

@@ -16,6 +16,7 @@ from .blocks import block_count
 from .cache import BlockCache
 from .config import WARM_FRACTION, Identity, MountConfig
 from .fetcher import Fetcher
+from .messages import WarmProgress
 from .metrics import MountMetrics
 from .namespace import Namespace
 from .reader import Reader
@@ -118,8 +119,7 @@ class DataPath:
             if total + info.size <= budget:
                 planned.append(info)
                 total += info.size
-        progress: dict[str, float | int | bool] = {"files_total": len(planned), "bytes_total": total, "files_done": 0, "bytes_done": 0,
-                    "skipped_files": len(files) - len(planned), "errors": 0}
+        progress = WarmProgress(files_total=len(planned), bytes_total=total, skipped_files=len(files) - len(planned))
         slots = trio.CapacityLimiter(self.cfg.store.max_concurrency)
         block_size = self.cfg.block_size
 
@@ -128,14 +128,14 @@ class DataPath:
                 try:
                     await self.fetcher.block(info, index, visit="warm")
                 except StoreError:
-                    progress["errors"] += 1
+                    progress.errors += 1
                     return
-            progress["bytes_done"] += min(block_size, info.size - index * block_size)
+            progress.bytes_done += min(block_size, info.size - index * block_size)
 
         async def reporter() -> None:
             while True:
                 await trio.sleep(0.25)
-                await report(dict(progress))
+                await report(progress.wire())
 
         started = time.monotonic()
         async with trio.open_nursery() as outer:
@@ -146,8 +146,8 @@ class DataPath:
                         async with slots:  # keep at most max_concurrency tasks queued
                             pass
                         nursery.start_soon(warm_block, info, index)
-                    progress["files_done"] += 1
+                    progress.files_done += 1
             outer.cancel_scope.cancel()
-        progress["seconds"] = round(time.monotonic() - started, 3)
-        progress["done"] = True
-        return progress
+        progress.seconds = round(time.monotonic() - started, 3)
+        progress.done = True
+        return progress.wire()

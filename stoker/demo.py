@@ -103,7 +103,7 @@ def _epochs(args: argparse.Namespace, mountpoint: str, expected: dict[str, str])
              f"{'stoker cache hits':>17} {'kernel page cache':>17}"
     print(header)
     bad = 0
-    before = control.call(socket, {"op": "stats"})
+    before = control.stats(socket)
     for epoch in range(1, args.epochs + 1):
         order = keys[:]
         random.Random(epoch).shuffle(order)  # a shuffled epoch, like a DataLoader with shuffle=True
@@ -111,14 +111,14 @@ def _epochs(args: argparse.Namespace, mountpoint: str, expected: dict[str, str])
         with ThreadPoolExecutor(args.readers) as pool:
             results = list(pool.map(lambda k: read_file(os.path.join(mountpoint, k)), order))
         seconds = time.monotonic() - started
-        after = control.call(socket, {"op": "stats"})
+        after = control.stats(socket)
         read_bytes = sum(size for size, _ in results)
         bad += sum(1 for key, (_, digest) in zip(order, results) if digest != expected[key])
-        served_cache = after["bytes_served"]["cache"] - before["bytes_served"]["cache"]
-        served_net = after["bytes_served"]["network"] - before["bytes_served"]["network"]
-        hits = after["cache"]["hits"] - before["cache"]["hits"]
-        misses = after["cache"]["misses"] - before["cache"]["misses"]
-        gets = after["requests"]["get"] - before["requests"]["get"]
+        served_cache = after.served_from_cache - before.served_from_cache
+        served_net = after.served_from_network - before.served_from_network
+        hits = after.cache.hits - before.cache.hits
+        misses = after.cache.misses - before.cache.misses
+        gets = after.get_requests - before.get_requests
         kernel = max(0, read_bytes - served_cache - served_net)
         hit_ratio = f"{hits / (hits + misses):.1%}" if hits + misses else "-"
         print(f"{epoch:>5} {seconds:>8.2f} {read_bytes / seconds / 1e6:>8.1f} {len(order) / seconds:>8.0f} "

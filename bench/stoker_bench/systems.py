@@ -83,7 +83,7 @@ class Stoker(MountedSystem):
             raise Unavailable(result.stderr.strip())
         from fusecore import control
 
-        self.pid = control.call(control.default_control_socket(self.mountpoint), {"op": "stats"})["pid"]
+        self.pid = control.stats(control.default_control_socket(self.mountpoint)).pid
 
 
 class S3fs(MountedSystem):

@@ -232,8 +232,7 @@ def mixed(system, d: Dataset, run: int) -> Outcome:
     if system.name == "stoker":
         from fusecore import control
 
-        for _ in control.request(control.default_control_socket(system.mountpoint),
-                                 {"op": "warm", "paths": ["small"]}, timeout=None):
+        for _ in control.warm(control.default_control_socket(system.mountpoint), ["small"]):
             pass
     return Outcome(bytes=sum(b for b, _ in results), files=len(results), seconds=time.monotonic() - started,
                    wrong=sum(w for _, w in results))

@@ -82,7 +82,7 @@ class CacheWorker:
         sock = self.agent.volumes.hold(handover.volume_id, handover.attributes, handover.secrets, self.key,
                                        plan.cache_bytes)
         self.held = handover.volume_id
-        cached = control.call(sock, {"op": "stats"})["cache"]["bytes"]
+        cached = control.stats(sock).cache.bytes
         mine = self._current()  # a report about an earlier plan counts as none
         if not node_should_warm(plan.policy, mine, cached, goal):
             evicted = cached < READY_AT * goal  # policy Once: say so, do not fetch again
@@ -93,22 +93,23 @@ class CacheWorker:
             return
         self._report({"phase": "Warming", "warmedBytes": 0, "cachedBytes": cached, "message": "warming"}, force=True)
         final = None
-        for progress in control.request(sock, {"op": "warm", "paths": list(plan.paths)}, timeout=None):
+        for progress in control.warm(sock, list(plan.paths)):
             final = progress
             if self.stopped.is_set() or self.changed.is_set():
                 return  # released, or re-planned: start over with the new plan
-            self._report({"phase": "Warming", "warmedBytes": progress["bytes_done"], "cachedBytes": cached,
-                          "filesWarmed": progress["files_done"],
-                          "message": f"{progress['files_done']} of {progress['files_total']} files"})
-        stats = control.call(sock, {"op": "stats"})["cache"]
-        errors = int(final["errors"]) if final else 1
-        skipped = f"; {final['skipped_files']} files did not fit the cache" if final and final["skipped_files"] else ""
-        ok = errors == 0 and final is not None and final["bytes_done"] >= READY_AT * final["bytes_total"]
-        self._report({"phase": "Ready" if ok else "Failed", "warmedBytes": final["bytes_done"] if final else 0,
-                      "cachedBytes": stats["bytes"], "filesWarmed": final["files_done"] if final else 0,
-                      "message": (f"warm in {(final or {}).get('seconds', 0)}s{skipped}" if ok
-                                  else f"{errors} files could not be read{skipped}")}, force=True)
-        log.info("%s: warmed %d bytes on %s", self.key, final["bytes_done"] if final else 0, self.agent.node)
+            self._report({"phase": "Warming", "warmedBytes": progress.bytes_done, "cachedBytes": cached,
+                          "filesWarmed": progress.files_done,
+                          "message": f"{progress.files_done} of {progress.files_total} files"})
+        cached = control.stats(sock).cache.bytes
+        if final is None or not final.done:
+            raise RuntimeError("the mount ended the warm without a result")
+        skipped = f"; {final.skipped_files} files did not fit the cache" if final.skipped_files else ""
+        ok = final.errors == 0 and final.bytes_done >= READY_AT * final.bytes_total
+        self._report({"phase": "Ready" if ok else "Failed", "warmedBytes": final.bytes_done, "cachedBytes": cached,
+                      "filesWarmed": final.files_done,
+                      "message": (f"warm in {final.seconds}s{skipped}" if ok
+                                  else f"{final.errors} files could not be read{skipped}")}, force=True)
+        log.info("%s: warmed %d bytes on %s", self.key, final.bytes_done, self.agent.node)
 
     def _report(self, entry: dict, *, force: bool = False) -> None:
         now = time.monotonic()

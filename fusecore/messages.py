@@ -1,0 +1,69 @@
+"""The typed replies of a mount's control socket (control.py): what other processes and packages read.
+The wire stays JSON lines; these are built from it in one place, and the server builds it from them."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+class MalformedReply(ValueError):
+    """A reply that does not have the shape of its message."""
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    bytes: int
+    budget: int
+    entries: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_ratio: float = 0.0
+
+
+@dataclass(frozen=True)
+class MountStats:
+    """The `stats` reply, typed: what the CSI plugin, the warm agent, the demo and the bench read."""
+
+    pid: int
+    cache: CacheStats
+    get_requests: int
+    bytes_fetched: int
+    served_from_cache: int
+    served_from_network: int
+    inflight_bytes: int
+    document: dict = field(repr=False, compare=False)  # the whole reply, for `stoker stats`
+
+    @classmethod
+    def from_wire(cls, doc: dict) -> "MountStats":
+        try:
+            c = doc["cache"]
+            cache = CacheStats(int(c["bytes"]), int(c["budget"]), int(c.get("entries", 0)), int(c.get("hits", 0)),
+                               int(c.get("misses", 0)), float(c.get("hit_ratio", 0.0)))
+            return cls(int(doc["pid"]), cache, int(doc["requests"]["get"]), int(doc["bytes_fetched"]),
+                       int(doc["bytes_served"]["cache"]), int(doc["bytes_served"]["network"]),
+                       int(doc["inflight"]["bytes"]), doc)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MalformedReply(f"the mount answered stats the client does not understand ({exc!r})") from None
+
+
+@dataclass
+class WarmProgress:
+    """A warm's progress: one JSON line every quarter second, the last one with `done`."""
+
+    files_total: int = 0
+    bytes_total: int = 0
+    files_done: int = 0
+    bytes_done: int = 0
+    skipped_files: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    done: bool = False
+
+    def wire(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, doc: dict) -> "WarmProgress":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in doc.items() if k in known})

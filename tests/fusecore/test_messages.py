@@ -1,0 +1,30 @@
+"""The control socket's typed replies: built from the wire in one place, refusing what has another shape."""
+
+import pytest
+
+from fusecore.messages import MalformedReply, MountStats, WarmProgress
+
+STATS = {"pid": 7, "cache": {"bytes": 10, "budget": 100, "entries": 1, "hits": 3, "misses": 1, "hit_ratio": 0.75,
+                             "staged_bytes": 0},
+         "requests": {"get": 5, "list": 1}, "bytes_fetched": 40, "bytes_served": {"cache": 30, "network": 40},
+         "inflight": {"requests": 0, "bytes": 0}, "errors": {}}
+
+
+def test_stats_are_read_from_the_wire_once():
+    stats = MountStats.from_wire(STATS)
+    assert (stats.pid, stats.cache.bytes, stats.cache.budget, stats.cache.hit_ratio) == (7, 10, 100, 0.75)
+    assert (stats.get_requests, stats.bytes_fetched, stats.served_from_cache, stats.served_from_network) == (5, 40, 30, 40)
+    assert stats.document is STATS  # the whole reply stays available for display
+
+
+@pytest.mark.parametrize("broken", [{}, {"pid": 1}, dict(STATS, cache={"bytes": "many", "budget": 1}),
+                                    dict(STATS, requests=None)])
+def test_a_stats_reply_of_another_shape_is_refused(broken):
+    with pytest.raises(MalformedReply):
+        MountStats.from_wire(broken)
+
+
+def test_warm_progress_round_trips_and_ignores_fields_it_does_not_know():
+    progress = WarmProgress(files_total=3, bytes_total=30, files_done=1, bytes_done=10)
+    assert WarmProgress.from_wire(progress.wire()) == progress
+    assert WarmProgress.from_wire(dict(progress.wire(), phase="x", done=True)).done
