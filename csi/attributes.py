@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 from fusecore.config import ConfigError, Credentials, Identity, MountConfig, StoreConfig, parse_size, parse_ttl
 
+from .failures import DriverError
+
 log = logging.getLogger(__name__)
 
 EPHEMERAL_KEY = "csi.storage.k8s.io/ephemeral"
@@ -21,7 +23,7 @@ TOKENS_KEY = "csi.storage.k8s.io/serviceAccount.tokens"  # the pod's service-acc
 _KUBERNETES_PREFIXES = ("csi.storage.k8s.io/", "storage.kubernetes.io/")
 
 
-class AttributeProblem(ValueError):
+class AttributeProblem(DriverError, ValueError):
     """A volume attribute, parameter or secret key is missing, unknown or malformed."""
 
 

@@ -7,10 +7,11 @@ import grpc
 from fusecore.store_errors import AccessDenied, BucketNotFound, NotFound, StoreError, TransientError, Unavailable
 
 from .attributes import AttributeProblem
+from .failures import DriverError
 from .mounter import MountFailed, MountNotReady
 
 
-class VolumeError(Exception):
+class VolumeError(DriverError):
     """Base of the CSI contract's failures raised by the volume logic."""
 
 

@@ -31,6 +31,7 @@ from fusecore.launch import LaunchFailed, NotReady, launch
 from fusecore.mounts import detach_top, mount_fuse_fd, top_mount
 from fusecore.store_errors import StoreError, error_of_kind
 
+from .failures import DriverError
 from .layout import is_pod_target, is_staging_path
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ _REQUEST_KEYS = {"op", "config", "credentials", "log_file", "timeout"}
 MAX_REQUEST = 1024 * 1024
 
 
-class MountFailed(RuntimeError):
+class MountFailed(DriverError, RuntimeError):
     """The mount did not start; the message says why (never a credential)."""
 
 

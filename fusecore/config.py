@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from .failures import StokerError
+
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -21,7 +23,7 @@ FOREVER = math.inf
 WARM_FRACTION = 0.9  # `warm` fills at most this share of a cache budget (the rest serves reads meanwhile)
 
 
-class ConfigError(ValueError):
+class ConfigError(StokerError, ValueError):
     """A configuration value is malformed; the message names the setting."""
 
 

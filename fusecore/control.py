@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import trio
 
+from .failures import StokerError
 from .config import identity_from_document
 from .datapath import DataPath
 from .messages import MalformedReply, MountStats, WarmProgress
@@ -34,7 +35,7 @@ def default_control_socket(mountpoint: str) -> str:
     return os.path.join(runtime_dir(), f"{digest}.sock")
 
 
-class ControlError(RuntimeError):
+class ControlError(StokerError, RuntimeError):
     pass
 
 

@@ -13,6 +13,7 @@ from typing import Callable
 import pyfuse3
 import trio
 
+from .failures import StokerError
 from . import control
 from .config import MountConfig
 from .datapath import DataPath
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 ReadyCallback = Callable[[Exception | None], None]  # None: mounted and serving; else why it failed (typed)
 
 
-class MountError(RuntimeError):
+class MountError(StokerError, RuntimeError):
     kind = "mount"
 
 

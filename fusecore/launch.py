@@ -14,13 +14,14 @@ import subprocess
 import sys
 import time
 
+from .failures import StokerError
 from .config import MountConfig, identity_document, mount_document
 from .mounts import is_mounted, unmount
 
 MAX_DOCUMENT = 1024 * 1024  # bytes a serve-mount reads from stdin at most
 
 
-class LaunchFailed(RuntimeError):
+class LaunchFailed(StokerError, RuntimeError):
     """The mount did not start; the message says why (never a credential), `kind` what kind of failure
     (a StoreError's kind such as access_denied or no_bucket, or config, mount, failed)."""
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .failures import StokerError
 
-class MalformedReply(ValueError):
+
+class MalformedReply(StokerError, ValueError):
     """A reply that does not have the shape of its message."""
 
 

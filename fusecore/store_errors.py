@@ -7,8 +7,10 @@ import re
 
 import botocore.exceptions
 
+from .failures import StokerError
 
-class StoreError(Exception):
+
+class StoreError(StokerError):
     """Base of every object-store failure; `kind` labels metrics and picks the errno."""
 
     kind = "other"

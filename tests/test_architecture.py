@@ -34,3 +34,26 @@ def test_ruff_finds_nothing():
     result = subprocess.run([ruff, "check", "--no-cache", "--output-format", "concise", "."], cwd=ROOT,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_error_the_product_raises_on_purpose_has_one_root():
+    """One exception tree: each layer's errors derive from its root, and the roots from StokerError."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    from csi.failures import DriverError
+    from fusecore.failures import StokerError
+    from stoker_operator.failures import OperatorError
+
+    roots = {"fusecore": StokerError, "csi": DriverError, "stoker_operator": OperatorError}
+    strays = []
+    for package, root in roots.items():
+        module = importlib.import_module(package)
+        for info in pkgutil.iter_modules(module.__path__, package + "."):
+            if info.name.endswith(("_pb2", "_pb2_grpc")) or info.name == "fusecore.__main__":
+                continue
+            for name, cls in inspect.getmembers(importlib.import_module(info.name), inspect.isclass):
+                if cls.__module__ == info.name and issubclass(cls, BaseException) and not issubclass(cls, root):
+                    strays.append(f"{info.name}.{name}")
+    assert strays == [], f"errors outside their layer's root: {strays}"

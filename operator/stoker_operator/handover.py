@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from csi.attributes import SECRET_KEYS, AttributeProblem, parse_secrets
 
+from .failures import OperatorError
 from .nodes import cache_id
 from .source import VolumeRef
 
@@ -22,7 +23,7 @@ LABELS = {"app.kubernetes.io/managed-by": "stoker-operator", "stoker.dev/handove
 VOLUME_KEY = "volume"
 
 
-class HandoverProblem(ValueError):
+class HandoverProblem(OperatorError, ValueError):
     """The handover Secret is missing, belongs to another DatasetCache, or is malformed."""
 
 

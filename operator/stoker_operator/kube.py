@@ -8,6 +8,7 @@ import logging
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
+from .failures import OperatorError
 from . import GROUP, NODE_PLURAL, PLURAL, VERSION
 from .plan import NodeInfo, quantity_bytes
 
@@ -15,7 +16,7 @@ log = logging.getLogger(__name__)
 MERGE_PATCH = "application/merge-patch+json"
 
 
-class NotFoundInCluster(LookupError):
+class NotFoundInCluster(OperatorError, LookupError):
     pass
 
 

@@ -16,6 +16,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 
+from .failures import OperatorError
 from . import GROUP, NODE_KIND, VERSION
 
 FINALIZER = "stoker.dev/node-release"  # removed by the node's agent once its cache is released
@@ -88,7 +89,7 @@ class NodePlan:
                 "spec": self.spec()}
 
 
-class NotANodePlan(ValueError):
+class NotANodePlan(OperatorError, ValueError):
     """A DatasetCacheNode whose spec is missing or malformed (never acted on)."""
 
 

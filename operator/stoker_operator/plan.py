@@ -18,13 +18,14 @@ from kubernetes.utils.quantity import parse_quantity
 from fusecore.config import WARM_FRACTION
 from fusecore.config import format_size as human
 
+from .failures import OperatorError
 from .nodes import NodeState
 
 MIN_CACHE_BYTES = 64 * 1024**2  # smallest budget a plan gives a mount (room for blocks and in-flight GETs)
 READY_AT = 0.98  # a node whose cache holds this share of what it was asked to warm is Ready
 
 
-class SpecProblem(ValueError):
+class SpecProblem(OperatorError, ValueError):
     """A spec the schema let through but that cannot be acted on; the message is user-facing."""
 
 
