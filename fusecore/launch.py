@@ -103,3 +103,15 @@ def _read_ready(fd: int, timeout: float) -> str | None:
                     return data.decode().strip()
                 data += chunk
     return data.decode().strip()
+
+
+def stop_process(proc: subprocess.Popen | None, grace: float = 10.0) -> None:
+    """SIGTERM, wait up to `grace` seconds, then SIGKILL; reaped either way (nothing if it already ended)."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -9,6 +9,8 @@ import sys
 import time
 import urllib.request
 
+from fusecore.launch import stop_process
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -43,13 +45,7 @@ class MotoServer:
         raise RuntimeError("moto server did not start in time")
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        stop_process(self._proc)
 
     def __enter__(self) -> "MotoServer":
         return self.start()

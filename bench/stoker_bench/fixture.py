@@ -10,6 +10,8 @@ import tempfile
 import time
 import urllib.request
 
+from fusecore.launch import stop_process
+
 
 class StoreProcess:
     def __init__(self, objects: dict[str, dict[str, int]], *, latency: float, bandwidth: float, workdir: str):
@@ -49,12 +51,7 @@ class StoreProcess:
         urllib.request.urlopen(req, timeout=10).close()
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc)
 
     def __enter__(self) -> "StoreProcess":
         return self.start()

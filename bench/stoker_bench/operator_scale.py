@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 from stoker_operator.kube import Kube
 from stoker_operator.nodes import NODE_LABEL, cache_selector, node_selector, object_name
 
+from fusecore.launch import stop_process
+
 from .fakekube import FakeKube, _selector_matches
 from .fixture import StoreProcess
 
@@ -161,7 +163,6 @@ def _simulated_agent(client: Kube, node: str, plan: str, total: int) -> int:
 def run(nodes: int, *, workdir: str | None = None, log=lambda line: None, timeout: float = 600) -> ScaleResult:
     """One DatasetCache over `nodes` simulated nodes: plan, warm, report, Ready, delete."""
     from kubernetes import config as kube_config
-
     from stoker_operator.agent import WarmAgent
 
     workdir = workdir or tempfile.mkdtemp(prefix="stoker-operator-scale-")
@@ -235,12 +236,7 @@ def run(nodes: int, *, workdir: str | None = None, log=lambda line: None, timeou
                                watched, deliverable, round(cpu, 2), round(rss, 1))
     finally:
         stop.set()
-        if operator is not None:
-            operator.terminate()
-            try:
-                operator.wait(20)
-            except subprocess.TimeoutExpired:
-                operator.kill()
+        stop_process(operator, grace=20)
         store.stop()
 
 

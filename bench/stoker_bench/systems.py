@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+from fusecore.launch import stop_process
 from fusecore.mounts import is_mounted, unmount, wait_unmounted
 
 ACCESS_KEY, SECRET_KEY = "bench", "bench-secret"
@@ -58,12 +59,7 @@ class MountedSystem:
 
     def stop(self) -> None:
         _unmount(self.mountpoint)
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc)
         if self.pid and os.path.exists(f"/proc/{self.pid}"):
             deadline = time.monotonic() + 10
             while os.path.exists(f"/proc/{self.pid}") and time.monotonic() < deadline:

@@ -12,9 +12,11 @@ import pytest
 
 from csi import csi_pb2 as pb
 from csi import csi_pb2_grpc as rpc
+from fusecore.launch import stop_process
 from stoker.s3server import free_port
 from tests.conftest import requires_fuse
-from tests.support.waiting import unmount_everything_under, wait_for as wait_until
+from tests.support.waiting import unmount_everything_under
+from tests.support.waiting import wait_for as wait_until
 
 SECRETS = {"accessKeyId": "testing-key", "secretAccessKey": "testing-secret-DO-NOT-LOG"}
 READ_ONLY_MANY = pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume(),
@@ -111,12 +113,7 @@ class Plugin:
 
     def stop(self) -> None:
         for proc in (self.server, self.mounter):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_process(proc)
         if self.channel is not None:
             self.channel.close()
         unmount_everything_under(str(self.tmp_path))

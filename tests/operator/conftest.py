@@ -8,8 +8,9 @@ import subprocess
 import sys
 
 import pytest
-
 from stoker_bench.fakekube import FakeKube
+
+from fusecore.launch import stop_process
 
 NAMESPACE = "ml"
 RELEASE_NS = "stoker-system"  # where the operator hands over volumes and keeps the DatasetCacheNodes
@@ -95,12 +96,7 @@ class OperatorProcess:
                                           "--log-level", "DEBUG", *self.args], stdout=log, stderr=log, env=env)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, grace=15)
 
     def log(self) -> str:
         return self.log_path.read_text()
