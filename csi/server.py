@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import http.server
 import logging
 import os
 import signal
 import threading
 import time
+from typing import Protocol, Sequence
 from concurrent import futures
 
 import grpc
@@ -137,7 +139,16 @@ def serve_health(socket: str, port: int, addr: str) -> http.server.ThreadingHTTP
     return server
 
 
-def cmd_csi(args: argparse.Namespace) -> int:
+class NodeExtension(Protocol):
+    """Something that runs beside the node service and shares its volumes (the DatasetCache warm agent),
+    composed in by `stoker`'s command line (stoker/cli.py): the driver imports none of it."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def start(self, args: argparse.Namespace, volumes: VolumeManager, stop: threading.Event) -> None: ...
+
+
+def cmd_csi(args: argparse.Namespace, extensions: Sequence[NodeExtension] = ()) -> int:
     _logging(args.log_level)
     path = socket_path(args.endpoint)
     rules = MountRules(os.path.abspath(args.kubelet_dir), os.path.abspath(args.state_dir), args.allow_node_credentials)
@@ -172,8 +183,8 @@ def cmd_csi(args: argparse.Namespace) -> int:
                          name="repair").start()
         if args.metrics_port:
             serve_metrics(volumes, args.metrics_port, args.metrics_addr)
-        for start_extension in args.node_extensions:  # e.g. the DatasetCache warm agent
-            start_extension(args, volumes, stop)
+        for extension in extensions:  # e.g. the DatasetCache warm agent
+            extension.start(args, volumes, stop)
 
     def terminate(signum, frame):
         log.info("signal %d: stopping the gRPC server; mounts keep serving", signum)
@@ -216,9 +227,8 @@ def _logging(level: str) -> None:
     logs.configure(level)
 
 
-def add_commands(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `csi` and `csi-mounter`; returns the `csi` parser, which other components may extend
-    with flags and `node_extensions` (callables started beside the node service)."""
+def add_commands(sub: argparse._SubParsersAction, extensions: Sequence[NodeExtension] = ()) -> None:
+    """Add `csi` and `csi-mounter`; `extensions` add their flags to `csi` and start beside its node service."""
     c = sub.add_parser("csi", help="serve the Kubernetes CSI driver csi.stoker.dev on a unix socket")
     c.add_argument("--endpoint", default="unix:///csi/csi.sock", help="unix:///PATH of the gRPC socket")
     c.add_argument("--node-id", default=os.environ.get("NODE_ID", ""), help="this node's name (node mode)")
@@ -246,7 +256,9 @@ def add_commands(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     c.add_argument("--metrics-port", type=int, help="serve Prometheus metrics of every volume's mount on this port")
     c.add_argument("--metrics-addr", default="0.0.0.0")
     c.add_argument("--log-level", default="INFO")
-    c.set_defaults(func=cmd_csi, node_extensions=[])
+    for extension in extensions:
+        extension.add_arguments(c)
+    c.set_defaults(func=functools.partial(cmd_csi, extensions=tuple(extensions)))
 
     m = sub.add_parser("csi-mounter", help="own the mount processes of the CSI node plugin (own container)")
     m.add_argument("--socket", default="/run/stoker-mounter/mounter.sock")
@@ -257,4 +269,3 @@ def add_commands(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="run mounts that use this container's own credentials")
     m.add_argument("--log-level", default="INFO")
     m.set_defaults(func=cmd_mounter)
-    return c

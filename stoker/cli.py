@@ -21,8 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     fusecore_cli.add_commands(sub)
     demo.add_command(sub)
-    csi_parser = csi_server.add_commands(sub)
-    warm_agent.extend_csi(csi_parser)
+    csi_server.add_commands(sub, extensions=[warm_agent.WarmAgentExtension()])
     operator_cli.add_command(sub)
     bench_cli.add_command(sub)  # matplotlib (the bench extra) is imported only to draw the chart
     return parser

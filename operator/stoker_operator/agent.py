@@ -203,26 +203,26 @@ class WarmAgent:
             worker.stop()
 
 
-def extend_csi(parser: argparse.ArgumentParser) -> None:
-    """Add `--warm-agent` to `stoker csi`: the agent runs beside the node service, sharing its volumes."""
-    parser.add_argument("--warm-agent", action="store_true",
-                        help="warm DatasetCaches planned onto this node (needs Kubernetes API access)")
-    parser.add_argument("--handover-namespace", default=os.environ.get("POD_NAMESPACE", "stoker-system"),
-                        help="where the operator hands over DatasetCache volumes (the release namespace)")
-    parser.add_argument("--warm-recheck", type=float, default=RECHECK_EVERY,
-                        help=f"seconds between checks that a warm cache is still warm (default {RECHECK_EVERY:g})")
-    parser.add_argument("--warm-report-interval", type=float, default=REPORT_EVERY,
-                        help=f"seconds between progress reports while warming (default {REPORT_EVERY:g})")
-    previous = parser.get_default("node_extensions") or []
+class WarmAgentExtension:
+    """`stoker csi --warm-agent`: the agent runs beside the node service, sharing its volumes
+    (a csi.server.NodeExtension, composed in by stoker/cli.py)."""
 
-    def start(args: argparse.Namespace, volumes, stop: threading.Event) -> None:
-        if not getattr(args, "warm_agent", False):
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--warm-agent", action="store_true",
+                            help="warm DatasetCaches planned onto this node (needs Kubernetes API access)")
+        parser.add_argument("--handover-namespace", default=os.environ.get("POD_NAMESPACE", "stoker-system"),
+                            help="where the operator hands over DatasetCache volumes (the release namespace)")
+        parser.add_argument("--warm-recheck", type=float, default=RECHECK_EVERY,
+                            help=f"seconds between checks that a warm cache is still warm (default {RECHECK_EVERY:g})")
+        parser.add_argument("--warm-report-interval", type=float, default=REPORT_EVERY,
+                            help=f"seconds between progress reports while warming (default {REPORT_EVERY:g})")
+
+    def start(self, args: argparse.Namespace, volumes, stop: threading.Event) -> None:
+        if not args.warm_agent:
             return
         load_config()
         agent = WarmAgent(volumes, args.node_id, Kube(), recheck=args.warm_recheck,
                           handover_namespace=args.handover_namespace, report_every=args.warm_report_interval)
         threading.Thread(target=agent.run, args=(stop,), name="warm-agent", daemon=True).start()
         log.info("warm agent watching the DatasetCacheNodes of node %s", args.node_id)
-
-    parser.set_defaults(node_extensions=[*previous, start])
 

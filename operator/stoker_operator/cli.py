@@ -75,16 +75,14 @@ def cmd_operator(args: argparse.Namespace) -> int:
             return 2
 
     from . import handlers  # registers the handlers
+    from .plan import SpecProblem, quantity_bytes
 
-    handlers.HANDOVER_NAMESPACE = args.handover_namespace
-    if args.node_cache_memory:
-        from .plan import SpecProblem, quantity_bytes
-
-        try:
-            handlers.NODE_CACHE_MEMORY = quantity_bytes(args.node_cache_memory, what="--node-cache-memory")
-        except SpecProblem as exc:
-            print(f"stoker operator: {exc}", file=sys.stderr)
-            return 2
+    try:
+        memory = quantity_bytes(args.node_cache_memory, what="--node-cache-memory") if args.node_cache_memory else 0
+    except SpecProblem as exc:
+        print(f"stoker operator: {exc}", file=sys.stderr)
+        return 2
+    config = handlers.OperatorConfig(handover_namespace=args.handover_namespace, node_cache_memory=memory)
 
     logs.configure(args.log_level)
     kopf.run(
@@ -94,5 +92,6 @@ def cmd_operator(args: argparse.Namespace) -> int:
         namespaces=list(dict.fromkeys([*args.namespace, args.handover_namespace])) if args.namespace else (),
         clusterwide=not args.namespace,
         liveness_endpoint=args.liveness or None,
+        memo=kopf.Memo(config=config),
     )
     return 0

@@ -9,8 +9,8 @@ AGGREGATE_EVERY at most, however many nodes report.
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import kopf
 
@@ -27,32 +27,40 @@ log = logging.getLogger(__name__)
 FINALIZER = "stoker.dev/release-node-caches"
 RELEASE_WAIT_RETRIES = 60  # x 2 s: nodes that never answer do not block deletion forever
 
-_kube: Kube | None = None
-HANDOVER_NAMESPACE = os.environ.get("POD_NAMESPACE", "stoker-system")  # set by `stoker operator`
-NODE_CACHE_MEMORY: int | None = None  # node.cacheMemory: DatasetCaches on a node never plan past it
 NO_ROOM_RETRY = 15  # seconds between plans of a DatasetCache that found no room on its nodes
 AGGREGATE_EVERY = 3.0  # seconds between folds of the node reports into a DatasetCache's status
 WRITERS = 16  # DatasetCacheNodes created, re-specced or deleted at once while planning
 UNPLANNED = (None, "Pending", "Sizing", "Failed")  # Pending: waiting for room on nodes
 
 
-def kube() -> Kube:
-    global _kube
-    if _kube is None:
-        load_config()
-        _kube = Kube()
-    return _kube
+@dataclass(frozen=True)
+class OperatorConfig:
+    """`stoker operator`'s settings, handed to kopf as its memo (cli.py)."""
+
+    handover_namespace: str = "stoker-system"  # the release namespace: handovers and DatasetCacheNodes
+    node_cache_memory: int = 0  # node.cacheMemory: DatasetCaches on a node never plan past it (0: no limit)
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every handler shares, built once at start-up and kept in kopf's memo."""
+
+    kube: Kube
+    handover_namespace: str
+    node_cache_memory: int
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_) -> None:
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="stoker.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="stoker.dev")
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 60
     logging.getLogger("kopf.objects").addFilter(_quiet_timer)
-    kube()
+    config = memo.get("config") or OperatorConfig()
+    load_config()
+    memo["ctx"] = Context(Kube(), config.handover_namespace, config.node_cache_memory)
 
 
 def _quiet_timer(record: logging.LogRecord) -> bool:
@@ -65,22 +73,22 @@ def _key(namespace: str, name: str) -> str:
 
 
 @kopf.index(GROUP, VERSION, NODE_PLURAL)
-def node_states(namespace, body, **_) -> dict | None:
+def node_states(*, namespace, body, memo, **_) -> dict | None:
     """DatasetCacheNodes by their DatasetCache (namespace/name): the plan each asks for and its report."""
-    state = _state(namespace, body)
+    state = _state(memo.ctx, namespace, body)
     return {state.plan.cache: state} if state else None
 
 
 @kopf.index(GROUP, VERSION, NODE_PLURAL)
-def node_loads(namespace, body, **_) -> dict | None:
+def node_loads(*, namespace, body, memo, **_) -> dict | None:
     """Cache budgets by node: (DatasetCache, bytes) of every DatasetCacheNode there, deleting ones included
     (their memory is not back yet)."""
-    state = _state(namespace, body)
+    state = _state(memo.ctx, namespace, body)
     return {state.node: (state.plan.cache, state.plan.cache_bytes)} if state else None
 
 
-def _state(namespace: str, body) -> NodeState | None:
-    if namespace != HANDOVER_NAMESPACE:  # only the release namespace's objects are the operator's
+def _state(ctx: Context, namespace: str, body) -> NodeState | None:
+    if namespace != ctx.handover_namespace:  # only the release namespace's objects are the operator's
         return None
     try:
         return state_of(dict(body))
@@ -96,22 +104,23 @@ def _states(index, namespace: str, name: str) -> list[NodeState]:
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-def plan(*, spec, status, meta, namespace, name, body, patch, reason, node_loads=None, **_) -> None:
+def plan(*, spec, status, meta, namespace, name, body, patch, reason, memo, node_loads=None, **_) -> None:
     """Resolve the source, list the dataset, size the per-node cache and pick the nodes."""
+    ctx: Context = memo.ctx
     generation = meta.get("generation")
     if (reason == "resume" and status.get("observedGeneration") == generation and status.get("phase") not in UNPLANNED
             and status.get("nodeReports")):  # (planned before DatasetCacheNodes existed: plan again, once)
-        refresh_handover(dict(spec), namespace, name)
+        refresh_handover(ctx, dict(spec), namespace, name)
         return  # already planned for this generation: an operator restart re-warms nothing
     conditions = list(status.get("conditions") or [])
     try:
-        ref = resolve(dict(spec), namespace, kube())
-        secrets = read_secrets(ref, kube())
+        ref = resolve(dict(spec), namespace, ctx.kube)
+        secrets = read_secrets(ref, ctx.kube)
         dataset_bytes, objects = measure(ref, secrets, list(spec.get("paths") or []))
-        hand_over(namespace, name, ref, secrets)
-        nodes = target_nodes(dict(spec.get("nodeSelector") or {}), kube().nodes())
-        room = room_on(node_loads, nodes, namespace, name)
-        sizing = size_cache(dict(spec), dataset_bytes, objects, nodes, room, NODE_CACHE_MEMORY or 0)
+        hand_over(ctx, namespace, name, ref, secrets)
+        nodes = target_nodes(dict(spec.get("nodeSelector") or {}), ctx.kube.nodes())
+        room = room_on(ctx, node_loads, nodes, namespace, name)
+        sizing = size_cache(dict(spec), dataset_bytes, objects, nodes, room, ctx.node_cache_memory)
     except StoreBusy as exc:  # the store is slow or away: try again, the spec may be fine
         raise kopf.TemporaryError(f"listing the dataset: {exc}", delay=30) from None
     except NoRoom as exc:  # other DatasetCaches hold the nodes' cache memory: plan again when they go
@@ -126,7 +135,7 @@ def plan(*, spec, status, meta, namespace, name, body, patch, reason, node_loads
         return
     volume = ref.as_status()
     plan_name = plan_id(generation, volume, list(spec.get("paths") or []))
-    assign(namespace, name, dict(spec), plan_name, [n.name for n in nodes], sizing.cache_bytes_per_node,
+    assign(ctx, namespace, name, dict(spec), plan_name, [n.name for n in nodes], sizing.cache_bytes_per_node,
            sizing.warmable_bytes)
     patch.status.update(
         phase="Warming", datasetBytes=dataset_bytes, datasetSize=human(dataset_bytes), objectCount=objects,
@@ -155,31 +164,31 @@ def replacing(old: dict | None, new: dict) -> dict:
     return out
 
 
-def room_on(loads, nodes, namespace: str, name: str):
+def room_on(ctx: Context, loads, nodes, namespace: str, name: str):
     """What the other DatasetCaches left of the node cache memory on the tightest of `nodes` (None: no limit)."""
-    if not NODE_CACHE_MEMORY:
+    if not ctx.node_cache_memory:
         return None
     names = [n.name for n in nodes]
-    return node_room(NODE_CACHE_MEMORY, names, {n: list(loads.get(n, ())) for n in names}, _key(namespace, name))
+    return node_room(ctx.node_cache_memory, names, {n: list(loads.get(n, ())) for n in names}, _key(namespace, name))
 
 
-def assign(namespace: str, name: str, spec: dict, plan_name: str, nodes: list[str], cache_bytes: int,
+def assign(ctx: Context, namespace: str, name: str, spec: dict, plan_name: str, nodes: list[str], cache_bytes: int,
            warmable_bytes: int) -> None:
     """Make this cache's DatasetCacheNodes say the plan: one per target node, none elsewhere."""
     wanted = {node: NodePlan(_key(namespace, name), node, plan_name, cache_bytes, warmable_bytes,
                              tuple(spec.get("paths") or ()), str(spec.get("policy") or "Once")) for node in nodes}
-    items, _ = kube().node_objects(HANDOVER_NAMESPACE, cache_selector(namespace, name))
+    items, _ = ctx.kube.node_objects(ctx.handover_namespace, cache_selector(namespace, name))
     current = {}
     for obj in items:
         try:
             current[state_of(obj).node] = obj
         except NotANodePlan:
-            kube().delete_node_object(HANDOVER_NAMESPACE, obj["metadata"]["name"])
+            ctx.kube.delete_node_object(ctx.handover_namespace, obj["metadata"]["name"])
     create, update, delete = changes(current, wanted)
-    calls = [lambda p=p: kube().create_node_object(HANDOVER_NAMESPACE, p.body(HANDOVER_NAMESPACE)) for p in create]
-    calls += [lambda p=p: kube().patch_node_object(HANDOVER_NAMESPACE, p.body(HANDOVER_NAMESPACE)["metadata"]["name"],
+    calls = [lambda p=p: ctx.kube.create_node_object(ctx.handover_namespace, p.body(ctx.handover_namespace)) for p in create]
+    calls += [lambda p=p: ctx.kube.patch_node_object(ctx.handover_namespace, p.body(ctx.handover_namespace)["metadata"]["name"],
                                                    {"spec": p.spec()}) for p in update]
-    calls += [lambda n=n: kube().delete_node_object(HANDOVER_NAMESPACE, n) for n in delete]
+    calls += [lambda n=n: ctx.kube.delete_node_object(ctx.handover_namespace, n) for n in delete]
     with ThreadPoolExecutor(WRITERS) as pool:
         list(pool.map(lambda call: call(), calls))
     if create or update or delete:
@@ -187,25 +196,26 @@ def assign(namespace: str, name: str, spec: dict, plan_name: str, nodes: list[st
                  len(nodes), len(create), len(update), len(delete))
 
 
-def hand_over(namespace: str, name: str, ref, secrets: dict[str, str]) -> None:
+def hand_over(ctx: Context, namespace: str, name: str, ref, secrets: dict[str, str]) -> None:
     """Give the node agents the volume and its credentials, in the release namespace (handover.py)."""
-    kube().put_secret(HANDOVER_NAMESPACE, handover_name(namespace, name), secret_data(ref, secrets),
+    ctx.kube.put_secret(ctx.handover_namespace, handover_name(namespace, name), secret_data(ref, secrets),
                       {OWNER_ANNOTATION: owner(namespace, name)}, LABELS)
 
 
-def refresh_handover(spec: dict, namespace: str, name: str) -> None:
+def refresh_handover(ctx: Context, spec: dict, namespace: str, name: str) -> None:
     """Hand over the source's current credentials (a rotated Secret reaches the nodes this way)."""
     try:
-        ref = resolve(spec, namespace, kube())
-        hand_over(namespace, name, ref, read_secrets(ref, kube()))
+        ref = resolve(spec, namespace, ctx.kube)
+        hand_over(ctx, namespace, name, ref, read_secrets(ref, ctx.kube))
     except SpecProblem as exc:
         log.warning("%s/%s: credentials not refreshed: %s", namespace, name, exc)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=AGGREGATE_EVERY)
-def summarize(*, status, meta, namespace, name, body, patch, node_states=None, **_) -> None:
+def summarize(*, status, meta, namespace, name, body, patch, memo, node_states=None, **_) -> None:
     """Fold the DatasetCacheNodes' reports into phase, counts and conditions (debounced: one write per
     interval at most, and none when nothing changed); release gated pods once Ready."""
+    ctx: Context = memo.ctx
     if meta.get("deletionTimestamp") or status.get("phase") in UNPLANNED:
         return
     if status.get("observedGeneration") != meta.get("generation"):
@@ -221,15 +231,15 @@ def summarize(*, status, meta, namespace, name, body, patch, node_states=None, *
             (kopf.info if result.phase == "Ready" else kopf.warn)(
                 body, reason=result.phase, message=f"{result.cached_percentage:g}% of the plan is cached")
     if result.phase == "Ready":
-        release_pods(namespace, name, result.ready_nodes)
+        release_pods(ctx, namespace, name, result.ready_nodes)
 
 
-def release_pods(namespace: str, cache: str, nodes: list[str]) -> int:
+def release_pods(ctx: Context, namespace: str, cache: str, nodes: list[str]) -> int:
     released = 0
-    for pod in kube().gated_pods(namespace, cache, GATE, CACHE_ANNOTATION):
+    for pod in ctx.kube.gated_pods(namespace, cache, GATE, CACHE_ANNOTATION):
         patch = gate_release_patch(pod, GATE, nodes)
         if patch is not None:
-            kube().patch_pod(namespace, pod["metadata"]["name"], patch)
+            ctx.kube.patch_pod(namespace, pod["metadata"]["name"], patch)
             log.info("released pod %s/%s onto %s", namespace, pod["metadata"]["name"], ", ".join(nodes))
             released += 1
     return released
@@ -240,35 +250,37 @@ def _gated(spec, **_) -> bool:
 
 
 @kopf.on.event("", "v1", "pods", annotations={CACHE_ANNOTATION: kopf.PRESENT}, when=_gated)
-def gated_pod(*, type, namespace, annotations, node_states=None, **_) -> None:
+def gated_pod(*, type, namespace, annotations, memo, node_states=None, **_) -> None:
     """A gated pod that arrives after its cache is Ready is released at once (an event handler,
     so kopf keeps no bookkeeping on users' pods)."""
+    ctx: Context = memo.ctx
     if type == "DELETED":
         return
-    cache = kube().cache(namespace, annotations[CACHE_ANNOTATION])
+    cache = ctx.kube.cache(namespace, annotations[CACHE_ANNOTATION])
     if cache and (cache.get("status") or {}).get("phase") == "Ready":
         name = cache["metadata"]["name"]
-        release_pods(namespace, name, aggregate(cache["status"], _states(node_states, namespace, name)).ready_nodes)
+        release_pods(ctx, namespace, name, aggregate(cache["status"], _states(node_states, namespace, name)).ready_nodes)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=60, initial_delay=60, idle=30)
-def replan_on_node_changes(*, spec, status, meta, namespace, name, patch, node_states=None, node_loads=None,
+def replan_on_node_changes(*, spec, status, meta, namespace, name, patch, memo, node_states=None, node_loads=None,
                            **_) -> None:
     """New or lost matching nodes: re-size and re-target without listing the dataset again; hand
     rotated credentials over (the agents pass them to the running mounts)."""
+    ctx: Context = memo.ctx
     if status.get("phase") in UNPLANNED or status.get("observedGeneration") != meta.get("generation"):
         return
-    refresh_handover(dict(spec), namespace, name)
-    cluster = kube().nodes()
+    refresh_handover(ctx, dict(spec), namespace, name)
+    cluster = ctx.kube.nodes()
     states = _states(node_states, namespace, name)
-    forget_gone_nodes(namespace, name, states, {n.name for n in cluster})
+    forget_gone_nodes(ctx, namespace, name, states, {n.name for n in cluster})
     nodes = target_nodes(dict(spec.get("nodeSelector") or {}), cluster)
     planned = sorted(s.node for s in states if not s.deleting)
     if [n.name for n in nodes] == planned:
         return
     try:
         sizing = size_cache(dict(spec), int(status.get("datasetBytes", 0)), int(status.get("objectCount", 0)), nodes,
-                            room_on(node_loads, nodes, namespace, name), NODE_CACHE_MEMORY or 0)
+                            room_on(ctx, node_loads, nodes, namespace, name), ctx.node_cache_memory)
     except NoRoom as exc:  # a new node is full of other caches: keep the current nodes
         log.warning("%s/%s: not re-targeted: %s", namespace, name, exc)
         return
@@ -276,21 +288,22 @@ def replan_on_node_changes(*, spec, status, meta, namespace, name, patch, node_s
         patch.status.update(phase="Degraded", conditions=merge_conditions(
             status.get("conditions") or [], {"Ready": ("False", "NoNodes", str(exc))}))
         return
-    assign(namespace, name, dict(spec), str(status.get("plan")), [n.name for n in nodes], sizing.cache_bytes_per_node,
+    assign(ctx, namespace, name, dict(spec), str(status.get("plan")), [n.name for n in nodes], sizing.cache_bytes_per_node,
            sizing.warmable_bytes)
     patch.status.update(cacheBytesPerNode=sizing.cache_bytes_per_node, warmableBytes=sizing.warmable_bytes)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)
-def release(body, namespace, name, retry, **_) -> None:
+def release(*, body, namespace, name, retry, memo, **_) -> None:
     """Delete this cache's DatasetCacheNodes and wait until every node agent gave its memory back (each
     removes its object's finalizer), then delete the handover."""
-    items, _version = kube().node_objects(HANDOVER_NAMESPACE, cache_selector(namespace, name))
+    ctx: Context = memo.ctx
+    items, _version = ctx.kube.node_objects(ctx.handover_namespace, cache_selector(namespace, name))
     live = [obj["metadata"]["name"] for obj in items if not obj["metadata"].get("deletionTimestamp")]
     silent = [obj for obj in items if not obj.get("status")]  # never reported: its agent holds nothing yet
     with ThreadPoolExecutor(WRITERS) as pool:  # (one that is just starting sees the deletion and lets go)
-        list(pool.map(lambda n: kube().delete_node_object(HANDOVER_NAMESPACE, n), live))
-        list(pool.map(unblock, silent))
+        list(pool.map(lambda n: ctx.kube.delete_node_object(ctx.handover_namespace, n), live))
+        list(pool.map(lambda obj: unblock(ctx, obj), silent))
     items = [obj for obj in items if obj.get("status")]
     holding = sorted((obj.get("spec") or {}).get("node", obj["metadata"]["name"]) for obj in items)
     if holding and retry < RELEASE_WAIT_RETRIES:
@@ -300,20 +313,20 @@ def release(body, namespace, name, retry, **_) -> None:
         kopf.warn(body, reason="ReleaseTimeout", message=f"{len(holding)} nodes did not confirm the release: "
                                                          f"{', '.join(holding[:10])}")
         for obj in items:
-            unblock(obj)
-    kube().delete_secret(HANDOVER_NAMESPACE, handover_name(namespace, name))
+            unblock(ctx, obj)
+    ctx.kube.delete_secret(ctx.handover_namespace, handover_name(namespace, name))
 
 
-def unblock(obj: dict) -> None:
+def unblock(ctx: Context, obj: dict) -> None:
     """Drop the node-release finalizer of a DatasetCacheNode whose node never answered."""
     kept = [f for f in obj["metadata"].get("finalizers") or [] if f != NODE_FINALIZER]
-    kube().patch_node_object(HANDOVER_NAMESPACE, obj["metadata"]["name"], {"metadata": {"finalizers": kept}})
+    ctx.kube.patch_node_object(ctx.handover_namespace, obj["metadata"]["name"], {"metadata": {"finalizers": kept}})
 
 
-def forget_gone_nodes(namespace: str, name: str, states: list[NodeState], cluster: set[str]) -> None:
+def forget_gone_nodes(ctx: Context, namespace: str, name: str, states: list[NodeState], cluster: set[str]) -> None:
     """DatasetCacheNodes left for deletion whose node is no longer in the cluster: nobody will release
     them, so let them go."""
     for state in states:
         if state.deleting and state.node not in cluster:
-            unblock({"metadata": {"name": object_name(namespace, name, state.node),
+            unblock(ctx, {"metadata": {"name": object_name(namespace, name, state.node),
                                   "finalizers": [NODE_FINALIZER]}})
