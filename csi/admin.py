@@ -1,19 +1,22 @@
 """The CSI controller's writes to a bucket (it provisions volumes as prefixes); the mount never writes.
 
-A store client of its own built on the read client (same session, credentials and error table)."""
+It uses a read client (S3Store: the same session, credentials, retries and error table) and adds the
+few writes itself, on that client's botocore client: the read client has no write method."""
 
 from __future__ import annotations
 
+from fusecore.config import StoreConfig
 from fusecore.store import S3Store
 from fusecore.store_errors import NotFound, answer_error, translate
 
 
-class S3Admin(S3Store):
-    """The few writes the CSI controller makes when it provisions a volume as a prefix.
+class S3Admin:
+    """The few writes the CSI controller makes when it provisions a volume as a prefix."""
 
-    Kept beside the read path so that every S3 error is translated by the same table; the mount
-    itself never writes.
-    """
+    def __init__(self, cfg: StoreConfig):
+        self.reader = S3Store(cfg)
+        self.bucket = cfg.bucket
+        self._client = self.reader.client
 
     def get_small(self, key: str) -> bytes | None:
         """Body of a small object, or None if there is no such object."""
@@ -36,7 +39,7 @@ class S3Admin(S3Store):
         if not prefix.endswith("/"):
             raise ValueError("delete_prefix needs a prefix that ends in '/'")
         deleted, batch = 0, []
-        for info in self.list_all(prefix):
+        for info in self.reader.list_all(prefix):
             batch.append(info.key)
             if len(batch) == 1000:
                 deleted += self.delete_keys(batch)

@@ -25,6 +25,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from fusecore import control
 from fusecore.config import ConfigError, MountConfig, config_from_document, identity_document, identity_from_document, \
     mount_document
 from fusecore.launch import LaunchFailed, NotReady, launch
@@ -180,18 +181,18 @@ class RemoteMounter:
         self.path = path
 
     def _call(self, message: dict, timeout: float) -> dict:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
+        replies = control.exchange(self.path, message, timeout)
         try:
-            sock.connect(self.path)
-            with sock, sock.makefile("rb") as reader:
-                sock.sendall(json.dumps(message).encode() + b"\n")
-                line = reader.readline()
+            reply = next(replies, None)
+        except control.NobodyAnswers as exc:
+            raise MountFailed(f"the mounter at {self.path} did not answer ({exc.why})") from None
         except OSError as exc:
             raise MountFailed(f"the mounter at {self.path} did not answer ({exc.strerror or exc})") from None
-        if not line:
+        finally:
+            replies.close()
+        if reply is None:
             raise MountFailed(f"the mounter at {self.path} closed the connection")
-        return json.loads(line)
+        return reply
 
     def start(self, request: MountRequest, timeout: float) -> None:
         reply = self._call(request.message(timeout), timeout + 60)

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import socket
-from typing import Any, Iterator
+from typing import Any, Generator, Iterator
 
 import trio
 
@@ -126,22 +126,43 @@ async def _send(stream: trio.SocketStream, message: dict) -> None:
     await stream.send_all(json.dumps(message).encode() + b"\n")
 
 
-def request(path: str, message: dict, timeout: float | None = 30.0) -> Iterator[dict]:
-    """Send one request to a mount and yield each JSON line it answers (blocking client)."""
+class NobodyAnswers(ControlError):
+    """Nothing listens on the socket (no such file, or refused)."""
+
+    def __init__(self, path: str, why: str):
+        super().__init__(f"nothing answers on {path} ({why})")
+        self.path, self.why = path, why
+
+
+def exchange(path: str, message: dict, timeout: float | None) -> Generator[dict, None, None]:
+    """One request over a unix socket, JSON lines both ways; yields each reply line as it was sent.
+
+    The one client of Stoker's local sockets (a mount's control socket, the CSI mounter): callers read
+    the replies' meaning (errors and their kinds) themselves. NobodyAnswers if nothing listens; OSError on
+    a broken or timed-out socket."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
         sock.connect(path)
     except (FileNotFoundError, ConnectionRefusedError) as exc:
         sock.close()
-        raise ControlError(f"no Stoker mount answers on {path} ({exc.strerror})") from None
+        raise NobodyAnswers(path, exc.strerror or str(exc)) from None
     with sock, sock.makefile("rb") as reader:
         sock.sendall(json.dumps(message).encode() + b"\n")
         for line in reader:
-            reply = json.loads(line)
+            yield json.loads(line)
+
+
+def request(path: str, message: dict, timeout: float | None = 30.0) -> Iterator[dict]:
+    """Send one request to a mount and yield each JSON line it answers (blocking client)."""
+    try:
+        replies = exchange(path, message, timeout)
+        for reply in replies:
             if "error" in reply:
                 raise ControlError(reply["error"])
             yield reply
+    except NobodyAnswers as exc:
+        raise ControlError(f"no Stoker mount answers on {path} ({exc.why})") from None
 
 
 def call(path: str, message: dict, timeout: float | None = 30.0) -> dict:

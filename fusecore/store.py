@@ -64,6 +64,11 @@ class S3Store:
         self._client = session.client("s3", endpoint_url=cfg.endpoint_url, region_name=cfg.region, config=config)
         self._gets = PresignedGets(self._client, cfg) if direct_gets_possible() else None
 
+    @property
+    def client(self):
+        """The botocore client (the CSI controller's writes use it: csi/admin.py)."""
+        return self._client
+
     def rotate(self, identity: Identity) -> None:
         """Sign every later request with `identity` (new keys, or a web identity's fresh token)."""
         if self._credentials is None:
