@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
+import email.utils
 import http.client
 import logging
 import os
+import random
 import re
 import threading
 import time
@@ -68,6 +70,7 @@ class PresignedGets:
     def __init__(self, client, cfg: StoreConfig):
         self._client = client
         self._bucket = cfg.bucket
+        self._attempts = cfg.max_attempts  # for small requests (listings, HEAD), as botocore's retry mode
         self._urls: dict[str, tuple[float, str]] = {}
         self._lock = threading.Lock()
         ca = os.environ.get("AWS_CA_BUNDLE") or botocore.httpsession.get_cert_path(True)
@@ -98,22 +101,63 @@ class PresignedGets:
                 coming = ahead.submit(fetch, token) if token else None
                 yield parse_listing(body, what)
 
+    def head(self, key: str) -> ObjectInfo | None:
+        """HEAD of an object through a presigned URL (botocore's pipeline costs ~4x the CPU), or None."""
+        what = f"head {key!r}"
+        params = {"Bucket": self._bucket, "Key": key}
+        resp = self._small(lambda: self._client.generate_presigned_url(
+            "head_object", Params=params, ExpiresIn=self.URL_LIFETIME), what, method="HEAD")
+        if resp.status == 404:
+            return None
+        try:
+            modified = email.utils.parsedate_to_datetime(resp.headers["Last-Modified"]).timestamp()
+            return ObjectInfo(key, int(resp.headers["Content-Length"]), resp.headers["ETag"], modified)
+        except (KeyError, TypeError, ValueError):
+            raise TransientError(f"{what}: the answer lacks a size, ETag or date") from None
+
+    def has_prefix(self, prefix: str) -> bool:
+        """Is there any object under `prefix` (one ListObjectsV2 of one key through a presigned URL)?"""
+        what = f"list {prefix!r}"
+        params = {"Bucket": self._bucket, "Prefix": prefix, "MaxKeys": 1, "EncodingType": "url"}
+        body = self._get_small(lambda: self._client.generate_presigned_url(
+            "list_objects_v2", Params=params, ExpiresIn=self.URL_LIFETIME), what)
+        listing = parse_listing(body, what)
+        return bool(listing.files or listing.dirs)
+
     def _get_small(self, sign, what: str) -> bytes:
-        """The body of a small GET of a URL `sign()` makes (signed again once on an expired signature)."""
-        for fresh in (False, True):
-            resp = self._send(sign, what, preload_content=True)
-            if resp.status == 200:
-                return resp.data
-            code = _code_in(resp.data, resp.status)
-            if _sign_again(resp.status, code, fresh):
+        """The body of a small GET of a URL `sign()` makes."""
+        return self._small(sign, what).data
+
+    def _small(self, sign, what: str, method: str = "GET"):
+        """A small request (a listing page, a HEAD) to a URL `sign()` signs afresh each time: throttling,
+        5xx and broken connections are retried with capped exponential backoff and jitter (Retry-After
+        honoured) up to max-attempts, like botocore's retry mode; an answer of 200 (or 404 to a HEAD) is
+        returned, anything else raised as its StoreError."""
+        for attempt in range(1, self._attempts + 1):
+            last = attempt == self._attempts
+            try:
+                resp = self._send(sign, what, method=method, preload_content=True)
+            except TransientError:
+                if last:
+                    raise
+                time.sleep(_backoff(attempt, None))
                 continue
+            if resp.status == 200 or (method == "HEAD" and resp.status == 404):
+                return resp
+            code = _code_in(resp.data, resp.status)  # (a HEAD answer has no body to name the error)
+            retry_after = retry_after_seconds(resp.headers.get("Retry-After"))
+            if isinstance(answer_error(resp.status, code, what, retried=False), TransientError) and not last:
+                time.sleep(_backoff(attempt, retry_after))
+                continue
+            if method == "HEAD" and resp.status == 403:
+                code = "AccessDenied"
             raise answer_error(resp.status, code, what, retried=True)
         raise AssertionError("unreachable")
 
-    def _send(self, sign, what: str, **kwargs):
-        """GET the URL `sign()` makes; failures to sign or to talk to the store as StoreErrors."""
+    def _send(self, sign, what: str, method: str = "GET", **kwargs):
+        """Send `method` to the URL `sign()` makes; failures to sign or to talk to the store as StoreErrors."""
         try:
-            return self._pool.request("GET", sign(), redirect=False, **kwargs)
+            return self._pool.request(method, sign(), redirect=False, **kwargs)
         except urllib3.exceptions.ReadTimeoutError:
             raise Unavailable(f"{what}: store did not answer in time") from None
         except urllib3.exceptions.ConnectTimeoutError:
@@ -178,6 +222,13 @@ class PresignedGets:
             raise Unavailable(f"{what}: store stopped sending") from None
         except (urllib3.exceptions.HTTPError, OSError, http.client.HTTPException, ValueError) as exc:
             raise TransientError(f"{what}: {type(exc).__name__} while reading the body") from None
+
+
+def _backoff(attempt: int, retry_after: float | None) -> float:
+    """Seconds before attempt `attempt + 1`: what the store asked for, else capped exponential with full jitter."""
+    if retry_after is not None:
+        return retry_after
+    return random.uniform(0, min(5.0, 0.05 * 2 ** attempt))
 
 
 _S3_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"

@@ -115,6 +115,8 @@ class S3Store:
             raise translate(exc, f"list {prefix!r}") from exc
 
     def head(self, key: str) -> ObjectInfo | None:
+        if self._gets is not None:
+            return self._gets.head(key)
         try:
             resp = self._client.head_object(Bucket=self.bucket, Key=key)
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
@@ -125,6 +127,8 @@ class S3Store:
         return ObjectInfo(key, resp["ContentLength"], resp["ETag"], resp["LastModified"].timestamp())
 
     def has_prefix(self, prefix: str) -> bool:
+        if self._gets is not None:
+            return self._gets.has_prefix(prefix)
         try:
             resp = self._client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, MaxKeys=1)
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:

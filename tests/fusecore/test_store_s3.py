@@ -76,6 +76,25 @@ def test_range_get_head_and_missing_objects(s3, bucket, moto_server):
     assert store.has_prefix("k") and not store.has_prefix("zzz/")
 
 
+def test_head_and_prefix_checks_agree_with_botocore_for_any_key(s3, bucket, moto_server, gets_path, monkeypatch):
+    """The lookups of a name in a directory never listed (HEAD and a one-key LIST, presigned when GETs
+    are) see exactly what botocore sees, for keys that need escaping."""
+    if gets_path == "botocore":
+        pytest.skip("this test compares the presigned lookups with botocore's itself")
+    names = ["a b.jpg", "a+b", "100%.txt", "ümlaut é.png", "x&y<z>", 'quote"s', "dir one/f"]
+    for name in names:
+        s3.put_object(Bucket=bucket, Key=f"odd/{name}", Body=name.encode())
+    store = store_for(moto_server.endpoint, bucket)
+    found = {name: store.head(f"odd/{name}") for name in names}
+    prefixes = [store.has_prefix(p) for p in ("odd/dir one/", "odd/a b.jpg/", "odd/")]
+    monkeypatch.setenv("STOKER_BOTOCORE_GETS", "1")
+    reference = store_for(moto_server.endpoint, bucket)
+    assert found == {name: reference.head(f"odd/{name}") for name in names}
+    assert all(info is not None and info.size == len(name.encode()) for name, info in found.items())
+    assert prefixes == [reference.has_prefix(p) for p in ("odd/dir one/", "odd/a b.jpg/", "odd/")] == [True, False, True]
+    assert store.head("odd/missing") is None and reference.head("odd/missing") is None
+
+
 def test_if_match_detects_a_changed_object(s3, bucket, moto_server):
     s3.put_object(Bucket=bucket, Key="k", Body=b"version-1")
     store = store_for(moto_server.endpoint, bucket)
@@ -112,6 +131,23 @@ def test_slowdown_503_is_retried(s3, bucket, moto_server, gets_path):
                     store.get_range("k", 0, 1000, info.etag)
         assert bytes(store.get_range("k", 0, 1000, info.etag)) == b"q" * 1000
         assert proxy.faults_served == 2
+
+
+def test_listings_and_lookups_ride_out_a_few_503s(s3, bucket, moto_server, gets_path):
+    """A directory listing or a lookup's one-key LIST answered 503 SlowDown twice still succeeds (backoff and
+    retry within max-attempts, on both paths); a HEAD through the proxy reports the object's real size."""
+    s3.put_object(Bucket=bucket, Key="d/k", Body=b"q" * 1234)
+    with FaultProxy(moto_server.endpoint) as proxy:
+        store = store_for(proxy.endpoint, bucket, max_attempts=5)
+        assert store.head("d/k").size == 1234
+        proxy.set("slowdown", 2)
+        assert [f.key for page in store.list_dir("d/") for f in page.files] == ["d/k"]
+        assert proxy.faults_served == 2
+        proxy.set("slowdown", 2)
+        assert store.has_prefix("d/") and proxy.faults_served == 4
+        proxy.set("slowdown", 100)
+        with pytest.raises(Unavailable):
+            list(store.list_dir("d/"))  # beyond max-attempts: an error, not a hang
 
 
 def test_slowdown_that_persists_is_an_error(s3, bucket, moto_server):

@@ -65,7 +65,9 @@ class FaultProxy:
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                # a HEAD answer declares the object's length without a body: pass it on as sent
+                self.send_header("Content-Length", resp.getheader("Content-Length", "0") if self.command == "HEAD"
+                                 else str(len(data)))
                 self.end_headers()
                 if fault == "reset" and len(data) > 1:
                     self.wfile.write(data[: len(data) // 2])
