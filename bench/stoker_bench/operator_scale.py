@@ -84,11 +84,14 @@ class FakeMount:
                                     "files_done": files // 2, "files_total": files}).encode() + b"\n")
                 self.cached = self.total
                 f.write(json.dumps({"bytes_done": self.total, "bytes_total": self.total, "files_done": files,
-                                    "files_total": files, "errors": 0, "skipped_files": 0, "seconds": 0.1}).encode()
+                                    "files_total": files, "errors": 0, "skipped_files": 0, "seconds": 0.1,
+                                    "done": True}).encode()
                         + b"\n")
             else:
-                f.write(json.dumps({"cache": {"bytes": self.cached, "budget": 1 << 30},
-                                    "requests": {"get": 0}}).encode() + b"\n")
+                f.write(json.dumps({"pid": os.getpid(), "cache": {"bytes": self.cached, "budget": 1 << 30},
+                                    "requests": {"get": 0}, "bytes_fetched": 0,
+                                    "bytes_served": {"cache": 0, "network": 0},
+                                    "inflight": {"requests": 0, "bytes": 0}}).encode() + b"\n")
             f.flush()
 
 

@@ -14,6 +14,7 @@ from .plan import NodeInfo, quantity_bytes
 
 log = logging.getLogger(__name__)
 MERGE_PATCH = "application/merge-patch+json"
+POOL_SIZE = 32  # connections kept to the API server: planning writes DatasetCacheNodes 16 at a time
 
 
 class NotFoundInCluster(OperatorError, LookupError):
@@ -30,7 +31,11 @@ def load_config() -> None:
 
 class Kube:
     def __init__(self, api: client.ApiClient | None = None):
-        self.api = api or client.ApiClient()
+        if api is None:
+            config = client.Configuration.get_default_copy()
+            config.connection_pool_maxsize = POOL_SIZE
+            api = client.ApiClient(config)
+        self.api = api
         self.core = client.CoreV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
 

@@ -24,6 +24,14 @@ from fusecore.mounts import MountInfo
 STOKER_FS = "fuse.stoker"
 
 
+def stats_reply(budget: int, cached: int = 0) -> dict:
+    """A `stats` reply of the shape fusecore.messages.MountStats reads (what a real mount sends, trimmed)."""
+    return {"pid": os.getpid(), "cache": {"bytes": cached, "budget": budget, "entries": 0, "hits": 0, "misses": 0,
+                                          "hit_ratio": 0.0},
+            "requests": {"get": 0}, "bytes_fetched": 0, "bytes_served": {"cache": 0, "network": 0},
+            "inflight": {"requests": 0, "bytes": 0}}
+
+
 class FakeMountProcess:
     """A mount process's control socket: stats, resize and credentials, as `stoker serve-mount` answers."""
 
@@ -49,8 +57,7 @@ class FakeMountProcess:
                     self.budget = int(request["cache_size"])
                 elif request["op"] == "credentials":
                     self.rotations += 1
-                f.write(json.dumps({"cache": {"bytes": 0, "budget": self.budget}, "requests": {"get": 0}}).encode()
-                        + b"\n")
+                f.write(json.dumps(stats_reply(self.budget)).encode() + b"\n")
 
     def kill(self) -> None:
         self.alive = False
