@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import Callable, Hashable
+from typing import Awaitable, Callable, Hashable
 
 import trio
 
@@ -98,8 +98,10 @@ class _Pending:
 
 class Fetcher:
     def __init__(self, store: ObjectStore, cache: BlockCache, metrics: MountMetrics, *, block_size: int,
-                 max_concurrency: int, inflight_limit: int, read_deadline: float = 60.0):
+                 max_concurrency: int, inflight_limit: int, read_deadline: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], Awaitable[None]] = trio.sleep):
         self.store = store
+        self._clock, self._sleep = clock, sleep  # the retry schedule's time (a fake one in tests)
         self.cache = cache
         self.metrics = metrics
         self.block_size = block_size
@@ -248,7 +250,7 @@ class Fetcher:
             view = memoryview(buffer)
             progress = pending.progress
             pending.buffer = buffer
-            deadline = time.monotonic() + self.read_deadline
+            deadline = self._clock() + self.read_deadline
             while True:
                 began = time.monotonic()
                 pending.attempts += 1
@@ -261,10 +263,10 @@ class Fetcher:
                     if exc.throttled:
                         self.metrics.throttled.inc()
                     pause = backoff(pending.attempts, exc.retry_after)
-                    if time.monotonic() + pause >= deadline:
+                    if self._clock() + pause >= deadline:
                         raise  # retried until the read's deadline: now it fails
                     self.metrics.retries.inc()
-                    await trio.sleep(pause)
+                    await self._sleep(pause)
                     continue
                 finally:
                     self.metrics.get_bytes.inc(progress.received - done)

@@ -22,6 +22,7 @@ class Faults:
     break_after: int = 0  # next transient failure happens after this many bytes of the body
     denied_keys: set[str] = field(default_factory=set)
     throttle_until: float = 0.0  # GETs answer 503 SlowDown until this time.monotonic()
+    throttled: int = 0  # ... or the next N GETs do
     retry_after: float | None = None  # ... asking the client to wait this long
     explode: int = 0  # next N GETs raise something no store error covers (a bug, a malformed answer)
 
@@ -104,10 +105,13 @@ class FakeStore:
             explode = faults.explode > 0
             if explode:
                 faults.explode -= 1
+            throttle = faults.throttled > 0 or time.monotonic() < faults.throttle_until
+            if faults.throttled > 0:
+                faults.throttled -= 1
         try:
             if explode:
                 raise RuntimeError("malformed Content-Length: 'twelve'")
-            if time.monotonic() < faults.throttle_until:
+            if throttle:
                 self.calls["throttled"] += 1
                 raise TransientError(f"get {key!r}: store answered 503 SlowDown", throttled=True,
                                      retry_after=faults.retry_after)
