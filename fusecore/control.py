@@ -17,6 +17,7 @@ import trio
 from .failures import StokerError
 from .config import identity_from_document
 from .datapath import DataPath
+from .store_errors import StoreError
 from .messages import MalformedReply, MountStats, WarmProgress
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,14 @@ def default_control_socket(mountpoint: str) -> str:
 
 
 class ControlError(StokerError, RuntimeError):
-    pass
+    """A control request failed; `kind` says how, as the mount sent it (ERROR_KINDS), or "unreachable"."""
+
+    def __init__(self, message: str, kind: str = "failed"):
+        super().__init__(message)
+        self.kind = kind
+
+
+ERROR_KINDS = ("malformed", "unknown_op", "bad_request", "failed")  # besides a StoreError's kind
 
 
 def stats(path: str, timeout: float | None = 30.0) -> MountStats:
@@ -44,7 +52,7 @@ def stats(path: str, timeout: float | None = 30.0) -> MountStats:
     try:
         return MountStats.from_wire(call(path, {"op": "stats"}, timeout))
     except MalformedReply as exc:
-        raise ControlError(str(exc)) from None
+        raise ControlError(str(exc), "malformed") from None
 
 
 def warm(path: str, paths: list[str]) -> Iterator[WarmProgress]:
@@ -95,7 +103,7 @@ async def _handle(datapath: DataPath, stream: trio.SocketStream) -> None:
             request = json.loads(buf.split(b"\n", 1)[0])
             op = request.get("op")
         except (ValueError, AttributeError):
-            await _send(stream, {"error": "malformed request"})
+            await _send(stream, {"error": "malformed request", "kind": "malformed"})
             return
         try:
             if op == "stats":
@@ -114,12 +122,16 @@ async def _handle(datapath: DataPath, stream: trio.SocketStream) -> None:
                 result = await datapath.warm(paths, lambda progress: _send(stream, progress))
                 await _send(stream, result)
             else:
-                await _send(stream, {"error": f"unknown op {op!r}"})
+                await _send(stream, {"error": f"unknown op {op!r}", "kind": "unknown_op"})
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return
+        except StoreError as exc:
+            await _send(stream, {"error": str(exc), "kind": exc.kind})
+        except (ValueError, KeyError, TypeError) as exc:
+            await _send(stream, {"error": f"{op}: {exc}", "kind": "bad_request"})
         except Exception as exc:  # noqa: BLE001 - report to the client, keep serving
             log.exception("control request %r failed", op)
-            await _send(stream, {"error": f"{type(exc).__name__}: {exc}"})
+            await _send(stream, {"error": f"{type(exc).__name__}: {exc}", "kind": "failed"})
 
 
 async def _send(stream: trio.SocketStream, message: dict) -> None:
@@ -130,7 +142,7 @@ class NobodyAnswers(ControlError):
     """Nothing listens on the socket (no such file, or refused)."""
 
     def __init__(self, path: str, why: str):
-        super().__init__(f"nothing answers on {path} ({why})")
+        super().__init__(f"nothing answers on {path} ({why})", "unreachable")
         self.path, self.why = path, why
 
 
@@ -159,10 +171,10 @@ def request(path: str, message: dict, timeout: float | None = 30.0) -> Iterator[
         replies = exchange(path, message, timeout)
         for reply in replies:
             if "error" in reply:
-                raise ControlError(reply["error"])
+                raise ControlError(str(reply["error"]), str(reply.get("kind") or "failed"))
             yield reply
     except NobodyAnswers as exc:
-        raise ControlError(f"no Stoker mount answers on {path} ({exc.why})") from None
+        raise ControlError(f"no Stoker mount answers on {path} ({exc.why})", "unreachable") from None
 
 
 def call(path: str, message: dict, timeout: float | None = 30.0) -> dict:

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from fusecore import control
 from stoker.s3server import MotoServer, free_port
 from tests.conftest import requires_fuse
 from tests.support.faultproxy import FaultProxy
@@ -434,3 +435,20 @@ def test_a_mount_process_carries_the_data_path_only(s3, bucket, mounts):
     for library in ("cygrpc", "_upb", "rpds"):  # grpc, protobuf, jsonschema's native parts
         assert library not in maps, library
     assert read_whole(os.path.join(mp, "a")) == b"a" * 1000
+
+
+def test_control_errors_carry_their_kind(s3, bucket, mounts, tmp_path):
+    """The control socket answers a failure with its kind, which the client raises as ControlError.kind."""
+    put(s3, bucket, "a", b"a")
+    mp = mounts.mount(f"s3://{bucket}")
+    sock = control.default_control_socket(mp)
+    cases = [({"op": "exec", "cmd": ["/bin/true"]}, "unknown_op"), ({"op": "resize", "cache_size": "lots"}, "bad_request"),
+             ({"op": "credentials"}, "bad_request")]
+    for message, kind in cases:
+        with pytest.raises(control.ControlError) as err:
+            control.call(sock, message)
+        assert err.value.kind == kind, (message, str(err.value))
+    with pytest.raises(control.ControlError) as err:
+        control.stats(str(tmp_path / "nobody.sock"))
+    assert err.value.kind == "unreachable"
+    assert control.stats(sock).cache.budget > 0  # and the mount serves on
