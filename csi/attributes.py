@@ -191,12 +191,8 @@ def check_ranges(spec: VolumeSpec) -> MountConfig:
     try:
         return spec.mount_config("/", "/")
     except ConfigError as exc:
-        text = str(exc)
-        for name, knob in KNOBS.items():
-            if text.startswith(knob.config_name + ":"):
-                text = name + text[len(knob.config_name):]
-                break
-        raise AttributeProblem(f"volume attribute {text}") from None
+        name = next((name for name, knob in KNOBS.items() if knob.config_name == exc.setting), exc.setting)
+        raise AttributeProblem(f"volume attribute {name}: {exc.problem}") from None
 
 
 def parse_secrets(secrets: dict[str, str]) -> Credentials | None:

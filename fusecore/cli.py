@@ -131,9 +131,9 @@ def _fuse_fd(fd: int) -> int:
     try:
         given, fuse = os.fstat(fd), os.stat("/dev/fuse")
     except OSError:
-        raise ConfigError(f"fuse-fd: {fd} is not an open /dev/fuse descriptor") from None
+        raise ConfigError("fuse-fd", f"{fd} is not an open /dev/fuse descriptor") from None
     if not stat.S_ISCHR(given.st_mode) or given.st_rdev != fuse.st_rdev:
-        raise ConfigError(f"fuse-fd: {fd} is not an open /dev/fuse descriptor")
+        raise ConfigError("fuse-fd", f"{fd} is not an open /dev/fuse descriptor")
     return fd
 
 
@@ -172,7 +172,7 @@ def cmd_serve_mount(args: argparse.Namespace) -> int:
     try:
         doc = json.loads(sys.stdin.buffer.read(MAX_DOCUMENT + 1)[:MAX_DOCUMENT] or b"null")
         if not isinstance(doc, dict) or set(doc) - {"config", "credentials", "log_level"}:
-            raise ConfigError("expected a document with config, credentials and log_level only")
+            raise ConfigError("document", "expected config, credentials and log_level only")
         cfg = config_from_document(doc.get("config"), identity_from_document(doc.get("credentials")))
         if args.fuse_fd is not None:
             cfg = dataclasses.replace(cfg, fuse_fd=_fuse_fd(args.fuse_fd))

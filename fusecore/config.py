@@ -24,7 +24,11 @@ WARM_FRACTION = 0.9  # `warm` fills at most this share of a cache budget (the re
 
 
 class ConfigError(StokerError, ValueError):
-    """A configuration value is malformed; the message names the setting."""
+    """A configuration value is malformed: `setting` names it (as its flag), `problem` says what is wrong."""
+
+    def __init__(self, setting: str, problem: str):
+        super().__init__(f"{setting}: {problem}")
+        self.setting, self.problem = setting, problem
 
 
 def parse_size(text: str | int, *, name: str = "size") -> int:
@@ -35,10 +39,10 @@ def parse_size(text: str | int, *, name: str = "size") -> int:
         match = _SIZE_RE.match(str(text))
         unit = match.group(2).lower() if match else None
         if not match or unit not in _SIZE_UNITS:
-            raise ConfigError(f"{name}: cannot parse {text!r} as a size (examples: 4GiB, 512MiB, 1048576)")
+            raise ConfigError(name, f"cannot parse {text!r} as a size (examples: 4GiB, 512MiB, 1048576)")
         value = int(float(match.group(1)) * _SIZE_UNITS[unit])
     if value < 0:
-        raise ConfigError(f"{name}: must not be negative")
+        raise ConfigError(name, "must not be negative")
     return value
 
 
@@ -58,20 +62,20 @@ def parse_ttl(text: str | float, *, name: str = "metadata-ttl") -> float:
     try:
         value = float(text)
     except (TypeError, ValueError):
-        raise ConfigError(f"{name}: expected seconds or 'forever', got {text!r}") from None
+        raise ConfigError(name, f"expected seconds or 'forever', got {text!r}") from None
     if value < 0 or math.isnan(value):
-        raise ConfigError(f"{name}: must be >= 0 seconds")
+        raise ConfigError(name, "must be >= 0 seconds")
     return value
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
     """Split 's3://bucket/some/prefix' into ('bucket', 'some/prefix/')."""
     if not url.startswith("s3://"):
-        raise ConfigError(f"source: expected s3://BUCKET[/PREFIX], got {url!r}")
+        raise ConfigError("source", f"expected s3://BUCKET[/PREFIX], got {url!r}")
     rest = url[len("s3://"):]
     bucket, _, prefix = rest.partition("/")
     if not bucket:
-        raise ConfigError(f"source: no bucket in {url!r}")
+        raise ConfigError("source", f"no bucket in {url!r}")
     prefix = prefix.strip("/")
     return bucket, (prefix + "/") if prefix else ""
 
@@ -118,7 +122,7 @@ class StoreConfig:
 
 def _within(name: str, value: float, low: float, high: float, text: str | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ConfigError(f"{name}: {text or f'must be between {low:g} and {high:g}'} (got {value!r})")
+        raise ConfigError(name, f"{text or f'must be between {low:g} and {high:g}'} (got {value!r})")
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,7 @@ class MountConfig:
         store = self.store
         _within("block-size", self.block_size, 64 * 1024, 64 * 1024**2, "must be between 64KiB and 64MiB")
         if self.cache_size < 2 * self.block_size:
-            raise ConfigError("cache-size: must hold at least two blocks")
+            raise ConfigError("cache-size", "must hold at least two blocks")
         _within("max-concurrency", store.max_concurrency, 1, 1024)
         _within("max-attempts", store.max_attempts, 1, 20)
         _within("request-timeout", store.request_timeout, 0.1, 3600, "must be between 0.1 and 3600 seconds")
@@ -159,7 +163,7 @@ class MountConfig:
         _within("max-inflight-bytes", self.max_inflight_bytes, self.block_size, 1 << 50,
                 "must hold at least one block")
         if not self.metadata_ttl >= 0:
-            raise ConfigError("metadata-ttl: must be >= 0 seconds")
+            raise ConfigError("metadata-ttl", "must be >= 0 seconds")
         _within("read-ahead-kb", self.read_ahead_kb, 0, 1024 * 1024, "must be between 0 and 1048576")
         if self.metrics_port is not None:
             _within("metrics-port", self.metrics_port, 1, 65535)
@@ -194,7 +198,7 @@ def _check_type(name: str, value: Any, kind: Any) -> Any:
         types = allowed.get(option)
         if types and isinstance(value, types) and not (option in ("int", "float") and isinstance(value, bool)):
             return float(value) if option == "float" else value  # type: ignore[arg-type]  # narrowed by isinstance above
-    raise ConfigError(f"{name}: expected {kind}, got {type(value).__name__}")
+    raise ConfigError(name, f"expected {kind}, got {type(value).__name__}")
 
 
 def _document_of(obj: Any) -> dict:
@@ -209,11 +213,11 @@ def _document_of(obj: Any) -> dict:
 
 def _from_document(cls: type, doc: Any, where: str) -> Any:
     if not isinstance(doc, dict):
-        raise ConfigError(f"{where}: expected an object")
+        raise ConfigError(where, "expected an object")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in _PROCESS_LOCAL}
     unknown = sorted(set(doc) - set(fields))
     if unknown:
-        raise ConfigError(f"{where}: unknown setting(s) {', '.join(unknown)}")
+        raise ConfigError(where, f"unknown setting(s) {', '.join(unknown)}")
     values = {}
     for name, value in doc.items():
         if name == "store":
@@ -223,7 +227,7 @@ def _from_document(cls: type, doc: Any, where: str) -> Any:
     try:
         return cls(**values)
     except TypeError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        raise ConfigError(where, str(exc)) from None
 
 
 def mount_document(cfg: MountConfig) -> dict:
@@ -235,9 +239,9 @@ def config_from_document(doc: Any, credentials: Identity | None = None) -> Mount
     """Parse and validate a mount document (unknown or mistyped settings raise ConfigError)."""
     cfg = _from_document(MountConfig, doc, "config")
     if not isinstance(doc.get("store"), dict):
-        raise ConfigError("config: store is required")
+        raise ConfigError("config", "store is required")
     if not cfg.mountpoint.startswith("/"):
-        raise ConfigError("mountpoint: must be an absolute path")
+        raise ConfigError("mountpoint", "must be an absolute path")
     return dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, credentials=credentials))
 
 
@@ -253,20 +257,20 @@ def identity_from_document(doc: Any) -> Identity | None:
     if doc is None:
         return None
     if not isinstance(doc, dict) or doc.get("kind") not in ("keys", "webIdentity"):
-        raise ConfigError("credentials: expected an object with kind 'keys' or 'webIdentity'")
+        raise ConfigError("credentials", "expected an object with kind 'keys' or 'webIdentity'")
     cls = Credentials if doc["kind"] == "keys" else WebIdentity
     fields = {f.name: f for f in dataclasses.fields(cls)}
     body = {k: v for k, v in doc.items() if k != "kind"}
     unknown = sorted(set(body) - set(fields))
     if unknown:
-        raise ConfigError(f"credentials: unknown field(s) {', '.join(unknown)}")
+        raise ConfigError("credentials", f"unknown field(s) {', '.join(unknown)}")
     values = {k: _check_type(f"credentials.{k}", v, fields[k].type) for k, v in body.items()}
     try:
         identity = cls(**values)
     except TypeError as exc:
-        raise ConfigError(f"credentials: {exc}") from None
+        raise ConfigError("credentials", str(exc)) from None
     first = identity.access_key_id if isinstance(identity, Credentials) else identity.role_arn
     second = identity.secret_access_key if isinstance(identity, Credentials) else identity.token
     if not first or not second:
-        raise ConfigError("credentials: empty key or token")
+        raise ConfigError("credentials", "empty key or token")
     return identity
