@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from stoker_operator.nodes import NODE_LABEL, cache_selector, node_selector, obj
 from fusecore.launch import stop_process
 
 from .fakekube import FakeKube, _selector_matches
+from .fakemount import FakeMountControl
 from .fixture import StoreProcess
 
 NAMESPACE, RELEASE_NS, CACHE = "ml", "stoker-system", "imagenet"
@@ -55,44 +55,6 @@ class ScaleResult:
 
     def row(self) -> dict:
         return asdict(self)
-
-
-class FakeMount:
-    """A mount's control socket (stats, warm) for the real agents: the mount is not what is measured."""
-
-    def __init__(self, path: str, total: int):
-        self.path, self.total, self.cached = path, total, 0
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(path)
-        self.sock.listen(64)
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
-
-    def _answer(self, conn: socket.socket) -> None:
-        with conn, conn.makefile("rwb") as f:
-            request = json.loads(f.readline())
-            if request["op"] == "warm":
-                files = len(DATASET)
-                f.write(json.dumps({"bytes_done": self.total // 2, "bytes_total": self.total,
-                                    "files_done": files // 2, "files_total": files}).encode() + b"\n")
-                self.cached = self.total
-                f.write(json.dumps({"bytes_done": self.total, "bytes_total": self.total, "files_done": files,
-                                    "files_total": files, "errors": 0, "skipped_files": 0, "seconds": 0.1,
-                                    "done": True}).encode()
-                        + b"\n")
-            else:
-                f.write(json.dumps({"pid": os.getpid(), "cache": {"bytes": self.cached, "budget": 1 << 30},
-                                    "requests": {"get": 0}, "bytes_fetched": 0,
-                                    "bytes_served": {"cache": 0, "network": 0},
-                                    "inflight": {"requests": 0, "bytes": 0}}).encode() + b"\n")
-            f.flush()
 
 
 class FakeVolumes:
@@ -184,7 +146,8 @@ def run(nodes: int, *, workdir: str | None = None, log=lambda line: None, timeou
             kube_config.load_kube_config(kubeconfig)
             client = Kube()
             real = [f"gpu-{i:05d}" for i in range(min(REAL_AGENTS, nodes))]
-            mount = FakeMount(os.path.join(workdir, "mount.sock"), total)
+            mount = FakeMountControl(os.path.join(workdir, "mount.sock"), 1 << 30, warm_bytes=total,
+                                     warm_files=len(DATASET))
             for node in real:
                 agent = WarmAgent(FakeVolumes(mount.path), node, client, recheck=5, handover_namespace=RELEASE_NS)
                 threading.Thread(target=agent.run, args=(stop,), daemon=True).start()

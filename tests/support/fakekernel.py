@@ -13,64 +13,20 @@ The real ones are tested with real FUSE mounts and binds (tests/csi/test_node.py
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import threading
 
 from csi.mounter import MountRequest
 from fusecore.mounts import MountInfo
+from stoker_bench.fakemount import FakeMountControl
 
 STOKER_FS = "fuse.stoker"
-
-
-def stats_reply(budget: int, cached: int = 0) -> dict:
-    """A `stats` reply of the shape fusecore.messages.MountStats reads (what a real mount sends, trimmed)."""
-    return {"pid": os.getpid(), "cache": {"bytes": cached, "budget": budget, "entries": 0, "hits": 0, "misses": 0,
-                                          "hit_ratio": 0.0},
-            "requests": {"get": 0}, "bytes_fetched": 0, "bytes_served": {"cache": 0, "network": 0},
-            "inflight": {"requests": 0, "bytes": 0}}
-
-
-class FakeMountProcess:
-    """A mount process's control socket: stats, resize and credentials, as `stoker serve-mount` answers."""
-
-    def __init__(self, path: str, cache_size: int):
-        self.path, self.budget, self.rotations = path, cache_size, 0
-        if os.path.exists(path):
-            os.unlink(path)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(path)
-        self.sock.listen(16)
-        self.alive = True
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn, conn.makefile("rwb") as f:
-                request = json.loads(f.readline())
-                if request["op"] == "resize":
-                    self.budget = int(request["cache_size"])
-                elif request["op"] == "credentials":
-                    self.rotations += 1
-                f.write(json.dumps(stats_reply(self.budget)).encode() + b"\n")
-
-    def kill(self) -> None:
-        self.alive = False
-        self.sock.close()
-        if os.path.exists(self.path):
-            os.unlink(self.path)
 
 
 class FakeKernel:
     def __init__(self) -> None:
         self.entries: list[MountInfo] = []
         self.followers: dict[str, str] = {}  # bind target -> its source
-        self.processes: dict[str, FakeMountProcess] = {}  # device -> the process serving it
+        self.processes: dict[str, FakeMountControl] = {}  # device -> the process serving it
         self.started: list[MountRequest] = []
         self._next = 1
 
@@ -79,7 +35,7 @@ class FakeKernel:
     def start(self, request: MountRequest, timeout: float) -> None:
         cfg = request.config
         device = f"0:{1000 + self._next}"
-        self.processes[device] = FakeMountProcess(cfg.control_socket, cfg.cache_size)
+        self.processes[device] = FakeMountControl(cfg.control_socket, cfg.cache_size)
         self.started.append(request)
         self._stack(cfg.mountpoint, device, STOKER_FS)
 
