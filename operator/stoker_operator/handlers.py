@@ -177,18 +177,19 @@ def assign(ctx: Context, namespace: str, name: str, spec: dict, plan_name: str, 
     """Make this cache's DatasetCacheNodes say the plan: one per target node, none elsewhere."""
     wanted = {node: NodePlan(_key(namespace, name), node, plan_name, cache_bytes, warmable_bytes,
                              tuple(spec.get("paths") or ()), str(spec.get("policy") or "Once")) for node in nodes}
-    items, _ = ctx.kube.node_objects(ctx.handover_namespace, cache_selector(namespace, name))
+    kube, release_ns = ctx.kube, ctx.handover_namespace
+    items, _ = kube.node_objects(release_ns, cache_selector(namespace, name))
     current = {}
     for obj in items:
         try:
             current[state_of(obj).node] = obj
         except NotANodePlan:
-            ctx.kube.delete_node_object(ctx.handover_namespace, obj["metadata"]["name"])
+            kube.delete_node_object(release_ns, obj["metadata"]["name"])
     create, update, delete = changes(current, wanted)
-    calls = [lambda p=p: ctx.kube.create_node_object(ctx.handover_namespace, p.body(ctx.handover_namespace)) for p in create]
-    calls += [lambda p=p: ctx.kube.patch_node_object(ctx.handover_namespace, p.body(ctx.handover_namespace)["metadata"]["name"],
-                                                   {"spec": p.spec()}) for p in update]
-    calls += [lambda n=n: ctx.kube.delete_node_object(ctx.handover_namespace, n) for n in delete]
+    calls = [lambda p=p: kube.create_node_object(release_ns, p.body(release_ns)) for p in create]
+    calls += [lambda p=p: kube.patch_node_object(release_ns, p.body(release_ns)["metadata"]["name"],
+                                                 {"spec": p.spec()}) for p in update]
+    calls += [lambda n=n: kube.delete_node_object(release_ns, n) for n in delete]
     with ThreadPoolExecutor(WRITERS) as pool:
         list(pool.map(lambda call: call(), calls))
     if create or update or delete:
