@@ -8,7 +8,6 @@ through the Mounter (mounter.py); this is everything else VolumeManager does to 
 
 from __future__ import annotations
 
-import os
 from typing import Protocol
 
 from fusecore.mounts import MountInfo, bind_follower, mount_table, unmount_stack
@@ -36,12 +35,3 @@ class HostMounts:
     def unmount(self, path: str) -> str | None:
         return unmount_stack(path)
 
-
-def top_of(path: str, table: list[MountInfo]) -> MountInfo | None:
-    """The mount a lookup of `path` reaches (the last one stacked there), or None."""
-    target = os.path.abspath(path)
-    found = None
-    for entry in table:
-        if entry.point == target:
-            found = entry
-    return found

@@ -30,11 +30,12 @@ from typing import Iterator
 
 from fusecore import control
 from fusecore.config import format_size, identity_document
+from fusecore.mounts import MountInfo, top_mount
 from fusecore.store import S3Store
 
 from .attributes import TOKENS_KEY, VolumeSpec, parse_volume_context
 from .auth import AuthPolicy, MissingCredentials, Resolved, resolve, same_principal
-from .kernel import HostMounts, MountTable, top_of
+from .kernel import HostMounts, MountTable
 from .errors import Conflict, NodeFull, NotStaged, PermissionDenied, StillMounted, UnknownVolume, VolumeBusy
 from .layout import DEFAULT_KUBELET_DIR, DRIVER_NAME, driver_staging_dir, kubelet_staging_path  # noqa: F401
 from .mounter import MountFailed, Mounter, MountRequest
@@ -380,7 +381,7 @@ class VolumeManager:
 
     def _serving(self, record: VolumeRecord) -> control.MountStats | str:
         """The stats of the volume's live mount, or why its mount is not serving."""
-        top = top_of(record.mount_path, self.mounts.table())
+        top = self._top(record.mount_path)
         if top is None or top.fs_type != STOKER_FS_TYPE:
             return f"the volume's mount at {record.mount_path} is gone"
         stats = self._mount_stats(record)
@@ -389,8 +390,8 @@ class VolumeManager:
     def _behind(self, record: VolumeRecord, paths: list[str] | None = None) -> list[str]:
         """Those of `paths` (default: every bind) where a lookup does not reach the volume's current mount."""
         table = self.mounts.table()
-        mine = top_of(record.mount_path, table)
-        tops = {path: top_of(path, table) for path in (record.binds() if paths is None else paths)}
+        mine = top_mount(record.mount_path, table)
+        tops = {path: top_mount(path, table) for path in (record.binds() if paths is None else paths)}
         return [path for path, top in tops.items() if mine is None or top is None or top.device != mine.device]
 
     def _mount_stats(self, record: VolumeRecord) -> control.MountStats | str:
@@ -413,7 +414,7 @@ class VolumeManager:
         cfg = spec.mount_config(record.mount_path, self.state.control_socket(record.volume_id),
                                 credentials=auth.identity, cache_size=record.cache_size)
         self.mounter.start(MountRequest(cfg, self.state.log_file(record.volume_id)), self.ready_timeout)
-        top = top_of(record.mount_path, self.mounts.table())
+        top = self._top(record.mount_path)
         if top is None or top.fs_type != STOKER_FS_TYPE:
             raise StillMounted(f"the mount process reported ready but {record.mount_path} is not mounted")
         record.who = auth.who
@@ -486,11 +487,15 @@ class VolumeManager:
         self.secrets.delete(record.volume_id)
         self._problems.pop(record.volume_id, None)
 
+    def _top(self, path: str) -> MountInfo | None:
+        """What a lookup of `path` reaches in the mount table (the last mount stacked there)."""
+        return top_mount(path, self.mounts.table())
+
     def _is_mounted(self, path: str) -> bool:
-        return top_of(path, self.mounts.table()) is not None
+        return self._top(path) is not None
 
     def _fs_type(self, path: str) -> str | None:
-        top = top_of(path, self.mounts.table())
+        top = self._top(path)
         return top.fs_type if top else None
 
     def _removed(self, path: str) -> bool:

@@ -26,15 +26,22 @@ def read_body(readinto, into: memoryview, progress: Progress, release, close, wh
         raise TransientError(f"{what}: short body ({pos} of {length} bytes)")
 
 
-def body_reader(body) -> tuple:
-    """Read a body straight into our buffer and reuse its connection afterwards.
+def socket_readinto(resp):
+    """The readinto of the http.client response under a urllib3 response, or None where the layers differ.
 
     urllib3's readinto reads into a temporary bytes object and copies it; http.client's readinto
     fills the caller's buffer from the socket directly (measured: about a third less system time
-    per GiB). Falls back to botocore's own readinto where the layers differ.
-    """
+    per GiB)."""
+    fp = getattr(resp, "_fp", None)
+    return fp.readinto if fp is not None and hasattr(fp, "readinto") else None
+
+
+def body_reader(body) -> tuple:
+    """(readinto, release) for a botocore body: straight into our buffer and its connection reused
+    afterwards where botocore's urllib3 response allows, else botocore's own readinto."""
     raw = getattr(body, "_raw_stream", None)
-    fp = getattr(raw, "_fp", None)
-    if raw is not None and fp is not None and hasattr(fp, "readinto") and hasattr(raw, "release_conn"):
-        return fp.readinto, raw.release_conn
+    if raw is not None and hasattr(raw, "release_conn"):
+        readinto = socket_readinto(raw)
+        if readinto is not None:
+            return readinto, raw.release_conn
     return body.readinto, body.close

@@ -130,9 +130,10 @@ def _fuse_fd(fd: int) -> int:
     """--fuse-fd must be an open /dev/fuse descriptor (the mounter mounted it already)."""
     try:
         given, fuse = os.fstat(fd), os.stat("/dev/fuse")
+        is_fuse = stat.S_ISCHR(given.st_mode) and given.st_rdev == fuse.st_rdev
     except OSError:
-        raise ConfigError("fuse-fd", f"{fd} is not an open /dev/fuse descriptor") from None
-    if not stat.S_ISCHR(given.st_mode) or given.st_rdev != fuse.st_rdev:
+        is_fuse = False
+    if not is_fuse:
         raise ConfigError("fuse-fd", f"{fd} is not an open /dev/fuse descriptor")
     return fd
 

@@ -37,14 +37,12 @@ def default_control_socket(mountpoint: str) -> str:
 
 
 class ControlError(StokerError, RuntimeError):
-    """A control request failed; `kind` says how, as the mount sent it (ERROR_KINDS), or "unreachable"."""
+    """A control request failed; `kind` says how, as the mount sent it (malformed, unknown_op, bad_request,
+    failed, or a StoreError's kind), or "unreachable" when nothing answers."""
 
     def __init__(self, message: str, kind: str = "failed"):
         super().__init__(message)
         self.kind = kind
-
-
-ERROR_KINDS = ("malformed", "unknown_op", "bad_request", "failed")  # besides a StoreError's kind
 
 
 def stats(path: str, timeout: float | None = 30.0) -> MountStats:

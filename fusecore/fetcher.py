@@ -5,7 +5,6 @@ in-flight bytes, demand reads ahead of prefetches, body-level retries, and a rea
 from __future__ import annotations
 
 import logging
-import random
 import time
 from typing import Awaitable, Callable, Hashable
 
@@ -16,22 +15,12 @@ from .cache import BlockCache, Buffer
 from .metrics import MountMetrics
 from .buffers import allocate
 from .objects import ObjectInfo, ObjectStore, Progress
-from .store_errors import PreconditionFailed, StoreError, TransientError, Unavailable
+from .store_errors import PreconditionFailed, StoreError, TransientError, Unavailable, backoff
 
 log = logging.getLogger(__name__)
 
 
 _POLL_SECONDS = 0.002  # how often a reader waiting for the next bytes of a block looks again
-
-
-BACKOFF_BASE = 0.05  # seconds before the first retry (on average half of it: full jitter)
-BACKOFF_CAP = 5.0  # the longest pause between two attempts
-
-
-def backoff(attempt: int, retry_after: float | None = None) -> float:
-    """Capped exponential backoff with full jitter; a store's Retry-After is honoured when longer."""
-    pause = random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2 ** min(attempt, 20)))
-    return max(pause, retry_after or 0.0)
 
 
 class ByteBudget:

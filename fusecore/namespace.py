@@ -91,7 +91,7 @@ class Namespace:
         self._by_path: dict[str, int] = {"": ROOT_INODE}
         self._next_inode = ROOT_INODE + 1
         self._listing: dict[int, trio.Event] = {}
-        self._unreferenced: set[int] = set()  # inodes the kernel holds no reference to: sweep candidates
+        self._unreferenced: set[int] = set()  # every inode with refs == 0 (the root aside): sweep candidates
         self._swept_at = clock()
         self.skipped_names = 0
         self.mount_time = time.time()
@@ -163,8 +163,6 @@ class Namespace:
         parent = self.parent_of(node)
         if parent is not None and parent.children.get(node.name) == node.inode:
             parent.set_child(node.name, None)  # (its listing has expired: the next access lists it again)
-            if parent.refs == 0:
-                self._unreferenced.add(parent.inode)
         del self._nodes[node.inode]
         if self._by_path.get(node.path) == node.inode:
             del self._by_path[node.path]
@@ -259,12 +257,10 @@ class Namespace:
         for name, info in files.items():
             if name not in dirs:
                 children[name] = self._upsert(_join(node.path, name), False, info, now).inode
-        gone = [inode for name, inode in node.children.items() if children.get(name) != inode]
         node.children = children
         node.entries = None
         node.listed_at = node.checked_at = now
         node.lookups_since_list = 0
-        self._unreferenced.update(i for i in gone if i in self._nodes and self._nodes[i].refs == 0)
 
     async def _resolve(self, parent: Node, name: str) -> Node:
         """One HEAD and one LIST, concurrently: is `name` an object, a prefix, or neither?"""

@@ -12,24 +12,24 @@ import email.utils
 import http.client
 import logging
 import os
-import random
 import re
 import threading
 import time
 import urllib.parse
-from typing import Iterator
 import xml.sax.saxutils
+from typing import Iterator
 from xml.etree import ElementTree
 
 import botocore.exceptions
+import botocore.httpsession
 import botocore.utils
 import urllib3
 
-from .bodies import read_body
+from .bodies import read_body, socket_readinto
 from .config import StoreConfig
 from .objects import Listing, ObjectInfo, Progress
-from .store_errors import (PreconditionFailed, TransientError, Unavailable, answer_error, check_range,
-                           retry_after_seconds, translate)
+from .store_errors import (PreconditionFailed, TransientError, Unavailable, answer_error, backoff, check_range,
+                           retry_after_seconds, retryable, translate)
 
 log = logging.getLogger(__name__)
 
@@ -140,17 +140,14 @@ class PresignedGets:
             except TransientError:
                 if last:
                     raise
-                time.sleep(_backoff(attempt, None))
+                time.sleep(backoff(attempt))
                 continue
             if resp.status == 200 or (method == "HEAD" and resp.status == 404):
                 return resp
             code = _code_in(resp.data, resp.status)  # (a HEAD answer has no body to name the error)
-            retry_after = retry_after_seconds(resp.headers.get("Retry-After"))
-            if isinstance(answer_error(resp.status, code, what, retried=False), TransientError) and not last:
-                time.sleep(_backoff(attempt, retry_after))
+            if retryable(resp.status, code) and not last:
+                time.sleep(backoff(attempt, retry_after_seconds(resp.headers.get("Retry-After"))))
                 continue
-            if method == "HEAD" and resp.status == 403:
-                code = "AccessDenied"
             raise answer_error(resp.status, code, what, retried=True)
         raise AssertionError("unreachable")
 
@@ -214,21 +211,13 @@ class PresignedGets:
         except TransientError:
             resp.close()
             raise
-        fp = getattr(resp, "_fp", None)
-        readinto = fp.readinto if fp is not None and hasattr(fp, "readinto") else resp.readinto
+        readinto = socket_readinto(resp) or resp.readinto
         try:
             read_body(readinto, into, progress, resp.release_conn, resp.close, what)
         except urllib3.exceptions.ReadTimeoutError:
             raise Unavailable(f"{what}: store stopped sending") from None
         except (urllib3.exceptions.HTTPError, OSError, http.client.HTTPException, ValueError) as exc:
             raise TransientError(f"{what}: {type(exc).__name__} while reading the body") from None
-
-
-def _backoff(attempt: int, retry_after: float | None) -> float:
-    """Seconds before attempt `attempt + 1`: what the store asked for, else capped exponential with full jitter."""
-    if retry_after is not None:
-        return retry_after
-    return random.uniform(0, min(5.0, 0.05 * 2 ** attempt))
 
 
 _S3_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"

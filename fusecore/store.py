@@ -1,8 +1,9 @@
-"""The object-store client: the one place that knows S3, boto3 and botocore.
+"""The object-store client (`S3Store`): the botocore client, its session and credentials; GETs,
+listings and lookups go through presigned URLs (presigned.py) unless a proxy is configured.
 
-Everything above this module sees `ObjectInfo`, `Listing` and the `StoreError` family; every
-botocore exception is translated here, once. Calls are blocking: the fetcher runs them in worker
-threads.
+Everything above the store modules sees `ObjectInfo`, `Listing` (objects.py) and the `StoreError`
+family (store_errors.py, where every botocore exception is translated, once). Calls are blocking:
+the fetcher runs them in worker threads.
 """
 
 from __future__ import annotations

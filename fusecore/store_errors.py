@@ -3,6 +3,7 @@ botocore exception to it: errors are mapped here, once."""
 
 from __future__ import annotations
 
+import random
 import re
 
 import botocore.exceptions
@@ -113,6 +114,22 @@ _RETRYABLE_STATUS = {429, 500, 502, 503, 504}
 _RETRYABLE_CODES = {"SlowDown", "Throttling", "ServiceUnavailable", "InternalError"}
 
 
+BACKOFF_BASE = 0.05  # seconds before the first retry (on average half of it: full jitter)
+BACKOFF_CAP = 5.0  # the longest pause between two attempts
+
+
+def backoff(attempt: int, retry_after: float | None = None) -> float:
+    """Capped exponential backoff with full jitter; a store's Retry-After is honoured when longer
+    (the retries of GETs in the fetcher and of small presigned requests)."""
+    pause = random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2 ** min(attempt, 20)))
+    return max(pause, retry_after or 0.0)
+
+
+def retryable(status: int | None, code: str) -> bool:
+    """Throttling and 5xx: worth another attempt."""
+    return status in _RETRYABLE_STATUS or code in _RETRYABLE_CODES
+
+
 def answer_error(status: int | None, code: str, what: str, *, retried: bool,
                   retry_after: float | None = None) -> StoreError:
     """The one table from a store's error answer (HTTP status, S3 error code) to StoreError.
@@ -120,7 +137,7 @@ def answer_error(status: int | None, code: str, what: str, *, retried: bool,
     Throttling and 5xx are TransientError, for the fetcher to retry, unless they were `retried`
     already (botocore's retry mode), when they are Unavailable.
     """
-    if not retried and (status in _RETRYABLE_STATUS or code in _RETRYABLE_CODES):
+    if not retried and retryable(status, code):
         throttled = status in (429, 503) or code in ("SlowDown", "Throttling")
         return TransientError(f"{what}: store answered {status} {code}", throttled=throttled, retry_after=retry_after)
     if code in _NO_BUCKET:

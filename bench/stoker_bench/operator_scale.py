@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from stoker_operator.kube import Kube
-from stoker_operator.nodes import NODE_LABEL, cache_selector, node_selector, object_name
+from stoker_operator.nodes import FINALIZER, NODE_LABEL, cache_selector, node_selector, object_name, release_patch
 
 from fusecore.launch import stop_process
 
@@ -235,7 +235,7 @@ def _release_simulated(kube: FakeKube, client: Kube, simulated: list[str], timeo
                     if o["metadata"]["name"] in names and o["metadata"].get("deletionTimestamp")]
         with ThreadPoolExecutor(32) as pool:
             list(pool.map(lambda name: client.patch_node_object(
-                RELEASE_NS, name, {"metadata": {"finalizers": []}}),  # FINALIZER was the only one
+                RELEASE_NS, name, release_patch([FINALIZER])),  # as an agent does
                 deleting))
         names -= set(deleting)
         names &= {o["metadata"]["name"] for o in items}

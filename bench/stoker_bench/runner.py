@@ -9,6 +9,8 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 
+from fusecore.bodies import socket_readinto
+
 from .fixture import StoreProcess
 from .systems import SYSTEMS, Unavailable
 from .workloads import WORKLOADS, Dataset, Outcome
@@ -208,7 +210,8 @@ def python_client_ceiling(store: StoreProcess, d: Dataset, connections: int = 48
         resp = pool.request("GET", url, headers={"Range": f"bytes={i * block}-{(i + 1) * block - 1}"},
                             preload_content=False)
         view, pos = memoryview(buffers[i % connections]), 0
-        while pos < block and (n := resp._fp.readinto(view[pos:pos + 262144])):  # type: ignore[attr-defined]
+        readinto = socket_readinto(resp) or resp.readinto
+        while pos < block and (n := readinto(view[pos:pos + 262144])):
             pos += n
         resp.release_conn()
         return pos

@@ -21,7 +21,7 @@ from fusecore import control
 
 from .handover import handover_name, read_handover
 from .kube import Kube, NotFoundInCluster, load_config
-from .nodes import FINALIZER, NodePlan, NotANodePlan, node_selector, plan_of
+from .nodes import FINALIZER, NodePlan, NotANodePlan, node_selector, plan_of, release_patch
 from .plan import READY_AT, node_should_warm, timestamp
 
 log = logging.getLogger(__name__)
@@ -161,23 +161,24 @@ class WarmAgent:
                 worker.update(obj, plan)
             return
         if worker is not None:
-            worker.stop()
-            worker.thread.join(30)
-            del self.workers[name]
-            worker.release()
+            self._retire(name)
         elif plan is not None:
             self.volumes.release_holder(plan.cache)
         if event_type != "DELETED" and FINALIZER in (obj["metadata"].get("finalizers") or []):
-            kept = [f for f in obj["metadata"]["finalizers"] if f != FINALIZER]
-            self.kube.patch_node_object(self.handover_namespace, name, {"metadata": {"finalizers": kept}})
+            self.kube.patch_node_object(self.handover_namespace, name, release_patch(obj["metadata"]["finalizers"]))
+
+    def _retire(self, name: str) -> None:
+        """Stop the worker of DatasetCacheNode `name` and give its memory back."""
+        worker = self.workers.pop(name)
+        worker.stop()
+        worker.thread.join(30)
+        worker.release()
 
     def reconcile(self, items: list[dict]) -> None:
         """After a (re-)list: objects that are gone were deleted while this agent was away."""
         present = {obj["metadata"]["name"] for obj in items}
         for name in [n for n in self.workers if n not in present]:
-            worker = self.workers.pop(name)
-            worker.stop()
-            worker.release()
+            self._retire(name)
         planned = {p.cache for obj in items if (p := self._plan(obj)) is not None}
         for holder in self.volumes.holders() - planned:
             log.info("releasing %s: its DatasetCacheNode is gone", holder)

@@ -18,9 +18,9 @@ from . import CACHE_ANNOTATION, GATE, GROUP, NODE_PLURAL, PLURAL, VERSION
 from .handover import LABELS, OWNER_ANNOTATION, handover_name, owner, secret_data
 from .kube import Kube, load_config
 from .nodes import FINALIZER as NODE_FINALIZER
-from .nodes import NodePlan, NodeState, NotANodePlan, cache_selector, changes, object_name, state_of
-from .plan import (NoRoom, SpecProblem, aggregate, gate_release_patch, human, merge_conditions, node_room, plan_id,
-                   size_cache, target_nodes)
+from .nodes import NodePlan, NodeState, NotANodePlan, cache_selector, changes, object_name, release_patch, state_of
+from .plan import (NoRoom, SpecProblem, aggregate, gate_release_patch, human, merge_conditions, name_list, node_room,
+                   plan_id, size_cache, target_nodes)
 from .source import StoreBusy, measure, read_secrets, resolve
 
 log = logging.getLogger(__name__)
@@ -304,24 +304,23 @@ def release(*, body, namespace, name, retry, memo, **_) -> None:
     silent = [obj for obj in items if not obj.get("status")]  # never reported: its agent holds nothing yet
     with ThreadPoolExecutor(WRITERS) as pool:  # (one that is just starting sees the deletion and lets go)
         list(pool.map(lambda n: ctx.kube.delete_node_object(ctx.handover_namespace, n), live))
-        list(pool.map(lambda obj: unblock(ctx, obj), silent))
+        list(pool.map(lambda obj: unblock(ctx, obj["metadata"]), silent))
     items = [obj for obj in items if obj.get("status")]
     holding = sorted((obj.get("spec") or {}).get("node", obj["metadata"]["name"]) for obj in items)
     if holding and retry < RELEASE_WAIT_RETRIES:
         raise kopf.TemporaryError(f"waiting for {len(holding)} nodes to release their caches: "
-                                  f"{', '.join(holding[:10])}", delay=2)
+                                  f"{name_list(holding)}", delay=2)
     if holding:
         kopf.warn(body, reason="ReleaseTimeout", message=f"{len(holding)} nodes did not confirm the release: "
-                                                         f"{', '.join(holding[:10])}")
+                                                         f"{name_list(holding)}")
         for obj in items:
-            unblock(ctx, obj)
+            unblock(ctx, obj["metadata"])
     ctx.kube.delete_secret(ctx.handover_namespace, handover_name(namespace, name))
 
 
-def unblock(ctx: Context, obj: dict) -> None:
-    """Drop the node-release finalizer of a DatasetCacheNode whose node never answered."""
-    kept = [f for f in obj["metadata"].get("finalizers") or [] if f != NODE_FINALIZER]
-    ctx.kube.patch_node_object(ctx.handover_namespace, obj["metadata"]["name"], {"metadata": {"finalizers": kept}})
+def unblock(ctx: Context, meta: dict) -> None:
+    """Drop the node-release finalizer of a DatasetCacheNode (by its metadata) whose node never answered."""
+    ctx.kube.patch_node_object(ctx.handover_namespace, meta["name"], release_patch(meta.get("finalizers")))
 
 
 def forget_gone_nodes(ctx: Context, namespace: str, name: str, states: list[NodeState], cluster: set[str]) -> None:
@@ -329,5 +328,4 @@ def forget_gone_nodes(ctx: Context, namespace: str, name: str, states: list[Node
     them, so let them go."""
     for state in states:
         if state.deleting and state.node not in cluster:
-            unblock(ctx, {"metadata": {"name": object_name(namespace, name, state.node),
-                                  "finalizers": [NODE_FINALIZER]}})
+            unblock(ctx, {"name": object_name(namespace, name, state.node), "finalizers": [NODE_FINALIZER]})

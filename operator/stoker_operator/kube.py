@@ -56,8 +56,7 @@ class Kube:
         return self._get(self.core.read_persistent_volume, f"PV {name}", name)
 
     def secret_data(self, namespace: str, name: str) -> dict[str, str]:
-        secret = self._get(self.core.read_namespaced_secret, f"Secret {namespace}/{name}", name, namespace)
-        return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
+        return self.secret(namespace, name)[0]
 
     def secret(self, namespace: str, name: str) -> tuple[dict[str, str], dict[str, str]]:
         """(data, annotations) of a Secret."""

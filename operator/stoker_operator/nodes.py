@@ -128,6 +128,11 @@ def state_of(obj: dict) -> NodeState:
     return NodeState(plan_of(obj), dict(obj.get("status") or {}), bool(obj["metadata"].get("deletionTimestamp")))
 
 
+def release_patch(finalizers: list[str] | None) -> dict:
+    """The merge patch that takes the node-release finalizer off a DatasetCacheNode (others stay)."""
+    return {"metadata": {"finalizers": [f for f in finalizers or [] if f != FINALIZER]}}
+
+
 def changes(current: dict[str, dict], wanted: dict[str, NodePlan]) -> tuple[list[NodePlan], list[NodePlan], list[str]]:
     """(to create, to re-spec, object names to delete) that turn the objects `current` (by node) into `wanted`."""
     create = [p for node, p in wanted.items() if node not in current]

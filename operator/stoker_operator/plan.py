@@ -195,14 +195,15 @@ def aggregate(status: dict, states: Iterable[NodeState]) -> Aggregate:
     conditions = {
         "Warmed": ("True", "AllNodesWarm", f"{len(ready)} of {len(targets)} nodes warm")
         if phase == "Ready" else ("False", "Warming", f"{len(ready)} of {len(targets)} nodes warm"
-                                  + (f"; not warm: {_names(failed)}" if failed else "")),
+                                  + (f"; not warm: {name_list(failed)}" if failed else "")),
         "Ready": ("True", "CacheReady", "training can start on the warm nodes") if phase == "Ready"
         else ("False", phase, "waiting for the nodes to warm"),
     }
     return Aggregate(phase, percentage, conditions, summary, not_ready, ready, cached)
 
 
-def _names(nodes: list[str], shown: int = NOT_READY_SHOWN) -> str:
+def name_list(nodes: list[str], shown: int = NOT_READY_SHOWN) -> str:
+    """The first `shown` names, and how many more (messages stay short at any cluster size)."""
     more = f" and {len(nodes) - shown} more" if len(nodes) > shown else ""
     return ", ".join(nodes[:shown]) + more
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 
 from csi.mounter import MountRequest
-from fusecore.mounts import MountInfo
+from fusecore.mounts import MountInfo, top_mount
 from stoker_bench.fakemount import FakeMountControl
 
 STOKER_FS = "fuse.stoker"
@@ -65,11 +65,7 @@ class FakeKernel:
     # ---- for tests
 
     def top(self, path: str) -> MountInfo | None:
-        found = None
-        for entry in self.entries:
-            if entry.point == os.path.abspath(path):
-                found = entry
-        return found
+        return top_mount(path, self.entries)
 
     def kill(self, path: str) -> None:
         """The mount process at `path` dies; its mount stays (a dead FUSE mount)."""
