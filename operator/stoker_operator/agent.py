@@ -153,6 +153,8 @@ class WarmAgent:
         name = obj["metadata"]["name"]
         worker = self.workers.get(name)
         plan = self._plan(obj)
+        if plan is None and worker is None:
+            return  # malformed, or another node's: nothing of it is ours to hold, release or patch
         if event_type != "DELETED" and not obj["metadata"].get("deletionTimestamp") and plan is not None:
             if worker is None:
                 worker = self.workers[name] = CacheWorker(self, obj, plan)

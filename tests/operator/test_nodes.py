@@ -63,3 +63,25 @@ def test_changes_create_respec_and_delete_only_what_differs():
     assert [p.node for p in update] == ["resize"]
     assert delete == [current["leave"]["metadata"]["name"]]
     assert changes({n: plan(n).body("s") for n in ("a", "b")}, {n: plan(n) for n in ("a", "b")}) == ([], [], [])
+
+
+def test_an_agent_leaves_alone_what_is_not_its_own(caplog):
+    """A DatasetCacheNode labelled for this node but planned for another, or malformed: the agent neither
+    holds a volume for it nor patches it (no finalizer taken off an object that is not its own)."""
+    from stoker_bench.operator_scale import FakeVolumes
+    from stoker_operator.agent import WarmAgent
+
+    class NoWrites:
+        def __getattr__(self, name):
+            raise AssertionError(f"the agent called the API ({name}) for an object that is not its own")
+
+    volumes = FakeVolumes("/nonexistent.sock")
+    agent = WarmAgent(volumes, "gpu-1", NoWrites())
+    forged = plan("gpu-2").body("stoker-system")
+    forged["metadata"]["labels"][NODE_LABEL] = "gpu-1"
+    malformed = {"metadata": {"name": "x", "finalizers": [FINALIZER]}, "spec": {"node": "gpu-1"}}
+    for obj in (forged, malformed):
+        agent.observe("ADDED", obj)
+        agent.observe("MODIFIED", dict(obj, metadata=dict(obj["metadata"], deletionTimestamp="2026-12-03T00:00:00Z")))
+    assert agent.workers == {} and volumes.held == {}
+    assert "is for node gpu-2, not gpu-1" in caplog.text
