@@ -215,9 +215,9 @@ class WarmAgentExtension:
                             help="warm DatasetCaches planned onto this node (needs Kubernetes API access)")
         parser.add_argument("--handover-namespace", default=os.environ.get("POD_NAMESPACE", "stoker-system"),
                             help="where the operator hands over DatasetCache volumes (the release namespace)")
-        parser.add_argument("--warm-recheck", type=float, default=RECHECK_EVERY,
+        parser.add_argument("--warm-recheck", type=_seconds, default=RECHECK_EVERY,
                             help=f"seconds between checks that a warm cache is still warm (default {RECHECK_EVERY:g})")
-        parser.add_argument("--warm-report-interval", type=float, default=REPORT_EVERY,
+        parser.add_argument("--warm-report-interval", type=_seconds, default=REPORT_EVERY,
                             help=f"seconds between progress reports while warming (default {REPORT_EVERY:g})")
 
     def start(self, args: argparse.Namespace, volumes, stop: threading.Event) -> None:
@@ -229,3 +229,13 @@ class WarmAgentExtension:
         threading.Thread(target=agent.run, args=(stop,), name="warm-agent", daemon=True).start()
         log.info("warm agent watching the DatasetCacheNodes of node %s", args.node_id)
 
+
+def _seconds(text: str) -> float:
+    """A positive number of seconds (0 would re-check or report in a busy loop)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value <= 86400:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 86400 seconds (got {text})")
+    return value

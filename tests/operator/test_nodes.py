@@ -85,3 +85,14 @@ def test_an_agent_leaves_alone_what_is_not_its_own(caplog):
         agent.observe("MODIFIED", dict(obj, metadata=dict(obj["metadata"], deletionTimestamp="2026-12-03T00:00:00Z")))
     assert agent.workers == {} and volumes.held == {}
     assert "is for node gpu-2, not gpu-1" in caplog.text
+
+
+@pytest.mark.parametrize("flag, value", [("--warm-report-interval", "0"), ("--warm-report-interval", "soon"),
+                                         ("--warm-recheck", "-1")])
+def test_the_agents_intervals_are_refused_unless_positive(capsys, flag, value):
+    from stoker.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["csi", "--warm-agent", flag, value])
+    assert exit_.value.code == 2 and flag in capsys.readouterr().err
+    assert build_parser().parse_args(["csi", flag, "2.5"]).__dict__[flag[2:].replace("-", "_")] == 2.5
