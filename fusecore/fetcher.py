@@ -20,9 +20,6 @@ from .store_errors import PreconditionFailed, StoreError, TransientError, Unavai
 log = logging.getLogger(__name__)
 
 
-_POLL_SECONDS = 0.002  # how often a reader waiting for the next bytes of a block looks again
-
-
 class ByteBudget:
     """An async semaphore over bytes, demand first: a prefetch waits while a demand read waits, and
     prefetches together hold at most `prefetch_share` of the limit, so a demand read always finds room
@@ -70,7 +67,8 @@ class ByteBudget:
 class _Pending:
     """The shared future of one block GET; readers may take bytes as soon as they arrive."""
 
-    __slots__ = ("done", "data", "error", "demanded", "visit", "buffer", "progress", "queued", "attempts", "logged")
+    __slots__ = ("done", "data", "error", "demanded", "visit", "buffer", "progress", "queued", "attempts", "logged",
+                 "arrived")
 
     def __init__(self, demanded: bool, visit: Hashable | None, queued: int = 0):
         self.attempts = 0
@@ -83,6 +81,37 @@ class _Pending:
         self.buffer: Buffer | None = None  # being filled; valid up to progress.received
         self.progress = Progress()
         self.queued = queued  # bytes a prefetch promised, until its GET reserves them in the cache
+        self.arrived: trio.Event | None = None  # set when the bytes some reader waits for are there
+
+    async def wait_for(self, need: int) -> None:
+        """Return once the first `need` bytes arrived or the GET ended (one wake-up from the worker thread)."""
+        arrived = self.arrived
+        if arrived is None or arrived.is_set():
+            arrived = self.arrived = trio.Event()
+            self.progress.wake_at(need, _waker(arrived))
+        else:
+            self.progress.wake_at(need)  # shares the wake-up that is coming; a nearer mark wins
+        if self.progress.received >= need or self.done.is_set():
+            return
+        await arrived.wait()
+
+    def finish(self) -> None:
+        self.done.set()
+        if self.arrived is not None:
+            self.arrived.set()
+
+
+def _waker(event: trio.Event) -> Callable[[], None]:
+    """A callable any thread may call to set `event` in this trio run (a no-op once the run ended)."""
+    token = trio.lowlevel.current_trio_token()
+
+    def wake() -> None:
+        try:
+            token.run_sync_soon(event.set)
+        except trio.RunFinishedError:
+            pass
+
+    return wake
 
 
 class Fetcher:
@@ -139,16 +168,14 @@ class Fetcher:
             pending.demanded = True
             pending.visit = visit
         with trio.move_on_after(self.read_deadline):
-            if need is None:
+            start, end = block_extent(index, obj.size, unit or self.block_size)
+            if need is None or need >= end - start:  # the whole block: its end is the one wake-up
                 await pending.done.wait()
             else:
-                # Polling measured faster than a wake-up from the worker thread per piece
-                # (fewer thread-to-loop hand-offs; see README).
                 while not pending.done.is_set():
                     if pending.buffer is not None and pending.progress.received >= need:
                         return pending.buffer, False
-                    with trio.move_on_after(_POLL_SECONDS):
-                        await pending.done.wait()
+                    await pending.wait_for(need)
         if not pending.done.is_set():
             self.metrics.errors.labels(kind="deadline").inc()
             if not pending.logged:
@@ -223,7 +250,7 @@ class Fetcher:
         finally:
             self._settle(pending)
             del self._pending[key]
-            pending.done.set()
+            pending.finish()
 
     async def _fetch(self, key: BlockKey, obj: ObjectInfo, pending: _Pending) -> Buffer:
         start, end = block_extent(key.index, obj.size, key.unit or self.block_size)

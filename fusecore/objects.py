@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 from .config import Identity
 
@@ -24,16 +24,36 @@ class Listing:
     dirs: list[str] = field(default_factory=list)  # full prefixes, ending in '/'
 
 
-class Progress:
-    """Bytes of a GET received so far; written by the worker thread, read by waiting readers."""
+_NEVER = 1 << 62
 
-    __slots__ = ("received",)
+
+class Progress:
+    """Bytes of a GET received so far; written by the worker thread, read by waiting readers.
+
+    A reader that needs the first `n` bytes asks to be woken when they are there (`wake_at`): the
+    worker thread calls `wake` once, when it crosses the mark, instead of the reader polling."""
+
+    __slots__ = ("received", "_mark", "_wake")
 
     def __init__(self) -> None:
         self.received = 0
+        self._mark = _NEVER
+        self._wake: Callable[[], None] | None = None
 
     def advance(self, n: int) -> None:
         self.received += n
+        if self.received >= self._mark:
+            self._mark = _NEVER
+            wake = self._wake
+            if wake is not None:
+                wake()
+
+    def wake_at(self, nbytes: int, wake: Callable[[], None] | None = None) -> None:
+        """Call `wake` (or the one given before) from the receiving thread once `nbytes` have arrived;
+        a lower mark than one already set replaces it. The caller checks `received` after this call."""
+        if wake is not None:
+            self._wake = wake
+        self._mark = min(self._mark, nbytes)
 
 
 class ObjectStore(Protocol):

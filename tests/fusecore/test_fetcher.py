@@ -1,5 +1,6 @@
 """The fetch scheduler against the fake store: dedup, bounds, retries, changed objects, deadlines."""
 
+import threading
 import time
 
 import pytest
@@ -9,6 +10,7 @@ from fusecore.blocks import BlockKey
 from fusecore.cache import BlockCache
 from fusecore.fetcher import Fetcher
 from fusecore.metrics import MountMetrics
+from fusecore.objects import Progress
 from fusecore.store_errors import AccessDenied, PreconditionFailed, Unavailable
 from tests.support.fakestore import FakeStore
 
@@ -32,10 +34,11 @@ class FakeTime:
         await trio.sleep(0)
 
 
-def make(store, *, budget=8 * 1024 * KiB, concurrency=4, inflight=1024 * KiB, deadline=10.0, fake_time=None):
+def make(store, *, budget=8 * 1024 * KiB, concurrency=4, inflight=1024 * KiB, deadline=10.0, fake_time=None,
+         block=BLOCK):
     cache = BlockCache(budget)
     timing = {"clock": fake_time, "sleep": fake_time.sleep} if fake_time is not None else {}
-    fetcher = Fetcher(store, cache, MountMetrics(), block_size=BLOCK, max_concurrency=concurrency,
+    fetcher = Fetcher(store, cache, MountMetrics(), block_size=block, max_concurrency=concurrency,
                       inflight_limit=inflight, read_deadline=deadline, **timing)
     return fetcher, cache
 
@@ -276,6 +279,45 @@ def test_a_reader_gets_the_first_bytes_before_the_whole_block_arrived():
 
     run(body)
     assert store.calls["get"] == 1
+
+
+def test_readers_of_one_block_are_each_woken_when_their_bytes_are_there():
+    """No polling: each waiting reader is woken by the receiving thread at its own mark, the nearer
+    mark first, all of them before the block is whole."""
+    store = FakeStore()
+    payload = bytes(range(256)) * 4096
+    info = store.put("k", payload)  # 1 MiB: 16 pieces of 64 KiB
+    store.faults.chunk_delay = 0.05
+    fetcher, cache = make(store, block=1024 * KiB)
+    woken: list[tuple[int, int]] = []
+
+    async def reader(need: int) -> None:
+        data, _ = await fetcher.block(info, 0, need=need)
+        assert bytes(memoryview(data)[:need]) == payload[:need]
+        woken.append((need, BlockKey("k", info.etag, 0) in cache))
+
+    async def body(nursery):
+        fetcher.start(nursery)
+        async with trio.open_nursery() as readers:
+            readers.start_soon(reader, 600_000)
+            await trio.sleep(0.01)
+            readers.start_soon(reader, 100_000)
+            readers.start_soon(reader, 300_000)
+
+    run(body)
+    assert woken == [(100_000, False), (300_000, False), (600_000, False)]
+    assert store.calls["get"] == 1
+
+
+def test_progress_wakes_once_at_the_nearest_mark_from_the_receiving_thread():
+    progress = Progress()
+    calls: list[int] = []
+    progress.wake_at(500, lambda: calls.append(progress.received))
+    progress.wake_at(200)  # a nearer mark replaces the farther one
+    thread = threading.Thread(target=lambda: [progress.advance(100) for _ in range(10)])
+    thread.start()
+    thread.join()
+    assert calls == [200]  # once, at the mark; not again for later pieces
 
 
 def test_a_body_that_breaks_off_is_resumed_not_restarted():
