@@ -2,8 +2,8 @@
 
 Directories come from common prefixes, file sizes and ETags from the listing, so listing a
 directory sends no HEAD per file. Results are cached for `ttl` seconds. A name looked up in a
-directory that was never listed costs one HEAD and one LIST (sent together); after a few such
-lookups in the same directory the directory is listed once instead.
+directory that was never listed costs one LIST of the names starting with it (the object and the
+prefix `name/` in one answer); at the next lookup in the same directory the directory is listed whole.
 
 Keys that are not valid POSIX names are skipped, deterministically (see `valid_name`), and a key
 that is both an object and a prefix ("a" and "a/b") shows as the directory; the object is hidden.
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 ROOT_INODE = 1
 MAX_NAME_BYTES = 255
-LIST_AFTER_LOOKUPS = 2  # targeted lookups in one directory before it is listed whole
+LIST_AFTER_LOOKUPS = 1  # targeted lookups in one directory before it is listed whole
 
 
 def valid_name(name: str) -> bool:
@@ -263,27 +263,22 @@ class Namespace:
         node.lookups_since_list = 0
 
     async def _resolve(self, parent: Node, name: str) -> Node:
-        """One HEAD and one LIST, concurrently: is `name` an object, a prefix, or neither?"""
+        """Is `name` an object, a prefix, or neither? One LIST of the keys that start with it answers
+        both (a second, one-key LIST only when that page ended before `name/` would sort)."""
         path = _join(parent.path, name)
         key = self.prefix + path
-        results: dict[str, object] = {}
-
-        async def head() -> None:
-            self.metrics.head_requests.inc()
-            results["head"] = await self._run_sync(self.store.head, key)
-
-        async def is_prefix() -> None:
+        self.metrics.list_requests.inc()
+        page = await self._run_sync(self.store.probe, key)
+        is_dir = key + "/" in page.dirs
+        if not is_dir and page.truncated and not _reaches(page, key + "/"):
             self.metrics.list_requests.inc()
-            results["dir"] = await self._run_sync(self.store.has_prefix, key + "/")
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(head)
-            nursery.start_soon(is_prefix)
+            is_dir = await self._run_sync(self.store.has_prefix, key + "/")
+        info = next((f for f in page.files if f.key == key), None)  # (the first key of its page, if there)
         now = self._clock()
-        if results["dir"]:
+        if is_dir:
             node = self._upsert(path, True, None, now)
-        elif results["head"] is not None:
-            node = self._upsert(path, False, results["head"], now)  # type: ignore[arg-type]
+        elif info is not None:
+            node = self._upsert(path, False, info, now)
         else:
             parent.set_child(name, None)
             raise NotFound(path)
@@ -316,6 +311,12 @@ class Namespace:
         listed = await self._run_sync(lambda: list(self.store.list_all(key + "/" if path else self.prefix)))
         self.metrics.list_requests.inc()
         return [i for i in listed if all(valid_name(seg) for seg in i.key[len(self.prefix):].split("/"))]
+
+
+def _reaches(page: Listing, mark: str) -> bool:
+    """Does the page hold a name that sorts at or after `mark`? (S3 sorts by UTF-8 bytes, which is code point
+    order: Python's string order.)"""
+    return any(d >= mark for d in page.dirs) or any(f.key >= mark for f in page.files)
 
 
 def _join(parent: str, name: str) -> str:

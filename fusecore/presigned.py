@@ -124,6 +124,15 @@ class PresignedGets:
         listing = parse_listing(body, what)
         return bool(listing.files or listing.dirs)
 
+    def probe(self, key: str) -> Listing:
+        """The first page of a delimiter listing of the names that start with `key`: the object `key` (if
+        any) and the prefix `key/` (if any) in one request, instead of a HEAD and a one-key LIST."""
+        what = f"list {key!r}"
+        params = {"Bucket": self._bucket, "Prefix": key, "Delimiter": "/", "EncodingType": "url"}
+        body = self._get_small(lambda: self._client.generate_presigned_url(
+            "list_objects_v2", Params=params, ExpiresIn=self.URL_LIFETIME), what)
+        return parse_listing(body, what)
+
     def _get_small(self, sign, what: str) -> bytes:
         """The body of a small GET of a URL `sign()` makes."""
         return self._small(sign, what).data
@@ -253,7 +262,8 @@ def parse_listing(body: bytes, what: str) -> Listing:
                                 int(item.findtext(f"{ns}Size") or 0), item.findtext(f"{ns}ETag") or "",
                                 parse_timestamp(modified).timestamp() if modified else 0.0))
     dirs = [urllib.parse.unquote(p.findtext(f"{ns}Prefix") or "") for p in root.iterfind(f"{ns}CommonPrefixes")]
-    return Listing(files=files, dirs=dirs)
+    truncated = (root.findtext(f"{ns}IsTruncated") or "").strip().lower() == "true"
+    return Listing(files=files, dirs=dirs, truncated=truncated)
 
 
 def _error_code(resp) -> str:

@@ -96,6 +96,7 @@ class S3Store:
                 yield Listing(
                     files=[_info(item) for item in page.get("Contents", ())],
                     dirs=[p["Prefix"] for p in page.get("CommonPrefixes", ())],
+                    truncated=bool(page.get("IsTruncated")),
                 )
         except botocore.exceptions.BotoCoreError as exc:
             raise translate(exc, f"list {prefix!r}") from exc
@@ -135,6 +136,18 @@ class S3Store:
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
             raise translate(exc, f"list {prefix!r}") from exc
         return resp.get("KeyCount", 0) > 0
+
+    def probe(self, key: str) -> Listing:
+        """The first page of a delimiter listing of the names starting with `key` (see PresignedGets.probe)."""
+        if self._gets is not None:
+            return self._gets.probe(key)
+        try:
+            page = self._client.list_objects_v2(Bucket=self.bucket, Prefix=key, Delimiter="/")
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+            raise translate(exc, f"list {key!r}") from exc
+        return Listing(files=[_info(item) for item in page.get("Contents", ())],
+                       dirs=[p["Prefix"] for p in page.get("CommonPrefixes", ())],
+                       truncated=bool(page.get("IsTruncated")))
 
     def get_range(self, key: str, start: int, end: int, etag: str) -> bytearray | mmap.mmap:
         """Bytes [start, end) of the version `etag` of `key`, in a new buffer."""

@@ -67,7 +67,7 @@ def test_valid_name(name, ok):
     assert valid_name(name) is ok
 
 
-def test_lookup_in_an_unlisted_directory_uses_one_head_and_one_list_then_lists_it():
+def test_lookup_in_an_unlisted_directory_uses_one_list_of_the_name_then_lists_the_directory():
     store = FakeStore()
     for i in range(30):
         store.put(f"imgs/{i}.jpg", b"x")
@@ -75,15 +75,43 @@ def test_lookup_in_an_unlisted_directory_uses_one_head_and_one_list_then_lists_i
 
     async def go():
         root_child = await ns._resolve(ns.node(ROOT_INODE), "imgs")
+        assert root_child.is_dir and store.calls["probe"] == 1
         node = await ns.lookup(root_child.inode, "3.jpg")
-        assert node.info.size == 1 and store.calls["head"] == 2
+        assert node.info.size == 1 and node.info.key == "imgs/3.jpg" and store.calls["probe"] == 2
+        assert store.calls["head"] == store.calls["has_prefix"] == 0, "one request per lookup, not a HEAD and a LIST"
         with pytest.raises(NotFound):
             await ns.lookup(root_child.inode, "missing.jpg")
         for i in range(LIST_AFTER_LOOKUPS + 2):
             await ns.lookup(root_child.inode, f"{i}.jpg")
         return store.calls["list_dir"]
 
-    assert trio.run(go) == 1, "after a few targeted lookups the directory is listed once"
+    assert trio.run(go) == 1, "after a targeted lookup the directory is listed once"
+
+
+@pytest.mark.parametrize("names,wanted,is_dir", [
+    (["a", "a/b"], "a", True),  # an object that is also a prefix shows as the directory
+    (["a.txt", "a-1", "a/x"], "a", True),  # siblings that sort before 'a/' share the page
+    (["ab", "a"], "a", False),
+    (["ab"], "a", None),  # only a longer name: nothing called 'a'
+    ([f"a-{i:04d}" for i in range(12)] + ["a/deep"], "a", True),  # 'a/' is beyond the first page
+    ([f"a-{i:04d}" for i in range(12)] + ["a"], "a", False),
+])
+def test_a_name_resolves_from_one_page_of_the_names_that_start_with_it(names, wanted, is_dir):
+    store = FakeStore(page_size=5)
+    for name in names:
+        store.put(name, b"xyz")
+    ns = ns_for(store)
+
+    async def go():
+        try:
+            node = await ns._resolve(ns.node(ROOT_INODE), wanted)
+        except NotFound:
+            return None
+        return node.is_dir
+
+    assert trio.run(go) is is_dir
+    beyond = len([n for n in names if n.startswith(wanted) and n < wanted + "/"]) >= 5  # the page size
+    assert store.calls["has_prefix"] == (1 if beyond else 0), "a second LIST only when the page ended before 'a/'"
 
 
 def test_changes_are_picked_up_after_the_ttl_only():

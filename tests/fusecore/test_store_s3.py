@@ -95,6 +95,26 @@ def test_head_and_prefix_checks_agree_with_botocore_for_any_key(s3, bucket, moto
     assert store.head("odd/missing") is None and reference.head("odd/missing") is None
 
 
+def test_probe_finds_the_object_and_the_prefix_of_a_name_in_one_listing(s3, bucket, moto_server, monkeypatch):
+    """What a lookup in a directory never listed sends (one LIST of the keys starting with the name), on both
+    request paths, for names that need escaping; the same answer either way."""
+    names = ["a b.jpg", "a b.jpg.bak", "a b.jpg/inner", "100%.txt", "ümlaut é.png", "x&y<z>"]
+    for name in names:
+        s3.put_object(Bucket=bucket, Key=f"probe/{name}", Body=name.encode())
+    presigned = store_for(moto_server.endpoint, bucket)
+    page = presigned.probe("probe/a b.jpg")
+    assert [f.key for f in page.files] == ["probe/a b.jpg", "probe/a b.jpg.bak"]
+    assert page.dirs == ["probe/a b.jpg/"] and not page.truncated
+    assert page.files[0].size == len(b"a b.jpg") and page.files[0].etag == presigned.head("probe/a b.jpg").etag
+    assert [f.key for f in presigned.probe("probe/ümlaut é.png").files] == ["probe/ümlaut é.png"]
+    empty = presigned.probe("probe/missing")
+    assert not empty.files and not empty.dirs
+    monkeypatch.setenv("STOKER_BOTOCORE_GETS", "1")
+    reference = store_for(moto_server.endpoint, bucket)
+    for name in names:
+        assert presigned.probe(f"probe/{name}") == reference.probe(f"probe/{name}")
+
+
 def test_if_match_detects_a_changed_object(s3, bucket, moto_server):
     s3.put_object(Bucket=bucket, Key="k", Body=b"version-1")
     store = store_for(moto_server.endpoint, bucket)

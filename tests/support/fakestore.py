@@ -58,6 +58,14 @@ class FakeStore:
 
     def list_dir(self, prefix: str):
         self.calls["list_dir"] += 1
+        yield from self._pages(prefix)
+
+    def probe(self, key: str) -> Listing:
+        self.calls["probe"] += 1
+        return next(self._pages(key))
+
+    def _pages(self, prefix: str):
+        """A delimiter ('/') listing of the keys that start with `prefix`, in pages, as S3 sorts and cuts it."""
         files, dirs = [], set()
         for key in sorted(self.objects):
             if not key.startswith(prefix):
@@ -72,7 +80,7 @@ class FakeStore:
         for i in range(0, max(len(entries), 1), self.page_size):
             chunk = entries[i:i + self.page_size]
             yield Listing(files=[e for _, e in chunk if isinstance(e, ObjectInfo)],
-                          dirs=[e for _, e in chunk if isinstance(e, str)])
+                          dirs=[e for _, e in chunk if isinstance(e, str)], truncated=i + self.page_size < len(entries))
 
     def list_all(self, prefix: str):
         self.calls["list_all"] += 1
