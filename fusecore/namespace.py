@@ -2,8 +2,10 @@
 
 Directories come from common prefixes, file sizes and ETags from the listing, so listing a
 directory sends no HEAD per file. Results are cached for `ttl` seconds. A name looked up in a
-directory that was never listed costs one LIST of the names starting with it (the object and the
-prefix `name/` in one answer); at the next lookup in the same directory the directory is listed whole.
+directory that was never listed costs one LIST: of the directory's first page, which is the whole
+directory when it holds up to a page of names (1,000 on S3); else of the names starting with the one
+looked up (the object and the prefix `name/` in one answer). At the next lookup in the same
+directory it is listed whole.
 
 Keys that are not valid POSIX names are skipped, deterministically (see `valid_name`), and a key
 that is both an object and a prefix ("a" and "a/b") shows as the directory; the object is hidden.
@@ -189,6 +191,8 @@ class Namespace:
             await self.ensure_listed(parent)
             return self._child(parent, name)
         parent.lookups_since_list += 1
+        if await self.ensure_listed(parent, first_page_only=True):
+            return self._child(parent, name)
         return await self._resolve(parent, name)
 
     async def readdir(self, inode: int) -> list[tuple[str, int]]:
@@ -208,21 +212,32 @@ class Namespace:
         return self._nodes[inode]
 
     # ---- store access --------------------------------------------------------------------
-    async def ensure_listed(self, node: Node) -> None:
-        """List a directory if its listing is missing or older than the TTL (one LIST at a time)."""
+    async def ensure_listed(self, node: Node, *, first_page_only: bool = False) -> bool:
+        """List a directory if its listing is missing or older than the TTL (one LIST at a time). With
+        `first_page_only`, one page only: False if the directory has more (and it stays unlisted)."""
         while not self._fresh(node.listed_at):
             event = self._listing.get(node.inode)
             if event is not None:
                 await event.wait()
+                if first_page_only:
+                    return self._fresh(node.listed_at)
                 continue
             event = self._listing[node.inode] = trio.Event()
+            prefix = self.prefix + (node.path + "/" if node.path else "")
             try:
-                pages = await self._run_sync(self._list_pages, self.prefix + (node.path + "/" if node.path else ""))
+                if first_page_only:
+                    self.metrics.list_requests.inc()
+                    page = await self._run_sync(self.store.probe, prefix)
+                    if page.truncated:
+                        return False
+                    pages = [page]
+                else:
+                    pages = await self._run_sync(self._list_pages, prefix)
                 self._apply_listing(node, pages)
             finally:
                 del self._listing[node.inode]
                 event.set()
-            return
+        return True
 
     def _list_pages(self, prefix: str) -> list[Listing]:
         pages = []

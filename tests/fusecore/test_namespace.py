@@ -67,22 +67,43 @@ def test_valid_name(name, ok):
     assert valid_name(name) is ok
 
 
-def test_lookup_in_an_unlisted_directory_uses_one_list_of_the_name_then_lists_the_directory():
+def test_first_lookup_in_a_directory_of_one_page_lists_it_with_that_one_request():
     store = FakeStore()
     for i in range(30):
         store.put(f"imgs/{i}.jpg", b"x")
     ns = ns_for(store)
 
     async def go():
-        root_child = await ns._resolve(ns.node(ROOT_INODE), "imgs")
-        assert root_child.is_dir and store.calls["probe"] == 1
-        node = await ns.lookup(root_child.inode, "3.jpg")
-        assert node.info.size == 1 and node.info.key == "imgs/3.jpg" and store.calls["probe"] == 2
-        assert store.calls["head"] == store.calls["has_prefix"] == 0, "one request per lookup, not a HEAD and a LIST"
+        imgs = await ns.lookup(ROOT_INODE, "imgs")
+        node = await ns.lookup(imgs.inode, "3.jpg")
+        assert node.info.key == "imgs/3.jpg" and node.info.size == 1
+        for i in range(30):
+            await ns.lookup(imgs.inode, f"{i}.jpg")
         with pytest.raises(NotFound):
-            await ns.lookup(root_child.inode, "missing.jpg")
+            await ns.lookup(imgs.inode, "missing.jpg")
+
+    trio.run(go)
+    assert store.calls["probe"] == 2  # the root's first page, then imgs/'s: both whole
+    assert store.calls["list_dir"] == store.calls["head"] == store.calls["has_prefix"] == 0
+
+
+def test_lookup_in_a_large_unlisted_directory_lists_the_name_then_the_whole_directory():
+    store = FakeStore(page_size=10)
+    for i in range(30):
+        store.put(f"imgs/{i}.jpg", b"x")
+    ns = ns_for(store)
+
+    async def go():
+        imgs = await ns.lookup(ROOT_INODE, "imgs")
+        probes = store.calls["probe"]
+        node = await ns.lookup(imgs.inode, "3.jpg")
+        assert node.info.size == 1 and node.info.key == "imgs/3.jpg"
+        assert store.calls["probe"] == probes + 2, "the directory's first page (not all of it), then the name"
+        assert store.calls["head"] == store.calls["has_prefix"] == store.calls["list_dir"] == 0
         for i in range(LIST_AFTER_LOOKUPS + 2):
-            await ns.lookup(root_child.inode, f"{i}.jpg")
+            await ns.lookup(imgs.inode, f"{i}.jpg")
+        with pytest.raises(NotFound):
+            await ns.lookup(imgs.inode, "missing.jpg")
         return store.calls["list_dir"]
 
     assert trio.run(go) == 1, "after a targeted lookup the directory is listed once"
@@ -157,7 +178,7 @@ def test_readdir_pages_of_a_huge_directory_cost_their_own_entries_only():
 def test_entries_the_kernel_forgot_are_dropped_once_their_listing_expires():
     """Memory stays bounded: an unreferenced entry goes when its directory listing is older than the TTL
     (or no longer holds it); a referenced one never goes; a directory goes after its children."""
-    store = FakeStore()
+    store = FakeStore(page_size=1)  # the root is more than a page: 'd' is resolved alone, the root stays unlisted
     for i in range(100):
         store.put(f"d/{i:03d}", b"x" * i)
     store.put("keep/a", b"a")
@@ -174,7 +195,7 @@ def test_entries_the_kernel_forgot_are_dropped_once_their_listing_expires():
         ns.remember(ns.node(inode))  # as readdirplus does
     held = ns.node(entries[5][1])
     ns.remember(held)  # a second reference: an open file, say
-    assert ns.entries == 1 + 1 + 100  # root, d (resolved by HEAD + LIST: the root was not listed), the files
+    assert ns.entries == 1 + 1 + 100  # root, d (resolved alone: the root was not listed), the files
     for _, inode in entries:
         ns.forget(inode, 1)
     assert ns.sweep(force=True) == []  # a fresh listing keeps what it lists
