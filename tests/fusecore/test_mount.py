@@ -71,8 +71,7 @@ def test_many_small_files_read_concurrently_and_listing_sends_no_head(s3, bucket
     sizes = {e.name: e.stat().st_size for e in os.scandir(os.path.join(mp, "imgs"))}
     assert sizes == {k.split("/")[1]: len(v) for k, v in files.items()}
     stats = mounts.stats(mp)
-    # One HEAD (+ one LIST) resolved "imgs" itself; the 300 files cost no HEAD at all.
-    assert stats["requests"]["head"] <= 1, "ls -l of the directory sends no HEAD per file"
+    assert stats["requests"]["head"] == 0, "ls -l of the directory sends no HEAD per file"
 
     order = list(files)
     random.Random(3).shuffle(order)
@@ -80,6 +79,25 @@ def test_many_small_files_read_concurrently_and_listing_sends_no_head(s3, bucket
         got = list(pool.map(lambda k: read_whole(os.path.join(mp, k)), order))
     assert all(g == files[k] for k, g in zip(order, got))
     assert mounts.stats(mp)["requests"]["get"] == len(files), "each small file is fetched whole in one GET"
+
+
+def test_a_cold_path_costs_one_list_per_directory_and_no_head(s3, bucket, mounts):
+    """stat of a/b/c.jpg on a fresh mount: each directory on the way is listed by its first (and only)
+    page, which also answers every sibling; no HEAD, no second LIST."""
+    data = {f"a/b/{i}.jpg": f"image {i}".encode() for i in range(5)}
+    data["a/other.txt"] = b"other"
+    for key, body in data.items():
+        put(s3, bucket, key, body)
+    mp = mounts.mount(f"s3://{bucket}")
+    assert os.stat(os.path.join(mp, "a/b/3.jpg")).st_size == len(data["a/b/3.jpg"])
+    first = mounts.stats(mp)["requests"]
+    assert (first["list"], first["head"]) == (3, 0), "the root, a/ and a/b/: one LIST each"
+    for key, body in data.items():
+        assert read_whole(os.path.join(mp, key)) == body
+    with pytest.raises(FileNotFoundError):
+        os.stat(os.path.join(mp, "a/b/missing.jpg"))
+    after = mounts.stats(mp)["requests"]
+    assert (after["list"], after["head"]) == (3, 0), "siblings and missing names come from those listings"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the kernel limits are tuned only by root")
