@@ -31,6 +31,11 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--operator", action="store_true",
                    help="instead: the DatasetCache operator at cluster scale (simulated nodes, faked API server)")
     p.add_argument("--nodes", default="100,1000,5000", help="--operator: node counts (default 100,1000,5000)")
+    p.add_argument("--engines", action="store_true",
+                   help="instead: range-GET engines without FUSE (Stoker's store client; awscrt's S3 client if "
+                        "installed), CPU per GiB and per GET")
+    p.add_argument("--large-mib", type=int, default=512, help="--engines: size of the large object (default 512)")
+    p.add_argument("--small-files", type=int, default=600, help="--engines: number of small objects (default 600)")
     p.set_defaults(func=run)
 
 
@@ -63,9 +68,37 @@ def run_operator(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_engines(args: argparse.Namespace) -> int:
+    """Stoker's range-GET client beside awscrt's S3 client, same store, same ranges (see engines.py)."""
+    from . import engines
+
+    if args.large_mib < 4 or args.small_files < 1:
+        print("stoker bench: --large-mib must be at least 4 and --small-files at least 1", file=sys.stderr)
+        return 2
+    workdir = scratch_dir("stoker-bench-engines-")
+    try:
+        rows = engines.run(workdir, engines=engines.available(), large_mib=args.large_mib, small=args.small_files,
+                           latency=args.latency_ms / 1000, bandwidth=args.bandwidth_mbps * 1e6,
+                           log=lambda line: print(line, flush=True))
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "engines.md"), "w") as f:
+        f.write(engines.table(rows) + "\n")
+    with open(os.path.join(args.out, "engines.json"), "w") as f:
+        f.write(engines.as_json(rows))
+    print(engines.table(rows))
+    if "awscrt" not in engines.available():
+        print("(awscrt is not installed: pip install awscrt to compare it)")
+    return 1 if any(r.wrong or r.note for r in rows) else 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.operator:
         return run_operator(args)
+    if args.engines:
+        return run_engines(args)
     systems = [s for s in args.systems.split(",") if s]
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = [s for s in systems if s not in SYSTEMS] + [w for w in workloads if w not in WORKLOADS]

@@ -66,3 +66,14 @@ def test_a_tiny_run_produces_table_json_and_chart(tmp_path):
     assert len(data["cells"]) == len(cells)
     if "png" in paths:
         assert os.path.getsize(paths["png"]) > 1000
+
+
+def test_engine_comparison_fetches_and_checks_the_same_ranges(tmp_path):
+    """`stoker bench --engines` at a tiny size: every GET of each shape done, bytes checked, CPU measured."""
+    from stoker_bench import engines
+
+    rows = engines.run(str(tmp_path), engines=["stoker"], large_mib=8, small=6, latency=0.001, bandwidth=0,
+                       log=lambda line: None)
+    assert [(r.shape, r.requests) for r in rows] == [("4 MiB ranges", 2), ("small objects", 6)]
+    assert all(not r.note and r.wrong == 0 and r.mb_per_s > 0 and r.cpu_ms_per_get >= 0 for r in rows)
+    assert "| small objects | stoker | 8 | 6 |" in engines.table(rows)
