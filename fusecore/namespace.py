@@ -17,11 +17,12 @@ longer holds it (`sweep`); looking it up again lists or resolves it afresh, unde
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Iterable
+from typing import Awaitable, Callable, Iterable, Iterator
 
 import trio
 
@@ -191,9 +192,10 @@ class Namespace:
             await self.ensure_listed(parent)
             return self._child(parent, name)
         parent.lookups_since_list += 1
-        if await self.ensure_listed(parent, first_page_only=True):
+        page = await self._first_page(parent)
+        if page is None:  # it was the whole directory, now listed
             return self._child(parent, name)
-        return await self._resolve(parent, name)
+        return await self._resolve(parent, name, page)
 
     async def readdir(self, inode: int) -> list[tuple[str, int]]:
         """The directory's (name, inode) pairs in name order; the same list until the directory changes,
@@ -212,32 +214,48 @@ class Namespace:
         return self._nodes[inode]
 
     # ---- store access --------------------------------------------------------------------
-    async def ensure_listed(self, node: Node, *, first_page_only: bool = False) -> bool:
-        """List a directory if its listing is missing or older than the TTL (one LIST at a time). With
-        `first_page_only`, one page only: False if the directory has more (and it stays unlisted)."""
+    async def ensure_listed(self, node: Node) -> None:
+        """List a directory if its listing is missing or older than the TTL (one LIST at a time)."""
         while not self._fresh(node.listed_at):
-            event = self._listing.get(node.inode)
-            if event is not None:
-                await event.wait()
-                if first_page_only:
-                    return self._fresh(node.listed_at)
+            if await self._wait_for_listing(node):
                 continue
-            event = self._listing[node.inode] = trio.Event()
-            prefix = self.prefix + (node.path + "/" if node.path else "")
-            try:
-                if first_page_only:
-                    self.metrics.list_requests.inc()
-                    page = await self._run_sync(self.store.probe, prefix)
-                    if page.truncated:
-                        return False
-                    pages = [page]
-                else:
-                    pages = await self._run_sync(self._list_pages, prefix)
-                self._apply_listing(node, pages)
-            finally:
-                del self._listing[node.inode]
-                event.set()
+            with self._listing_of(node):
+                self._apply_listing(node, await self._run_sync(self._list_pages, self._dir_prefix(node)))
+            return  # (listed once, even where a TTL of 0 never counts a listing as fresh)
+
+    async def _first_page(self, node: Node) -> Listing | None:
+        """One LIST of a directory never listed: None once it was the whole directory (now listed), else
+        that first page (the directory's first names in order; empty if another lookup asked meanwhile)."""
+        if await self._wait_for_listing(node):
+            return None if self._fresh(node.listed_at) else Listing(truncated=True)
+        with self._listing_of(node):
+            self.metrics.list_requests.inc()
+            page = await self._run_sync(self.store.probe, self._dir_prefix(node))
+            if page.truncated:
+                return page
+            self._apply_listing(node, [page])
+        return None
+
+    async def _wait_for_listing(self, node: Node) -> bool:
+        """Wait for a listing of `node` already under way, if there is one (True)."""
+        event = self._listing.get(node.inode)
+        if event is None:
+            return False
+        await event.wait()
         return True
+
+    @contextlib.contextmanager
+    def _listing_of(self, node: Node) -> Iterator[None]:
+        """Other lookups of `node` wait for this listing instead of sending their own."""
+        event = self._listing[node.inode] = trio.Event()
+        try:
+            yield
+        finally:
+            del self._listing[node.inode]
+            event.set()
+
+    def _dir_prefix(self, node: Node) -> str:
+        return self.prefix + (node.path + "/" if node.path else "")
 
     def _list_pages(self, prefix: str) -> list[Listing]:
         pages = []
@@ -277,13 +295,17 @@ class Namespace:
         node.listed_at = node.checked_at = now
         node.lookups_since_list = 0
 
-    async def _resolve(self, parent: Node, name: str) -> Node:
-        """Is `name` an object, a prefix, or neither? One LIST of the keys that start with it answers
-        both (a second, one-key LIST only when that page ended before `name/` would sort)."""
+    async def _resolve(self, parent: Node, name: str, first: Listing | None = None) -> Node:
+        """Is `name` an object, a prefix, or neither? The directory's first page answers when the name
+        sorts inside it; else one LIST of the keys that start with it answers both (a second, one-key
+        LIST only when that page ended before `name/` would sort)."""
         path = _join(parent.path, name)
         key = self.prefix + path
-        self.metrics.list_requests.inc()
-        page = await self._run_sync(self.store.probe, key)
+        if first is not None and _reaches(first, key + "/"):
+            page = first  # it holds every name of the directory up to past `name/`
+        else:
+            self.metrics.list_requests.inc()
+            page = await self._run_sync(self.store.probe, key)
         is_dir = key + "/" in page.dirs
         if not is_dir and page.truncated and not _reaches(page, key + "/"):
             self.metrics.list_requests.inc()

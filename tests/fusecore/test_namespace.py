@@ -109,6 +109,33 @@ def test_lookup_in_a_large_unlisted_directory_lists_the_name_then_the_whole_dire
     assert trio.run(go) == 1, "after a targeted lookup the directory is listed once"
 
 
+def test_a_name_inside_a_large_directorys_first_page_is_answered_by_that_page():
+    store = FakeStore(page_size=10)
+    for i in range(30):
+        store.put(f"imgs/{i}.jpg", b"x" * i)
+    store.put("imgs/12.jpg/inner", b"a prefix too")  # '12.jpg/' sorts inside the first page
+    ns = ns_for(store)
+
+    async def go():
+        imgs = await ns.lookup(ROOT_INODE, "imgs")
+        probes = store.calls["probe"]
+        node = await ns.lookup(imgs.inode, "11.jpg")  # first page: 0, 1, 10, 11, 12, 12.jpg/, 13, ...
+        assert node.info.key == "imgs/11.jpg" and node.info.size == 11
+        assert store.calls["probe"] == probes + 1, "the first page answered: no LIST of the name"
+        return probes
+
+    probes = trio.run(go)
+    ns2 = ns_for(store)
+
+    async def go_dir():
+        imgs = await ns2.lookup(ROOT_INODE, "imgs")
+        assert (await ns2.lookup(imgs.inode, "12.jpg")).is_dir  # object and prefix: the directory wins
+
+    trio.run(go_dir)
+    # each namespace: the root's page, then imgs/'s first page, which answered both names
+    assert store.calls["probe"] == 2 * (probes + 1) and store.calls["has_prefix"] == store.calls["list_dir"] == 0
+
+
 @pytest.mark.parametrize("names,wanted,is_dir", [
     (["a", "a/b"], "a", True),  # an object that is also a prefix shows as the directory
     (["a.txt", "a-1", "a/x"], "a", True),  # siblings that sort before 'a/' share the page
