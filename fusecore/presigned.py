@@ -85,13 +85,12 @@ class PresignedGets:
         what = f"list {prefix!r}"
 
         def fetch(token: str | None) -> bytes:
-            params = {"Bucket": self._bucket, "Prefix": prefix, "EncodingType": "url"}
+            params: dict[str, object] = {"Prefix": prefix}
             if delimiter:
                 params["Delimiter"] = delimiter
             if token:
                 params["ContinuationToken"] = token
-            return self._get_small(lambda: self._client.generate_presigned_url(
-                "list_objects_v2", Params=params, ExpiresIn=self.URL_LIFETIME), what)
+            return self._list_body(params, what)
 
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="list") as ahead:
             coming: concurrent.futures.Future | None = ahead.submit(fetch, None)
@@ -118,20 +117,20 @@ class PresignedGets:
     def has_prefix(self, prefix: str) -> bool:
         """Is there any object under `prefix` (one ListObjectsV2 of one key through a presigned URL)?"""
         what = f"list {prefix!r}"
-        params = {"Bucket": self._bucket, "Prefix": prefix, "MaxKeys": 1, "EncodingType": "url"}
-        body = self._get_small(lambda: self._client.generate_presigned_url(
-            "list_objects_v2", Params=params, ExpiresIn=self.URL_LIFETIME), what)
-        listing = parse_listing(body, what)
+        listing = parse_listing(self._list_body({"Prefix": prefix, "MaxKeys": 1}, what), what)
         return bool(listing.files or listing.dirs)
 
     def probe(self, key: str) -> Listing:
         """The first page of a delimiter listing of the names that start with `key`: the object `key` (if
         any) and the prefix `key/` (if any) in one request, instead of a HEAD and a one-key LIST."""
         what = f"list {key!r}"
-        params = {"Bucket": self._bucket, "Prefix": key, "Delimiter": "/", "EncodingType": "url"}
-        body = self._get_small(lambda: self._client.generate_presigned_url(
+        return parse_listing(self._list_body({"Prefix": key, "Delimiter": "/"}, what), what)
+
+    def _list_body(self, params: dict[str, object], what: str) -> bytes:
+        """One ListObjectsV2 answer (keys URL-encoded) of this bucket, signed afresh for each attempt."""
+        params = {"Bucket": self._bucket, "EncodingType": "url", **params}
+        return self._get_small(lambda: self._client.generate_presigned_url(
             "list_objects_v2", Params=params, ExpiresIn=self.URL_LIFETIME), what)
-        return parse_listing(body, what)
 
     def _get_small(self, sign, what: str) -> bytes:
         """The body of a small GET of a URL `sign()` makes."""
