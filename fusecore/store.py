@@ -93,11 +93,7 @@ class S3Store:
         paginator = self._client.get_paginator("list_objects_v2")
         try:
             for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix, Delimiter="/"):
-                yield Listing(
-                    files=[_info(item) for item in page.get("Contents", ())],
-                    dirs=[p["Prefix"] for p in page.get("CommonPrefixes", ())],
-                    truncated=bool(page.get("IsTruncated")),
-                )
+                yield _listing(page)
         except botocore.exceptions.BotoCoreError as exc:
             raise translate(exc, f"list {prefix!r}") from exc
         except botocore.exceptions.ClientError as exc:
@@ -145,9 +141,7 @@ class S3Store:
             page = self._client.list_objects_v2(Bucket=self.bucket, Prefix=key, Delimiter="/")
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
             raise translate(exc, f"list {key!r}") from exc
-        return Listing(files=[_info(item) for item in page.get("Contents", ())],
-                       dirs=[p["Prefix"] for p in page.get("CommonPrefixes", ())],
-                       truncated=bool(page.get("IsTruncated")))
+        return _listing(page)
 
     def get_range(self, key: str, start: int, end: int, etag: str) -> bytearray | mmap.mmap:
         """Bytes [start, end) of the version `etag` of `key`, in a new buffer."""
@@ -190,6 +184,12 @@ class S3Store:
             raise translate(exc, what) from exc
         except (OSError, ValueError, http.client.HTTPException) as exc:
             raise TransientError(f"{what}: {type(exc).__name__} while reading the body") from exc
+
+
+def _listing(page: dict) -> Listing:
+    """One ListObjectsV2 answer of botocore as a Listing."""
+    return Listing(files=[_info(item) for item in page.get("Contents", ())],
+                   dirs=[p["Prefix"] for p in page.get("CommonPrefixes", ())], truncated=bool(page.get("IsTruncated")))
 
 
 def _info(item: dict) -> ObjectInfo:
