@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
@@ -10,7 +11,7 @@ import sys
 from fusecore.config import parse_size
 
 from .fixture import scratch_dir
-from .report import write, write_operator
+from .report import write, write_operator, write_table
 from .runner import run_all
 from .systems import SYSTEMS
 from .targets import evaluate
@@ -83,14 +84,11 @@ def run_engines(args: argparse.Namespace) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "engines.md"), "w") as f:
-        f.write(engines.table(rows) + "\n")
-    with open(os.path.join(args.out, "engines.json"), "w") as f:
-        f.write(engines.as_json(rows))
+    paths = write_table(args.out, "engines", engines.table(rows), [dataclasses.asdict(r) for r in rows])
     print(engines.table(rows))
     if "awscrt" not in engines.available():
         print("(awscrt is not installed: pip install awscrt to compare it)")
+    print("written: " + ", ".join(paths.values()))
     return 1 if any(r.wrong or r.note for r in rows) else 0
 
 

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from .fixture import StoreProcess
 from .objectstore import etag_of, expected_bytes
@@ -167,10 +167,6 @@ def available() -> list[str]:
     except ImportError:
         pass
     return engines
-
-
-def as_json(rows: list[EngineRow]) -> str:
-    return json.dumps([asdict(r) for r in rows], indent=1)
 
 
 if __name__ == "__main__":

@@ -143,14 +143,19 @@ OPERATOR_COLUMNS = [  # (field, heading)
 
 def write_operator(out_dir: str, rows: list[dict]) -> dict[str, str]:
     """`stoker bench --operator`: one row per cluster size."""
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {"markdown": os.path.join(out_dir, "operator.md"), "json": os.path.join(out_dir, "operator.json")}
     lines = ["# DatasetCache operator at scale (simulated nodes, API faked at its HTTP boundary)", "",
              "| " + " | ".join(h for _, h in OPERATOR_COLUMNS) + " |",
              "|" + "---:|" * len(OPERATOR_COLUMNS)]
     lines += ["| " + " | ".join(_fmt(row[k]) for k, _ in OPERATOR_COLUMNS) + " |" for row in rows]
+    return write_table(out_dir, "operator", "\n".join(lines), rows)
+
+
+def write_table(out_dir: str, name: str, markdown: str, rows: list[dict]) -> dict[str, str]:
+    """`name`.md and `name`.json in `out_dir`: a table as text and its rows as data."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"markdown": os.path.join(out_dir, f"{name}.md"), "json": os.path.join(out_dir, f"{name}.json")}
     with open(paths["markdown"], "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(markdown + "\n")
     with open(paths["json"], "w") as f:
         json.dump(rows, f, indent=2)
     return paths
