@@ -17,7 +17,7 @@ import threading
 import time
 import urllib.parse
 import xml.sax.saxutils
-from typing import Iterator
+from typing import Callable, Iterator, Mapping
 from xml.etree import ElementTree
 
 import botocore.exceptions
@@ -27,9 +27,10 @@ import urllib3
 
 from .bodies import read_body, socket_readinto
 from .config import StoreConfig
+from .native_http import MAX_BODY as MAX_NATIVE_BODY, NativeHttp, native_gets_possible
 from .objects import Listing, ObjectInfo, Progress
-from .store_errors import (PreconditionFailed, TransientError, Unavailable, answer_error, backoff, check_range,
-                           retry_after_seconds, retryable, translate)
+from .store_errors import (PreconditionFailed, StoreError, TransientError, Unavailable, answer_error, backoff,
+                           check_range, retry_after_seconds, retryable, translate)
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class PresignedGets:
         self._pool = urllib3.PoolManager(
             num_pools=4, maxsize=cfg.max_concurrency + 8, block=False, retries=False, ca_certs=ca,
             timeout=urllib3.Timeout(connect=cfg.connect_timeout, read=cfg.request_timeout))
+        self._native = NativeHttp(connect_timeout=cfg.connect_timeout, request_timeout=cfg.request_timeout,
+                                  ca_file=ca, max_idle=cfg.max_concurrency + 8) if native_gets_possible() else None
 
     def list_pages(self, prefix: str, delimiter: str | None) -> Iterator[Listing]:
         """ListObjectsV2 pages through presigned URLs, parsed with the C XML parser while the next page
@@ -161,8 +164,9 @@ class PresignedGets:
 
     def _send(self, sign, what: str, method: str = "GET", **kwargs):
         """Send `method` to the URL `sign()` makes; failures to sign or to talk to the store as StoreErrors."""
+        url = self._signed(sign, what)
         try:
-            return self._pool.request(method, sign(), redirect=False, **kwargs)
+            return self._pool.request(method, url, redirect=False, **kwargs)
         except urllib3.exceptions.ReadTimeoutError:
             raise Unavailable(f"{what}: store did not answer in time") from None
         except urllib3.exceptions.ConnectTimeoutError:
@@ -171,7 +175,13 @@ class PresignedGets:
             raise Unavailable(f"{what}: cannot reach the endpoint") from None
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise TransientError(f"{what}: connection failed ({type(exc).__name__})") from None
-        except botocore.exceptions.BotoCoreError as exc:  # signing: credentials vanished, say
+
+    @staticmethod
+    def _signed(sign: Callable[[], str], what: str) -> str:
+        """The URL `sign()` makes; a failure to sign (credentials vanished, say) as its StoreError."""
+        try:
+            return sign()
+        except botocore.exceptions.BotoCoreError as exc:
             raise translate(exc, what) from None
 
     def forget_urls(self) -> None:
@@ -196,6 +206,9 @@ class PresignedGets:
     def read_range(self, key: str, start: int, end: int, etag: str, into: memoryview, progress: Progress) -> None:
         what = f"get {key!r}"
         headers = {"Range": f"bytes={start}-{end - 1}", "If-Match": etag}
+        if self._native is not None and end - start <= MAX_NATIVE_BODY:
+            self._read_native(key, start, end, etag, into, progress, headers, what)
+            return
         for fresh in (False, True):
             resp = self._send(lambda: self._url(key, fresh=fresh), what, headers=headers, preload_content=False)
             if resp.status in (200, 206):
@@ -205,18 +218,9 @@ class PresignedGets:
             if _sign_again(resp.status, code, fresh):
                 continue
             raise answer_error(resp.status, code, what, retried=False, retry_after=retry_after)
-        if resp.headers.get("ETag") not in (None, etag):
-            resp.release_conn()
-            raise PreconditionFailed(f"{what}: object changed since it was listed")
         try:
-            declared = resp.headers.get("Content-Length")
-            length = int(declared) if declared is not None else None
-        except ValueError:
-            resp.close()
-            raise TransientError(f"{what}: malformed Content-Length") from None
-        try:
-            check_range(start, end, resp.status, resp.headers.get("Content-Range"), length, what)
-        except TransientError:
+            _check_answer(start, end, etag, resp.status, resp.headers, what)
+        except StoreError:
             resp.close()
             raise
         readinto = socket_readinto(resp) or resp.readinto
@@ -226,6 +230,39 @@ class PresignedGets:
             raise Unavailable(f"{what}: store stopped sending") from None
         except (urllib3.exceptions.HTTPError, OSError, http.client.HTTPException, ValueError) as exc:
             raise TransientError(f"{what}: {type(exc).__name__} while reading the body") from None
+
+    def _read_native(self, key: str, start: int, end: int, etag: str, into: memoryview, progress: Progress,
+                     headers: dict[str, str], what: str) -> None:
+        """A small range on an awscrt connection (native_http): the same checks, one fresh signature on
+        an expired URL, the answer's error code mapped the same way."""
+        assert self._native is not None
+
+        def accept(status: int, answer: Mapping[str, str]) -> None:
+            _check_answer(start, end, etag, status, answer, what)
+
+        for fresh in (False, True):
+            url = self._signed(lambda: self._url(key, fresh=fresh), what)
+            answer = self._native.get_into(url, headers, into, progress, accept, what)
+            if answer.status in (200, 206):
+                return
+            code = _code_in(answer.body, answer.status)
+            if _sign_again(answer.status, code, fresh):
+                continue
+            raise answer_error(answer.status, code, what, retried=False,
+                               retry_after=retry_after_seconds(answer.headers.get("retry-after")))
+
+
+def _check_answer(start: int, end: int, etag: str, status: int, headers: Mapping[str, str], what: str) -> None:
+    """A 200 or 206 to a ranged GET must be of the version asked for and hold exactly the bytes asked for
+    (header names in lower case: urllib3's headers match any case, native_http's are lower case)."""
+    if headers.get("etag") not in (None, etag):
+        raise PreconditionFailed(f"{what}: object changed since it was listed")
+    declared = headers.get("content-length")
+    try:
+        length = int(declared) if declared is not None else None
+    except ValueError:
+        raise TransientError(f"{what}: malformed Content-Length") from None
+    check_range(start, end, status, headers.get("content-range"), length, what)
 
 
 _S3_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"

@@ -14,11 +14,15 @@ from tests.support.faultproxy import FaultProxy
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(params=["presigned", "botocore"], autouse=True)
+@pytest.fixture(params=["native", "presigned", "botocore"], autouse=True)
 def gets_path(request, monkeypatch):
-    """Range GETs go through presigned URLs, or through botocore where a proxy is configured."""
+    """Range GETs go through presigned URLs, small ones on awscrt connections ("native") unless turned off
+    ("presigned": all on urllib3), or through botocore where a proxy is configured. Listings and HEADs
+    take the same path in "native" and "presigned"."""
     if request.param == "botocore":
         monkeypatch.setenv("STOKER_BOTOCORE_GETS", "1")
+    if request.param == "presigned":
+        monkeypatch.setenv("STOKER_NATIVE_HTTP", "0")
     return request.param
 
 
@@ -145,7 +149,7 @@ def test_slowdown_503_is_retried(s3, bucket, moto_server, gets_path):
         store = store_for(proxy.endpoint, bucket, max_attempts=5)
         info = store.head("k")
         proxy.set("slowdown", 2)
-        if gets_path == "presigned":
+        if gets_path != "botocore":
             for _ in range(2):
                 with pytest.raises(TransientError, match="SlowDown"):
                     store.get_range("k", 0, 1000, info.etag)
@@ -203,3 +207,42 @@ def test_a_store_that_stops_answering_fails_in_bounded_time(s3, bucket, moto_ser
             store.get_range("k", 0, 10, info.etag)
         assert time.monotonic() - started < 10
         proxy.set("pass")
+
+
+@pytest.mark.parametrize("fault", ["shift-range", "ignore-range"])
+def test_a_moved_or_ignored_range_is_refused_then_read_right(s3, bucket, moto_server, fault):
+    """A proxy that moves the range one byte on, or drops it (200 with the whole object), never yields wrong
+    bytes on any GET path: the answer is refused as transient, and the next GET reads the right bytes."""
+    data = bytes(range(256)) * 1000
+    s3.put_object(Bucket=bucket, Key="k", Body=data)
+    with FaultProxy(moto_server.endpoint) as proxy:
+        store = store_for(proxy.endpoint, bucket, max_attempts=1)
+        info = store.head("k")
+        for start, end in ((10, 1010), (0, 100_000)):
+            proxy.set(fault, 1)
+            with pytest.raises(TransientError):
+                store.get_range("k", start, end, info.etag)
+            assert bytes(store.get_range("k", start, end, info.etag)) == data[start:end]
+
+
+def test_small_ranges_go_on_native_connections_and_large_ones_on_urllib3(s3, bucket, moto_server, gets_path,
+                                                                         monkeypatch):
+    """The native path takes ranges up to native_http.MAX_BODY (cheaper per request), urllib3 the rest
+    (cheaper per byte); STOKER_NATIVE_HTTP=0 keeps all on urllib3."""
+    from fusecore.native_http import MAX_BODY, NativeHttp
+
+    calls = []
+    real = NativeHttp.get_into
+
+    def counted(self, url, headers, into, *args):
+        calls.append(len(into))
+        return real(self, url, headers, into, *args)
+
+    monkeypatch.setattr(NativeHttp, "get_into", counted)
+    data = bytes(range(251)) * 5000  # 1,255,000 bytes
+    s3.put_object(Bucket=bucket, Key="k", Body=data)
+    store = store_for(moto_server.endpoint, bucket)
+    info = store.head("k")
+    assert bytes(store.get_range("k", 5, 5 + MAX_BODY, info.etag)) == data[5:5 + MAX_BODY]
+    assert bytes(store.get_range("k", 0, len(data), info.etag)) == data
+    assert calls == ([MAX_BODY] if gets_path == "native" else [])

@@ -1,0 +1,216 @@
+"""GETs of presigned URLs on the AWS Common Runtime's HTTP/1.1 connections (awscrt, what Mountpoint
+and s3torchconnector build on): the request is written and the answer's headers parsed in C, which
+costs ~0.35 ms less CPU per request than urllib3 and http.client (whose header parsing goes through
+the email package). Only for small bodies: awscrt hands a body to Python 16 KiB at a time, which
+costs more per GiB than urllib3's readinto on large ones (`stoker bench --engines`, bench/README).
+
+botocore still signs every URL (credentials, addressing, endpoints); this module only moves bytes.
+Errors here carry no URL: a presigned URL holds the credential and any session token."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from .objects import Progress
+from .store_errors import StoreError, TransientError, Unavailable
+
+from awscrt.http import HttpClientConnection, HttpHeaders, HttpRequest
+from awscrt.io import ClientBootstrap, ClientTlsContext, DefaultHostResolver, EventLoopGroup, SocketOptions
+from awscrt.io import TlsConnectionOptions, TlsContextOptions
+
+MAX_BODY = 512 * 1024  # larger ranges go through urllib3 (cheaper per byte from here on, measured)
+_ERROR_BODY = 64 * 1024  # of an error answer, enough for its code
+
+
+def native_gets_possible() -> bool:
+    """Small GETs go on awscrt connections unless STOKER_NATIVE_HTTP=0 keeps every GET on urllib3."""
+    return os.environ.get("STOKER_NATIVE_HTTP", "1") != "0"
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: dict[str, str]  # names in lower case
+    body: bytes = b""  # an error answer's body (its first 64 KiB); a 2xx body went into the caller's buffer
+
+
+Accept = Callable[[int, Mapping[str, str]], None]
+
+
+@dataclass(eq=False)
+class _Exchange:
+    """One request's answer as the event-loop thread's callbacks fill it in."""
+
+    into: memoryview
+    progress: Progress
+    accept: Accept
+    status: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+    received: int = 0
+    error: StoreError | None = None
+    error_body: bytearray = field(default_factory=bytearray)
+    last: float = field(default_factory=time.monotonic)  # when anything last arrived
+    abandoned: bool = False  # the waiting thread gave up: no byte may reach `into` any more
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def ok(self) -> bool:
+        return self.status in (200, 206)
+
+    def on_response(self, http_stream, status_code: int, headers, **kwargs) -> None:
+        self.last = time.monotonic()
+        self.status = status_code
+        self.headers = {name.lower(): value for name, value in headers}
+        if self.ok:
+            try:
+                self.accept(status_code, self.headers)
+            except StoreError as exc:
+                self._refuse(http_stream, exc)
+
+    def on_body(self, http_stream, chunk: bytes, **kwargs) -> None:
+        self.last = time.monotonic()
+        if not self.ok:
+            if len(self.error_body) < _ERROR_BODY:
+                self.error_body += chunk[:_ERROR_BODY - len(self.error_body)]
+            return
+        if self.error is not None:
+            return
+        pos, n = self.received, len(chunk)
+        with self.lock:
+            if self.abandoned:
+                return
+            if pos + n > len(self.into):
+                self._refuse(http_stream, TransientError(f"a body longer than the {len(self.into)} bytes asked for"))
+                return
+            self.into[pos:pos + n] = chunk
+        self.received = pos + n
+        self.progress.advance(n)
+
+    def _refuse(self, http_stream, error: StoreError) -> None:
+        """Take no more of this answer: close its connection (raising here would print a traceback)."""
+        self.error = error
+        http_stream.connection.close()
+
+
+class NativeHttp:
+    """A pool of awscrt HTTP/1.1 connections per endpoint; `get_into` blocks the calling thread."""
+
+    def __init__(self, *, connect_timeout: float, request_timeout: float, ca_file: str | None, max_idle: int):
+        self._connect_timeout = connect_timeout
+        self._request_timeout = request_timeout  # the longest silence while an answer is due
+        self._ca_file = ca_file
+        self._max_idle = max_idle
+        self._idle: dict[tuple[str, str, int], list[HttpClientConnection]] = {}
+        self._lock = threading.Lock()
+        self._bootstrap: ClientBootstrap | None = None  # made at first use, in the process that sends
+        self._tls: ClientTlsContext | None = None
+
+    def get_into(self, url: str, headers: Mapping[str, str], into: memoryview, progress: Progress,
+                 accept: Accept, what: str) -> Answer:
+        """GET `url`. A 200 or 206 answer's headers go to `accept` (which raises a StoreError to refuse
+        it), then its body fills `into` exactly, advancing `progress`; any other answer is returned
+        with the start of its body. Connection failures and a silent store raise StoreErrors."""
+        parts = urllib.parse.urlsplit(url)
+        endpoint = (parts.scheme, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
+        conn = self._connection(endpoint, what)
+        request = HttpRequest("GET", f"{parts.path}?{parts.query}" if parts.query else parts.path,
+                              HttpHeaders([("Host", parts.netloc), *headers.items()]))
+        exchange = _Exchange(into, progress, accept)
+        stream = conn.request(request, exchange.on_response, exchange.on_body)
+        stream.activate()
+        self._wait(conn, stream.completion_future, exchange, what)
+        if exchange.ok and exchange.received != len(into):
+            conn.close()
+            raise TransientError(f"{what}: short body ({exchange.received} of {len(into)} bytes)")
+        self._put_back(endpoint, conn)
+        return Answer(exchange.status, exchange.headers, bytes(exchange.error_body))
+
+    def _wait(self, conn: HttpClientConnection, done: concurrent.futures.Future, exchange: _Exchange, what: str) -> None:
+        """Until the answer is complete; a store silent for request-timeout fails it (closing the connection)."""
+        while True:
+            try:
+                done.result(timeout=max(0.05, exchange.last + self._request_timeout - time.monotonic()))
+                break
+            except concurrent.futures.TimeoutError:
+                if time.monotonic() - exchange.last < self._request_timeout:
+                    continue
+                with exchange.lock:
+                    exchange.abandoned = True
+                conn.close()
+                raise Unavailable(f"{what}: store stopped sending") from None
+            except Exception as exc:  # noqa: BLE001 - awscrt's AwsCrtError: the connection broke or was refused
+                if exchange.error is not None:
+                    raise exchange.error from None
+                raise TransientError(f"{what}: connection failed ({getattr(exc, 'name', type(exc).__name__)})") \
+                    from None
+        if exchange.error is not None:
+            raise exchange.error
+
+    def _connection(self, endpoint: tuple[str, str, int], what: str) -> HttpClientConnection:
+        with self._lock:
+            idle = self._idle.get(endpoint)
+            while idle:
+                conn = idle.pop()
+                if conn.is_open():
+                    return conn
+        scheme, host, port = endpoint
+        future = HttpClientConnection.new(host_name=host, port=port, bootstrap=self._bootstrap_once(),
+                                          socket_options=self._socket_options(),
+                                          tls_connection_options=self._tls_options(host) if scheme == "https" else None)
+        # awscrt's own timeout ends a TCP connect; a refused TLS handshake may end only after s2n's
+        # 10-30 s of blinding, so the wait is bounded here too.
+        try:
+            return future.result(timeout=self._connect_timeout + 2)
+        except concurrent.futures.TimeoutError:
+            future.add_done_callback(_close_quietly)
+            raise Unavailable(f"{what}: no connection within {self._connect_timeout + 2:g}s (the endpoint is "
+                              "unreachable or its TLS handshake failed)") from None
+        except Exception as exc:  # noqa: BLE001 - AwsCrtError: refused, unresolvable, TLS failed
+            name = getattr(exc, "name", type(exc).__name__)
+            if "TIMEOUT" in name:
+                raise Unavailable(f"{what}: could not connect in time") from None
+            raise Unavailable(f"{what}: cannot reach the endpoint ({name})") from None
+
+    def _put_back(self, endpoint: tuple[str, str, int], conn: HttpClientConnection) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(endpoint, [])
+            if len(idle) < self._max_idle:
+                idle.append(conn)
+                return
+        conn.close()
+
+    def _bootstrap_once(self) -> ClientBootstrap:
+        with self._lock:
+            if self._bootstrap is None:
+                loops = EventLoopGroup(1)
+                self._bootstrap = ClientBootstrap(loops, DefaultHostResolver(loops))
+            return self._bootstrap
+
+    def _socket_options(self) -> SocketOptions:
+        options = SocketOptions()
+        options.connect_timeout_ms = int(self._connect_timeout * 1000)
+        return options
+
+    def _tls_options(self, host: str) -> TlsConnectionOptions:
+        with self._lock:
+            if self._tls is None:
+                options = TlsContextOptions()
+                if self._ca_file:
+                    options.override_default_trust_store_from_path(ca_filepath=self._ca_file)
+                self._tls = ClientTlsContext(options)
+            tls = self._tls
+        options = tls.new_connection_options()
+        options.set_server_name(host)
+        return options
+
+
+def _close_quietly(future: concurrent.futures.Future) -> None:
+    """A connection that came after its caller gave up waiting."""
+    if not future.cancelled() and future.exception() is None:
+        future.result().close()
