@@ -36,8 +36,8 @@ def native_gets_possible() -> bool:
 @dataclass
 class Answer:
     status: int
-    headers: dict[str, str]  # names in lower case
-    body: bytes = b""  # an error answer's body (its first 64 KiB); a 2xx body went into the caller's buffer
+    headers: Mapping[str, str]  # read with names in lower case
+    body: bytes = b""  # a whole answer's body, or an error answer's first 64 KiB (`get_into` fills a buffer)
 
 
 Accept = Callable[[int, Mapping[str, str]], None]
@@ -47,14 +47,15 @@ Accept = Callable[[int, Mapping[str, str]], None]
 class _Exchange:
     """One request's answer as the event-loop thread's callbacks fill it in."""
 
-    into: memoryview
+    into: memoryview | None  # None: keep the whole body in `body`, up to `limit` bytes
     progress: Progress
     accept: Accept
+    limit: int = _ERROR_BODY
     status: int = 0
     headers: dict[str, str] = field(default_factory=dict)
     received: int = 0
     error: StoreError | None = None
-    error_body: bytearray = field(default_factory=bytearray)
+    body: bytearray = field(default_factory=bytearray)
     last: float = field(default_factory=time.monotonic)  # when anything last arrived
     abandoned: bool = False  # the waiting thread gave up: no byte may reach `into` any more
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -75,11 +76,16 @@ class _Exchange:
 
     def on_body(self, http_stream, chunk: bytes, **kwargs) -> None:
         self.last = time.monotonic()
-        if not self.ok:
-            if len(self.error_body) < _ERROR_BODY:
-                self.error_body += chunk[:_ERROR_BODY - len(self.error_body)]
-            return
         if self.error is not None:
+            return
+        if not self.ok:
+            self.body += chunk[:max(0, _ERROR_BODY - len(self.body))]  # enough to read its error code
+            return
+        if self.into is None:
+            if len(self.body) + len(chunk) > self.limit:
+                self._refuse(http_stream, TransientError(f"an answer larger than {self.limit} bytes"))
+                return
+            self.body += chunk
             return
         pos, n = self.received, len(chunk)
         with self.lock:
@@ -116,20 +122,37 @@ class NativeHttp:
         """GET `url`. A 200 or 206 answer's headers go to `accept` (which raises a StoreError to refuse
         it), then its body fills `into` exactly, advancing `progress`; any other answer is returned
         with the start of its body. Connection failures and a silent store raise StoreErrors."""
+        exchange = self._exchange(url, headers, _Exchange(into, progress, accept), what)
+        if exchange.ok and exchange.received != len(into):
+            raise TransientError(f"{what}: short body ({exchange.received} of {len(into)} bytes)")
+        return Answer(exchange.status, exchange.headers, bytes(exchange.body))
+
+    def get(self, url: str, what: str, limit: int) -> Answer:
+        """GET `url` whole (a listing page, say): any answer with its body; a 200 or 206 larger than `limit`
+        bytes is refused as a TransientError."""
+        exchange = self._exchange(url, {}, _Exchange(None, Progress(), _accept_any, limit), what)
+        return Answer(exchange.status, exchange.headers, bytes(exchange.body))
+
+    def _exchange(self, url: str, headers: Mapping[str, str], exchange: _Exchange, what: str) -> _Exchange:
+        """Send the GET and wait for its whole answer; the connection goes back to the pool only after a
+        complete answer whose body was taken whole."""
         parts = urllib.parse.urlsplit(url)
         endpoint = (parts.scheme, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
         conn = self._connection(endpoint, what)
         request = HttpRequest("GET", f"{parts.path}?{parts.query}" if parts.query else parts.path,
                               HttpHeaders([("Host", parts.netloc), *headers.items()]))
-        exchange = _Exchange(into, progress, accept)
-        stream = conn.request(request, exchange.on_response, exchange.on_body)
-        stream.activate()
-        self._wait(conn, stream.completion_future, exchange, what)
-        if exchange.ok and exchange.received != len(into):
+        try:
+            stream = conn.request(request, exchange.on_response, exchange.on_body)
+            stream.activate()
+        except Exception as exc:  # noqa: BLE001 - AwsCrtError: the pooled connection closed just now
             conn.close()
-            raise TransientError(f"{what}: short body ({exchange.received} of {len(into)} bytes)")
-        self._put_back(endpoint, conn)
-        return Answer(exchange.status, exchange.headers, bytes(exchange.error_body))
+            raise TransientError(f"{what}: connection failed ({getattr(exc, 'name', type(exc).__name__)})") from None
+        self._wait(conn, stream.completion_future, exchange, what)
+        if exchange.ok and exchange.into is not None and exchange.received != len(exchange.into):
+            conn.close()
+        else:
+            self._put_back(endpoint, conn)
+        return exchange
 
     def _wait(self, conn: HttpClientConnection, done: concurrent.futures.Future, exchange: _Exchange, what: str) -> None:
         """Until the answer is complete; a store silent for request-timeout fails it (closing the connection)."""
@@ -208,6 +231,10 @@ class NativeHttp:
         options = tls.new_connection_options()
         options.set_server_name(host)
         return options
+
+
+def _accept_any(status: int, headers: Mapping[str, str]) -> None:
+    """A whole answer is checked by its reader (a listing's parser), not here."""
 
 
 def _close_quietly(future: concurrent.futures.Future) -> None:

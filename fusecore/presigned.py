@@ -27,7 +27,7 @@ import urllib3
 
 from .bodies import read_body, socket_readinto
 from .config import StoreConfig
-from .native_http import MAX_BODY as MAX_NATIVE_BODY, NativeHttp, native_gets_possible
+from .native_http import MAX_BODY as MAX_NATIVE_BODY, Answer, NativeHttp, native_gets_possible
 from .objects import Listing, ObjectInfo, Progress
 from .store_errors import (PreconditionFailed, StoreError, TransientError, Unavailable, answer_error, backoff,
                            check_range, retry_after_seconds, retryable, translate)
@@ -52,6 +52,7 @@ def direct_gets_possible() -> bool:
 
 
 _CODE_RE = re.compile(rb"<Code>([^<]+)</Code>")
+MAX_LISTING_PAGE = 16 * 1024 * 1024  # a ListObjectsV2 page of 1,000 keys of up to 1,024 bytes, URL-encoded
 
 
 class PresignedGets:
@@ -107,13 +108,13 @@ class PresignedGets:
         """HEAD of an object through a presigned URL (botocore's pipeline costs ~4x the CPU), or None."""
         what = f"head {key!r}"
         params = {"Bucket": self._bucket, "Key": key}
-        resp = self._small(lambda: self._client.generate_presigned_url(
+        answer = self._small(lambda: self._client.generate_presigned_url(
             "head_object", Params=params, ExpiresIn=self.URL_LIFETIME), what, method="HEAD")
-        if resp.status == 404:
+        if answer.status == 404:
             return None
         try:
-            modified = email.utils.parsedate_to_datetime(resp.headers["Last-Modified"]).timestamp()
-            return ObjectInfo(key, int(resp.headers["Content-Length"]), resp.headers["ETag"], modified)
+            modified = email.utils.parsedate_to_datetime(answer.headers["last-modified"]).timestamp()
+            return ObjectInfo(key, int(answer.headers["content-length"]), answer.headers["etag"], modified)
         except (KeyError, TypeError, ValueError):
             raise TransientError(f"{what}: the answer lacks a size, ETag or date") from None
 
@@ -137,9 +138,9 @@ class PresignedGets:
 
     def _get_small(self, sign, what: str) -> bytes:
         """The body of a small GET of a URL `sign()` makes."""
-        return self._small(sign, what).data
+        return self._small(sign, what).body
 
-    def _small(self, sign, what: str, method: str = "GET"):
+    def _small(self, sign, what: str, method: str = "GET") -> Answer:
         """A small request (a listing page, a HEAD) to a URL `sign()` signs afresh each time: throttling,
         5xx and broken connections are retried with capped exponential backoff and jitter (Retry-After
         honoured) up to max-attempts, like botocore's retry mode; an answer of 200 (or 404 to a HEAD) is
@@ -147,20 +148,28 @@ class PresignedGets:
         for attempt in range(1, self._attempts + 1):
             last = attempt == self._attempts
             try:
-                resp = self._send(sign, what, method=method, preload_content=True)
+                answer = self._whole(sign, what, method)
             except TransientError:
                 if last:
                     raise
                 time.sleep(backoff(attempt))
                 continue
-            if resp.status == 200 or (method == "HEAD" and resp.status == 404):
-                return resp
-            code = _code_in(resp.data, resp.status)  # (a HEAD answer has no body to name the error)
-            if retryable(resp.status, code) and not last:
-                time.sleep(backoff(attempt, retry_after_seconds(resp.headers.get("Retry-After"))))
+            if answer.status == 200 or (method == "HEAD" and answer.status == 404):
+                return answer
+            code = _code_in(answer.body, answer.status)  # (a HEAD answer has no body to name the error)
+            if retryable(answer.status, code) and not last:
+                time.sleep(backoff(attempt, retry_after_seconds(answer.headers.get("retry-after"))))
                 continue
-            raise answer_error(resp.status, code, what, retried=True)
+            raise answer_error(answer.status, code, what, retried=True)
         raise AssertionError("unreachable")
+
+    def _whole(self, sign, what: str, method: str) -> Answer:
+        """One small request and its whole answer: a GET on an awscrt connection where those are on, else urllib3
+        (whose headers match names in any case)."""
+        if self._native is not None and method == "GET":
+            return self._native.get(self._signed(sign, what), what, limit=MAX_LISTING_PAGE)
+        resp = self._send(sign, what, method=method, preload_content=True)
+        return Answer(resp.status, resp.headers, resp.data or b"")
 
     def _send(self, sign, what: str, method: str = "GET", **kwargs):
         """Send `method` to the URL `sign()` makes; failures to sign or to talk to the store as StoreErrors."""

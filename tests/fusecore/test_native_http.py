@@ -67,6 +67,7 @@ class Server:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
+        self.httpd.handle_error = lambda request, address: None  # refused handshakes, closed connections: expected
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
@@ -192,3 +193,14 @@ def test_https_verifies_the_store_against_the_ca_bundle_given(server, tmp_path):
         client(ca_file=other_ca, connect_timeout=1.0).get_into(url, {}, memoryview(bytearray(len(BODY))), Progress(),
                                                                accept_all, "get 'ok'")
     assert time.monotonic() - started < 10
+
+
+def test_a_whole_answer_comes_back_with_its_body_and_one_too_large_is_refused(server):
+    """`get` (listing pages): the whole body of any answer; a success larger than the limit is refused."""
+    http = client()
+    answer = http.get(f"{server.url}/ok", "list 'ok'", limit=len(BODY))
+    assert answer.status == 200 and answer.body == BODY
+    assert http.get(f"{server.url}/error", "list 'e'", limit=10).status == 503
+    with pytest.raises(TransientError, match="larger than"):
+        http.get(f"{server.url}/ok", "list 'ok'", limit=len(BODY) - 1)
+    assert http.get(f"{server.url}/ok", "list 'ok'", limit=len(BODY)).body == BODY
