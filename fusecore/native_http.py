@@ -123,8 +123,6 @@ class NativeHttp:
         it), then its body fills `into` exactly, advancing `progress`; any other answer is returned
         with the start of its body. Connection failures and a silent store raise StoreErrors."""
         exchange = self._exchange(url, headers, _Exchange(into, progress, accept), what)
-        if exchange.ok and exchange.received != len(into):
-            raise TransientError(f"{what}: short body ({exchange.received} of {len(into)} bytes)")
         return Answer(exchange.status, exchange.headers, bytes(exchange.body))
 
     def get(self, url: str, what: str, limit: int) -> Answer:
@@ -135,7 +133,8 @@ class NativeHttp:
 
     def _exchange(self, url: str, headers: Mapping[str, str], exchange: _Exchange, what: str) -> _Exchange:
         """Send the GET and wait for its whole answer; the connection goes back to the pool only after a
-        complete answer whose body was taken whole."""
+        complete answer whose body was taken whole (a 200 or 206 that filled less than its buffer is a
+        TransientError)."""
         parts = urllib.parse.urlsplit(url)
         endpoint = (parts.scheme, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
         conn = self._connection(endpoint, what)
@@ -150,8 +149,8 @@ class NativeHttp:
         self._wait(conn, stream.completion_future, exchange, what)
         if exchange.ok and exchange.into is not None and exchange.received != len(exchange.into):
             conn.close()
-        else:
-            self._put_back(endpoint, conn)
+            raise TransientError(f"{what}: short body ({exchange.received} of {len(exchange.into)} bytes)")
+        self._put_back(endpoint, conn)
         return exchange
 
     def _wait(self, conn: HttpClientConnection, done: concurrent.futures.Future, exchange: _Exchange, what: str) -> None:
