@@ -222,11 +222,7 @@ class PresignedGets:
             resp = self._send(lambda: self._url(key, fresh=fresh), what, headers=headers, preload_content=False)
             if resp.status in (200, 206):
                 break
-            retry_after = retry_after_seconds(resp.headers.get("Retry-After"))
-            code = _error_code(resp)
-            if _sign_again(resp.status, code, fresh):
-                continue
-            raise answer_error(resp.status, code, what, retried=False, retry_after=retry_after)
+            _refused(resp.status, _error_code(resp), resp.headers, fresh, what)
         try:
             _check_answer(start, end, etag, resp.status, resp.headers, what)
         except StoreError:
@@ -254,11 +250,7 @@ class PresignedGets:
             answer = self._native.get_into(url, headers, into, progress, accept, what)
             if answer.status in (200, 206):
                 return
-            code = _code_in(answer.body, answer.status)
-            if _sign_again(answer.status, code, fresh):
-                continue
-            raise answer_error(answer.status, code, what, retried=False,
-                               retry_after=retry_after_seconds(answer.headers.get("retry-after")))
+            _refused(answer.status, _code_in(answer.body, answer.status), answer.headers, fresh, what)
 
 
 def _check_answer(start: int, end: int, etag: str, status: int, headers: Mapping[str, str], what: str) -> None:
@@ -325,6 +317,13 @@ def _error_code(resp) -> str:
 def _code_in(body: bytes | None, status: int) -> str:
     match = _CODE_RE.search(body or b"")
     return match.group(1).decode(errors="replace") if match else str(status)
+
+
+def _refused(status: int, code: str, headers: Mapping[str, str], fresh: bool, what: str) -> None:
+    """A ranged GET answered other than 200 or 206, on either connection kind: return to sign the URL
+    afresh once (it expired, or the credentials rotated), else raise the answer's StoreError."""
+    if not _sign_again(status, code, fresh):
+        raise answer_error(status, code, what, retried=False, retry_after=retry_after_seconds(headers.get("retry-after")))
 
 
 def _sign_again(status: int, code: str, fresh: bool) -> bool:
