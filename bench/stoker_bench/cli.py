@@ -17,17 +17,26 @@ from .systems import SYSTEMS
 from .targets import evaluate
 from .workloads import WORKLOADS
 
+COMPARE_WORKLOADS = "seq1,shards,small,partial"  # the data path's shapes: one stream, shard readers, small files
+
 
 def add_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark Stoker against s3fs-fuse, rclone and boto3 on an emulated store")
     p.add_argument("--scale", type=float, default=0.25,
                    help="dataset size factor (default 0.25: 256 MiB large objects; 1: 1 GiB and 10,000 files)")
     p.add_argument("--out", default="./bench-results", help="output folder (default ./bench-results)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {','.join(SYSTEMS)}")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {','.join(WORKLOADS)}")
+    p.add_argument("--systems", default=None,
+                   help=f"comma-separated, of {','.join(SYSTEMS)} (default: all; with --compare: stoker)")
+    p.add_argument("--workloads", default=None,
+                   help=f"comma-separated, of {','.join(WORKLOADS)} (default: all; with --compare: "
+                        f"{COMPARE_WORKLOADS})")
     p.add_argument("--latency-ms", type=float, default=20.0, help="first-byte latency of the store (default 20)")
     p.add_argument("--bandwidth-mbps", type=float, default=16.0, help="MB/s per connection (default 16)")
     p.add_argument("--cache-size", default="2GiB", help="Stoker's cache and rclone's cache limit (default 2GiB)")
+    p.add_argument("--compare", metavar="REF", default=None,
+                   help="A/B: run the workloads on REF's tree (a commit, branch or tag) and on the working tree, "
+                        "alternating, and print both sides' throughput, CPU per GiB and RSS per cell")
+    p.add_argument("--rounds", type=int, default=2, help="--compare: rounds of each side (at least 2; default 2)")
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs of every system)")
     p.add_argument("--operator", action="store_true",
                    help="instead: the DatasetCache operator at cluster scale (simulated nodes, faked API server)")
@@ -92,13 +101,41 @@ def run_engines(args: argparse.Namespace) -> int:
     return 1 if any(r.wrong or r.note for r in rows) else 0
 
 
+def run_compare(args: argparse.Namespace, systems: list[str], workloads: list[str]) -> int:
+    """Base (REF) and change (the working tree) alternating, `--rounds` each; one table of both."""
+    from . import compare
+
+    if args.rounds < 2:
+        print("stoker bench: --rounds must be at least 2 (one round cannot tell a change from noise)",
+              file=sys.stderr)
+        return 2
+    bench_args = ["--scale", str(args.scale), "--latency-ms", str(args.latency_ms), "--bandwidth-mbps", str(args.bandwidth_mbps),
+                  "--cache-size", args.cache_size]
+    try:
+        base, change = compare.run(ref=args.compare, rounds=args.rounds, systems=systems, workloads=workloads,
+                                   bench_args=bench_args, out=args.out,
+                                   log=lambda line: print(line, flush=True))
+    except compare.CompareError as exc:
+        print(f"stoker bench: {exc}", file=sys.stderr)
+        return 2
+    text = compare.table(base, change)
+    paths = write_table(args.out, "compare", text, [{"side": s.name, "label": s.label, "runs": s.runs}
+                                                    for s in (base, change)])
+    print()
+    print(text)
+    print("written: " + ", ".join(paths.values()))
+    return 1 if compare.any_wrong(base, change) else 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.operator:
         return run_operator(args)
     if args.engines:
         return run_engines(args)
-    systems = [s for s in args.systems.split(",") if s]
-    workloads = [w for w in args.workloads.split(",") if w]
+    default_systems = "stoker" if args.compare else ",".join(SYSTEMS)
+    default_workloads = COMPARE_WORKLOADS if args.compare else ",".join(WORKLOADS)
+    systems = [s for s in (args.systems or default_systems).split(",") if s]
+    workloads = [w for w in (args.workloads or default_workloads).split(",") if w]
     unknown = [s for s in systems if s not in SYSTEMS] + [w for w in workloads if w not in WORKLOADS]
     if unknown:
         print(f"stoker bench: unknown system or workload: {', '.join(unknown)}", file=sys.stderr)
@@ -106,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
     if os.geteuid() != 0 and not shutil.which("fusermount3"):
         print("stoker bench: FUSE mounts need root or fusermount3", file=sys.stderr)
         return 2
+    if args.compare:
+        return run_compare(args, systems, workloads)
     workdir = scratch_dir()
     try:
         cells, info = run_all(scale=args.scale, systems=systems, workloads=workloads, workdir=workdir,

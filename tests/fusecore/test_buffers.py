@@ -1,5 +1,5 @@
-"""Block buffers: exactly the size asked, zeroed, resident before the first byte is received, and on
-huge pages where the kernel offers them on request (read back from /proc/self/smaps)."""
+"""Block buffers: exactly the size asked, zeroed, and resident before the first byte is received (read
+back from /proc/self/smaps)."""
 
 from __future__ import annotations
 
@@ -38,9 +38,3 @@ def test_a_large_buffer_is_resident_before_any_byte_arrives():
     """Populated up front: the socket copy never faults page by page."""
     buf = buffers.allocate(8 * 1024 * 1024)
     assert _mapping(buf)["Rss"] >= 8 * 1024
-
-
-@pytest.mark.skipif(not buffers._HUGE_OK, reason="this kernel gives no transparent huge pages on request")
-def test_a_large_buffer_is_on_huge_pages_where_the_kernel_offers_them():
-    buf = buffers.allocate(8 * 1024 * 1024)
-    assert _mapping(buf)["AnonHugePages"] >= 2048
