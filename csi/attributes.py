@@ -63,6 +63,7 @@ KNOBS: dict[str, Knob] = {
     "cacheSize": Knob("cache_size", lambda v: parse_size(v, name="cacheSize"), "cache-size"),
     "blockSize": Knob("block_size", lambda v: parse_size(v, name="blockSize"), "block-size"),
     "maxPrefetch": Knob("max_prefetch", lambda v: parse_size(v, name="maxPrefetch"), "max-prefetch"),
+    "initialPrefetch": Knob("initial_prefetch", lambda v: parse_size(v, name="initialPrefetch"), "initial-prefetch"),
     "maxConcurrency": Knob("store.max_concurrency", _positive_int, "max-concurrency"),
     "metadataTTL": Knob("metadata_ttl", lambda v: parse_ttl(v, name="metadataTTL"), "metadata-ttl"),
     "requestTimeout": Knob("store.request_timeout", _seconds, "request-timeout"),

@@ -46,6 +46,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help=f"concurrent GETs (default {_default('max_concurrency')})")
     m.add_argument("--max-prefetch", default=_size_default("max_prefetch"),
                    help=f"read-ahead per sequential reader (default {_size_default('max_prefetch')})")
+    m.add_argument("--initial-prefetch", default=_size_default("initial_prefetch"),
+                   help="first read-ahead of a file read from its start, when it holds that much "
+                        f"(default {_size_default('initial_prefetch')}; 0: one block)")
     m.add_argument("--metadata-ttl", default=str(_default("metadata_ttl")),
                    help=f"seconds to trust listings, or 'forever' (default {_default('metadata_ttl'):g})")
     m.add_argument("--request-timeout", type=float, default=_default("request_timeout"),
@@ -112,6 +115,7 @@ def config_from_args(args: argparse.Namespace) -> MountConfig:
         cache_size=parse_size(args.cache_size, name="cache-size"),
         block_size=parse_size(args.block_size, name="block-size"),
         max_prefetch=parse_size(args.max_prefetch, name="max-prefetch"),
+        initial_prefetch=parse_size(args.initial_prefetch, name="initial-prefetch"),
         metadata_ttl=parse_ttl(args.metadata_ttl),
         kernel_cache=not args.no_kernel_cache,
         read_ahead_kb=args.read_ahead_kb,

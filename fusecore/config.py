@@ -134,10 +134,11 @@ class MountConfig:
     cache_size: int = 4 * 1024**3
     block_size: int = 4 * 1024**2
     max_prefetch: int = 256 * 1024**2  # bytes ahead of one sequential reader
+    initial_prefetch: int = 16 * 1024**2  # first read-ahead of a file read from offset 0 (0: one block)
     max_inflight_bytes: int = 256 * 1024**2  # all GETs of the mount together
     metadata_ttl: float = 60.0
     kernel_cache: bool = True  # keep_cache while the ETag is unchanged
-    read_ahead_kb: int = 4096  # kernel readahead for the mount's bdi
+    read_ahead_kb: int = 1024  # kernel readahead for the mount's bdi (one FUSE read: see README "Reads")
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
     control_socket: str | None = None
@@ -146,7 +147,6 @@ class MountConfig:
     uid: int | None = None
     gid: int | None = None
     fuse_fd: int | None = None  # an open /dev/fuse already mounted at `mountpoint` by the caller
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """Every setting in its range, named as its flag: no value may yield a mount that cannot serve."""
@@ -160,6 +160,7 @@ class MountConfig:
         _within("connect-timeout", store.connect_timeout, 0.1, 3600, "must be between 0.1 and 3600 seconds")
         _within("read-deadline", self.read_deadline, 1, 86400, "must be between 1 and 86400 seconds")
         _within("max-prefetch", self.max_prefetch, 0, 1 << 50, "must not be negative")
+        _within("initial-prefetch", self.initial_prefetch, 0, 1 << 50, "must not be negative")
         _within("max-inflight-bytes", self.max_inflight_bytes, self.block_size, 1 << 50,
                 "must hold at least one block")
         if not self.metadata_ttl >= 0:
@@ -185,7 +186,7 @@ class MountConfig:
 
 # ---- the mount's configuration as one JSON document (between processes: CSI plugin -> mounter -> mount)
 
-_PROCESS_LOCAL = {"fuse_fd", "extra", "credentials"}  # never travel in a document
+_PROCESS_LOCAL = {"fuse_fd", "credentials"}  # never travel in a document
 
 
 def _check_type(name: str, value: Any, kind: Any) -> Any:

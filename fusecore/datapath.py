@@ -38,7 +38,7 @@ class DataPath:
                                read_deadline=cfg.read_deadline)
         self.namespace = Namespace(store, cfg.store.prefix, cfg.metadata_ttl, self.metrics)
         self.reader = Reader(self.fetcher, self.metrics, block_size=cfg.block_size,
-                             prefetch_limit=cfg.prefetch_limit)
+                             prefetch_limit=cfg.prefetch_limit, initial_prefetch=cfg.initial_prefetch)
         self.walk = DirectoryPrefetcher(self.namespace, self.fetcher, self.cache, small_file_max=cfg.block_size,
                                         budget=cfg.prefetch_limit)
 

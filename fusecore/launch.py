@@ -53,7 +53,9 @@ def launch(cfg: MountConfig, *, log_file: str, ready_timeout: float, log_level: 
     for `cfg` and return once it mounted."""
     os.makedirs(os.path.dirname(log_file) or ".", mode=0o700, exist_ok=True)
     read_fd, write_fd = os.pipe()
-    argv = [sys.executable, "-m", "fusecore", "serve-mount", "--ready-fd", str(write_fd)]
+    # -P: `-m` would put the caller's working directory first on sys.path, and a folder named fusecore
+    # there (an older checkout, a user's own) would be served instead of the installed data path.
+    argv = [sys.executable, "-P", "-m", "fusecore", "serve-mount", "--ready-fd", str(write_fd)]
     inherited = [write_fd]
     if cfg.fuse_fd is not None:
         argv += ["--fuse-fd", str(cfg.fuse_fd)]

@@ -32,11 +32,13 @@ class OpenFile:
 
 
 class Reader:
-    def __init__(self, fetcher: Fetcher, metrics: MountMetrics, *, block_size: int, prefetch_limit: int):
+    def __init__(self, fetcher: Fetcher, metrics: MountMetrics, *, block_size: int, prefetch_limit: int,
+                 initial_prefetch: int = 0):
         self.fetcher = fetcher
         self.block_size = block_size
         self.page_size = max(64 * 1024, block_size // 16)  # the unit random readers fetch
         self.max_window_blocks = max(1, prefetch_limit // block_size)
+        self.initial_window_blocks = max(1, initial_prefetch // block_size)
         self._files: dict[int, OpenFile] = {}
         self.read_calls = 0
         self.read_bytes = 0
@@ -46,7 +48,8 @@ class Reader:
 
     def open(self, info: ObjectInfo) -> int:
         fh = next(self._handles)
-        self._files[fh] = OpenFile(fh, info, ReadAhead(info.size, self.block_size, self.max_window_blocks))
+        self._files[fh] = OpenFile(fh, info, ReadAhead(info.size, self.block_size, self.max_window_blocks,
+                                                                self.initial_window_blocks))
         return fh
 
     def release(self, fh: int) -> None:
@@ -73,7 +76,7 @@ class Reader:
                 f.readahead.unissue(index)
                 break
         unit = 0
-        if f.readahead.random and not self._blocks_cached(info, span):
+        if f.readahead.paged(span[0]) and not self._blocks_cached(info, span):
             unit = self.page_size
             span = block_span(offset, size, info.size, unit)
         if len(span) == 1:

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         expected = make_dataset(client, args.files, args.shards, args.shard_size)
         print(f"generated {len(expected)} objects in {time.monotonic() - started:.1f}s: {args.files} images "
               f"(~100 KB) and {args.shards} shards ({args.shard_size} MiB)", flush=True)
-        mount = [sys.executable, "-m", "stoker", "mount", f"s3://{BUCKET}", mountpoint,
+        mount = [sys.executable, "-P", "-m", "stoker", "mount", f"s3://{BUCKET}", mountpoint,
                  "--endpoint-url", server.endpoint, "--cache-size", args.cache_size]
         result = subprocess.run(mount, capture_output=True, text=True)
         if result.returncode != 0:
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             return _epochs(args, mountpoint, expected)
         finally:
-            subprocess.run([sys.executable, "-m", "stoker", "unmount", mountpoint])
+            subprocess.run([sys.executable, "-P", "-m", "stoker", "unmount", mountpoint])
             wait_unmounted(mountpoint, 10)
             shutil.rmtree(workdir, ignore_errors=True)
 

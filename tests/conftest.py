@@ -73,12 +73,13 @@ class Mounts:
         self.mounted: list[str] = []
 
     def run(self, source: str, *extra: str, endpoint: str | None = None, env: dict | None = None,
-            mountpoint: str | None = None) -> subprocess.CompletedProcess:
+            mountpoint: str | None = None, command: list[str] | None = None,
+            cwd: str | None = None) -> subprocess.CompletedProcess:
         mp = mountpoint or str(self.tmp_path / f"mnt{len(self.mounted)}")
         os.makedirs(mp, exist_ok=True)
-        cmd = [sys.executable, "-m", "stoker", "mount", source, mp, "--endpoint-url", endpoint or self.endpoint,
+        cmd = [*(command or [sys.executable, "-m", "stoker"]), "mount", source, mp, "--endpoint-url", endpoint or self.endpoint,
                "--log-file", str(self.tmp_path / f"mount{len(self.mounted)}.log"), *extra]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=cwd,
                                 env=dict(os.environ, **(env or {})))
         result.mountpoint = mp
         if result.returncode == 0:

@@ -71,7 +71,7 @@ class Stoker(MountedSystem):
 
     def start(self) -> None:
         os.makedirs(self.mountpoint, exist_ok=True)
-        cmd = [sys.executable, "-m", "stoker", "mount", f"s3://{self.bucket}", self.mountpoint,
+        cmd = [sys.executable, "-P", "-m", "stoker", "mount", f"s3://{self.bucket}", self.mountpoint,
                "--endpoint-url", self.endpoint, "--cache-size", str(self.cache_bytes), "--log-file", self.log_path,
                "--metadata-ttl", "3600"] + ([] if self.kernel_cache else ["--no-kernel-cache"])
         result = subprocess.run(cmd, env=self.env(), capture_output=True, text=True)

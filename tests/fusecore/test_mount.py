@@ -447,12 +447,27 @@ def test_a_mount_process_carries_the_data_path_only(s3, bucket, mounts):
     mp = mounts.mount(f"s3://{bucket}")
     pid = mounts.stats(mp)["pid"]
     with open(f"/proc/{pid}/cmdline", "rb") as f:
-        assert f.read().split(b"\0")[1:4] == [b"-m", b"fusecore", b"serve-mount"]
+        assert f.read().split(b"\0")[1:5] == [b"-P", b"-m", b"fusecore", b"serve-mount"]
     with open(f"/proc/{pid}/maps") as f:
         maps = f.read()
     for library in ("cygrpc", "_upb", "rpds"):  # grpc, protobuf, jsonschema's native parts
         assert library not in maps, library
     assert read_whole(os.path.join(mp, "a")) == b"a" * 1000
+
+
+def test_a_mount_started_beside_another_fusecore_serves_the_installed_one(s3, bucket, mounts, tmp_path):
+    """`stoker mount` run from a folder holding another `fusecore/` (an older checkout, a user's folder of that
+    name): the serving process must not import it (`python -m` would put the working directory first)."""
+    decoy = tmp_path / "elsewhere"
+    (decoy / "fusecore").mkdir(parents=True)
+    marker = tmp_path / "decoy-imported"
+    (decoy / "fusecore" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (decoy / "fusecore" / "__main__.py").write_text("raise SystemExit(3)\n")
+    data = put(s3, bucket, "a", os.urandom(3 * MiB))
+    console = os.path.join(os.path.dirname(sys.executable), "stoker")  # as a user runs it: the console script
+    mp = mounts.mount(f"s3://{bucket}", command=[console], cwd=str(decoy))
+    assert read_whole(os.path.join(mp, "a")) == data
+    assert not marker.exists(), "the serving process imported the fusecore of its working directory"
 
 
 def test_control_errors_carry_their_kind(s3, bucket, mounts, tmp_path):

@@ -1,6 +1,6 @@
 from hypothesis import given, strategies as st
 
-from fusecore.prefetch import ReadAhead
+from fusecore.prefetch import AHEAD_SHARE, LONG_RUN_BLOCKS, ReadAhead
 
 MiB = 1024 * 1024
 
@@ -37,7 +37,8 @@ def test_seek_resets_the_window():
     assert ra.window > 1
     assert list(ra.on_read(700 * MiB, MiB)) == []
     assert ra.window == 0
-    assert list(ra.on_read(701 * MiB, MiB)) == [702]  # sequential again: the window grows from one
+    assert list(ra.on_read(701 * MiB, MiB)) == []  # sequential again, but a run past 0 must first be long
+    assert ra.window == 1 and not ra.random
 
 
 def test_slightly_reordered_kernel_reads_still_count_as_sequential():
@@ -80,3 +81,54 @@ def test_the_window_grows_on_continuing_reads_inside_the_first_block():
     for off in range(0, 2 * MiB, 256 * 1024):  # 8 reads, all inside block 0
         ra.on_read(off, 256 * 1024)
     assert ra.window >= 64
+
+
+def test_a_file_read_from_its_start_begins_with_the_initial_window():
+    ra = ReadAhead(file_size=64 * MiB, block_size=4 * MiB, max_window_blocks=64, initial_window=4)
+    assert list(ra.on_read(0, 128 * 1024)) == [1, 2, 3, 4], "the first GETs go out with the first read"
+    assert not ra.paged(0)
+
+
+def test_a_file_smaller_than_the_initial_window_starts_with_one_block():
+    ra = ReadAhead(file_size=12 * MiB, block_size=4 * MiB, max_window_blocks=64, initial_window=4)
+    assert list(ra.on_read(0, 128 * 1024)) == [1]
+
+
+def test_a_first_read_past_the_start_gets_no_initial_window():
+    ra = ReadAhead(file_size=64 * MiB, block_size=4 * MiB, max_window_blocks=64, initial_window=4)
+    assert list(ra.on_read(8 * MiB, MiB)) == []
+    assert ra.paged(2)
+
+
+def test_a_reader_of_a_split_is_paged_and_read_ahead_by_a_share_of_what_it_read():
+    """A run that began past offset 0 may stop soon: pages for its first blocks, then at most a quarter ahead."""
+    block = 4 * MiB
+    ra = ReadAhead(file_size=1024 * MiB, block_size=block, max_window_blocks=64, initial_window=4)
+    start = 100 * MiB
+    issued: list[int] = []
+    for off in range(start, start + LONG_RUN_BLOCKS * block - MiB, MiB):
+        issued += ra.on_read(off, MiB)
+        assert ra.paged(off // block), "inside the run's first blocks: pages only"
+    assert issued == [], "nothing read ahead before the run is long"
+    for off in range(start + LONG_RUN_BLOCKS * block - MiB, start + 64 * block, MiB):
+        issued += ra.on_read(off, MiB)
+        run = off + MiB - start
+        assert max(issued) * block - (off + MiB) <= run // AHEAD_SHARE + block
+    assert not ra.paged((start + 64 * block) // block)
+    assert sorted(issued) == sorted(set(issued)), "each block once"
+
+
+@given(parts=st.lists(st.tuples(st.integers(1, 200), st.integers(1, 40)), min_size=1, max_size=20))
+def test_what_a_reader_past_the_start_gets_read_ahead_is_bounded_by_what_it_read(parts):
+    """Whatever split a reader reads (offset, length in MiB), the blocks handed out ahead of where it stopped
+    stay within a quarter of what it read (plus the block it stopped in)."""
+    block = 4 * MiB
+    for start_mib, length_mib in parts:
+        ra = ReadAhead(file_size=1024 * MiB, block_size=block, max_window_blocks=64, initial_window=4)
+        start = start_mib * MiB
+        issued: list[int] = []
+        for off in range(start, start + length_mib * MiB, MiB):
+            issued += ra.on_read(off, MiB)
+        end = start + length_mib * MiB
+        beyond = sum(block for i in issued if i * block >= end)
+        assert beyond <= length_mib * MiB // AHEAD_SHARE + block
