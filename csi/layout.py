@@ -36,6 +36,35 @@ def is_pod_target(kubelet_dir: str, path: str) -> bool:
             and rest[4] == "mount" and all(_SAFE_NAME.match(part) for part in (rest[0], rest[3])))
 
 
+def under_mount_root(roots: tuple[str, ...], path: str) -> bool:
+    """A path an orchestrator other than kubelet gave (`--mount-root`): anywhere below one of `roots`,
+    normalized, with no symbolic link in its parent."""
+    return any(_below(root, path) for root in roots)
+
+
+def allowed_mount_point(kubelet_dir: str, roots: tuple[str, ...], path: str) -> bool:
+    """Kubelet's staging and pod volume paths of this driver, or a path below a --mount-root."""
+    return is_staging_path(kubelet_dir, path) or is_pod_target(kubelet_dir, path) or under_mount_root(roots, path)
+
+
+def mount_point_rule(kubelet_dir: str, roots: tuple[str, ...]) -> str:
+    """The rule `allowed_mount_point` applies, in words, for a refusal."""
+    kubelet = (f"kubelet's staging paths ({driver_staging_dir(kubelet_dir)}/<sha256>/globalmount) and pod volume "
+               f"paths ({kubelet_dir}/pods/<uid>/volumes/kubernetes.io~csi/<name>/mount)")
+    if roots:
+        return f"{kubelet}, or normalized paths below --mount-root {', '.join(roots)}"
+    return f"{kubelet}; another orchestrator's directory needs --mount-root DIR on stoker csi and stoker csi-mounter"
+
+
+def check_mount_root(root: str) -> str:
+    """A --mount-root as given: an absolute, normalized directory path other than /, without symbolic links."""
+    if not root.startswith("/") or os.path.normpath(root) != root or root == "/":
+        raise ValueError(f"--mount-root {root!r}: must be an absolute, normalized directory other than /")
+    if os.path.exists(root) and os.path.realpath(root) != root:
+        raise ValueError(f"--mount-root {root!r}: must not involve a symbolic link")
+    return root
+
+
 def _below(root: str, path: str) -> list[str] | None:
     """The components of `path` under `root`, if `path` is a normalized absolute path below it
     whose parent directory involves no symbolic link."""

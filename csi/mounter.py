@@ -33,7 +33,7 @@ from fusecore.mounts import detach_top, mount_fuse_fd, top_mount
 from fusecore.store_errors import StoreError, error_of_kind
 
 from .failures import DriverError
-from .layout import is_pod_target, is_staging_path
+from .layout import allowed_mount_point, mount_point_rule
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +94,13 @@ class MountRules:
     kubelet_dir: str
     state_dir: str
     allow_node_credentials: bool = False
+    mount_roots: tuple[str, ...] = ()  # other orchestrators' directories (--mount-root)
 
     def check(self, request: MountRequest) -> None:
         cfg = request.config
-        if not (is_staging_path(self.kubelet_dir, cfg.mountpoint) or is_pod_target(self.kubelet_dir, cfg.mountpoint)):
-            raise MountRefused(f"mount point {cfg.mountpoint} is not a staging or pod volume path of this driver "
-                               f"under {self.kubelet_dir}")
+        if not allowed_mount_point(self.kubelet_dir, self.mount_roots, cfg.mountpoint):
+            raise MountRefused(f"mount point {cfg.mountpoint} is outside this driver's paths: it mounts only at "
+                               f"{mount_point_rule(self.kubelet_dir, self.mount_roots)}")
         if not _inside(os.path.join(self.state_dir, "run"), cfg.control_socket or "", ".sock"):
             raise MountRefused("the control socket must lie in the state directory's run/")
         if not _inside(os.path.join(self.state_dir, "logs"), request.log_file, ".log"):

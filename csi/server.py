@@ -24,7 +24,7 @@ from .attributes import looks_like_credential
 from .controller import ControllerService
 from .metrics import serve_metrics
 from .auth import DEFAULT_AUDIENCE, AuthPolicy
-from .layout import DEFAULT_KUBELET_DIR
+from .layout import DEFAULT_KUBELET_DIR, check_mount_root
 from .mounter import Mounter, MountRules, ProcessMounter, RemoteMounter, serve_mounter
 from .node import IdentityService, NodeService
 from .state import SecretStore, StateDir
@@ -151,7 +151,8 @@ class NodeExtension(Protocol):
 def cmd_csi(args: argparse.Namespace, extensions: Sequence[NodeExtension] = ()) -> int:
     _logging(args.log_level)
     path = socket_path(args.endpoint)
-    rules = MountRules(os.path.abspath(args.kubelet_dir), os.path.abspath(args.state_dir), args.allow_node_credentials)
+    rules = MountRules(os.path.abspath(args.kubelet_dir), os.path.abspath(args.state_dir), args.allow_node_credentials,
+                       tuple(args.mount_root))
     mounter: Mounter = RemoteMounter(args.mounter_socket) if args.mounter_socket else ProcessMounter(rules)
     volumes = None
     if args.mode in ("node", "all"):
@@ -161,7 +162,7 @@ def cmd_csi(args: argparse.Namespace, extensions: Sequence[NodeExtension] = ()) 
                             role_lookup=_role_lookup(args.service_account_roles))
         volumes = VolumeManager(StateDir(args.state_dir), mounter, secrets=SecretStore(args.secrets_dir),
                                 policy=policy, kubelet_dir=args.kubelet_dir, ready_timeout=args.mount_timeout,
-                                node_cache_memory=args.node_cache_memory)
+                                node_cache_memory=args.node_cache_memory, mount_roots=tuple(args.mount_root))
         repaired = volumes.check_all(sweep_orphans=True)  # start-up: repair broken volumes, drop stale ones
         log.info("found %d volume(s) in %s; repaired %d", len(volumes.state.records()), args.state_dir, len(repaired))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -174,7 +175,10 @@ def cmd_csi(args: argparse.Namespace, extensions: Sequence[NodeExtension] = ()) 
         server.start()
     finally:
         os.umask(old_mask)
-    log.info("serving CSI %s services on %s (node id %s)", args.mode, path, args.node_id)
+    if volumes is not None:
+        log.info("serving CSI %s services on %s (node id %s)", args.mode, path, args.node_id)
+    else:
+        log.info("serving CSI controller services on %s (controller mode: no node service, no node id)", path)
     if args.health_port:
         serve_health(path, args.health_port, args.health_addr)
     stop = threading.Event()
@@ -206,6 +210,17 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+MOUNT_ROOT_HELP = ("also take staging and target paths below DIR as the orchestrator gives them (Nomad, csi-sanity; "
+                   "repeatable; the same on stoker csi and stoker csi-mounter). Default: kubelet's paths only")
+
+
+def _mount_root(text: str) -> str:
+    try:
+        return check_mount_root(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _role_lookup(enabled: bool):
     """Role ARNs from service-account annotations, read through the API (the node's service account)."""
     if not enabled:
@@ -219,7 +234,7 @@ def cmd_mounter(args: argparse.Namespace) -> int:
     _logging(args.log_level)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     serve_mounter(args.socket, MountRules(os.path.abspath(args.kubelet_dir), os.path.abspath(args.state_dir),
-                                          args.allow_node_credentials))
+                                          args.allow_node_credentials, tuple(args.mount_root)))
     return 0
 
 
@@ -236,6 +251,8 @@ def add_commands(sub: argparse._SubParsersAction, extensions: Sequence[NodeExten
     c.add_argument("--state-dir", default="/var/lib/stoker-csi", help="where volume records survive restarts")
     c.add_argument("--kubelet-dir", default=DEFAULT_KUBELET_DIR,
                    help="kubelet's root directory: volumes are mounted at its staging paths")
+    c.add_argument("--mount-root", type=_mount_root, action="append", default=[], metavar="DIR",
+                   help=MOUNT_ROOT_HELP)
     c.add_argument("--node-cache-memory", type=_size,
                    help="memory for every Stoker cache on this node together (the mounter's limit): a volume "
                         "whose cache does not fit is refused with RESOURCE_EXHAUSTED (default: no limit)")
@@ -265,6 +282,8 @@ def add_commands(sub: argparse._SubParsersAction, extensions: Sequence[NodeExten
     m.add_argument("--state-dir", default="/var/lib/stoker-csi",
                    help="the node plugin's state directory: control sockets and logs of mounts lie there")
     m.add_argument("--kubelet-dir", default=DEFAULT_KUBELET_DIR, help="mount only at kubelet's paths under it")
+    m.add_argument("--mount-root", type=_mount_root, action="append", default=[], metavar="DIR",
+                   help=MOUNT_ROOT_HELP)
     m.add_argument("--allow-node-credentials", action="store_true",
                    help="run mounts that use this container's own credentials")
     m.add_argument("--log-level", default="INFO")

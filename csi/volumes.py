@@ -36,8 +36,9 @@ from fusecore.store import S3Store
 from .attributes import TOKENS_KEY, VolumeSpec, parse_volume_context
 from .auth import AuthPolicy, MissingCredentials, Resolved, resolve, same_principal
 from .kernel import HostMounts, MountTable
-from .errors import Conflict, NodeFull, NotStaged, PermissionDenied, StillMounted, UnknownVolume, VolumeBusy
-from .layout import DEFAULT_KUBELET_DIR, DRIVER_NAME, driver_staging_dir, kubelet_staging_path  # noqa: F401
+from .errors import BadRequest, Conflict, NodeFull, NotStaged, PermissionDenied, StillMounted, UnknownVolume, VolumeBusy
+from .layout import (DEFAULT_KUBELET_DIR, DRIVER_NAME, allowed_mount_point, driver_staging_dir,  # noqa: F401
+                     kubelet_staging_path, mount_point_rule)
 from .mounter import MountFailed, Mounter, MountRequest
 from .state import SecretStore, StateDir, VolumeRecord
 
@@ -80,7 +81,8 @@ class VolumeLocks:
 class VolumeManager:
     def __init__(self, state: StateDir, mounter: Mounter, *, secrets: SecretStore, policy: AuthPolicy = AuthPolicy(),
                  kubelet_dir: str = DEFAULT_KUBELET_DIR, ready_timeout: float = 60.0, check_store: bool = True,
-                 node_cache_memory: int | None = None, mounts: MountTable | None = None):
+                 node_cache_memory: int | None = None, mounts: MountTable | None = None,
+                 mount_roots: tuple[str, ...] = ()):
         self.state = state
         self.mounts = mounts or HostMounts()  # the kernel's mount table (a fake in fast tests)
         self.node_cache_memory = node_cache_memory  # the sum of every mount's cache budget stays below it
@@ -88,6 +90,7 @@ class VolumeManager:
         self.secrets = secrets
         self.policy = policy
         self.kubelet_dir = os.path.abspath(kubelet_dir)
+        self.mount_roots = mount_roots  # other orchestrators' directories where paths are taken as given
         self.ready_timeout = ready_timeout
         self.check_store = check_store
         self.locks = VolumeLocks()
@@ -96,7 +99,15 @@ class VolumeManager:
 
     # ---- stage / unstage
 
+    def check_path(self, path: str, what: str) -> None:
+        """A staging or target path must be one of kubelet's for this driver, or lie below a --mount-root:
+        anything else is the caller's mistake (INVALID_ARGUMENT), refused before anything is mounted."""
+        if not allowed_mount_point(self.kubelet_dir, self.mount_roots, path):
+            raise BadRequest(f"{what} {path} is outside this driver's paths: it mounts only at "
+                             f"{mount_point_rule(self.kubelet_dir, self.mount_roots)}")
+
     def stage(self, volume_id: str, staging_path: str, context: dict[str, str], secrets: dict[str, str]) -> None:
+        self.check_path(staging_path, "staging_target_path")
         spec = parse_volume_context(context)
         auth = resolve(spec, context, secrets, self.policy)
         staging_path = os.path.abspath(staging_path)
@@ -144,6 +155,7 @@ class VolumeManager:
     def publish(self, volume_id: str, staging_path: str, target: str, how: str,
                 context: dict[str, str], secrets: dict[str, str]) -> None:
         """Publish (or republish: kubelet repeats it to hand over fresh tokens) the volume at `target`."""
+        self.check_path(target, "target_path")
         spec = parse_volume_context(context)
         target = os.path.abspath(target)
         if spec.ephemeral:

@@ -144,6 +144,9 @@ class FakeKube:
         self.requests: list[tuple[str, str]] = []
         self.pruned: list[str] = []  # fields the API server would have dropped (see prune)
         self.schemas: dict[str, dict] = {}  # plural -> openAPIV3Schema of a custom resource
+        # Namespaces that do not exist: creating an object in one is refused as the NamespaceLifecycle
+        # admission plugin refuses it (404, details.kind "namespaces"); every other namespace exists.
+        self.missing_namespaces: set[str] = set()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
@@ -279,9 +282,9 @@ class FakeKube:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def _status(self, code: int, reason: str, message: str) -> None:
+            def _status(self, code: int, reason: str, message: str, details: dict | None = None) -> None:
                 self._send(code, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason,
-                                  "message": message, "code": code})
+                                  "message": message, "code": code, **({"details": details} if details else {})})
 
             def _body(self):
                 length = int(self.headers.get("Content-Length") or 0)
@@ -383,8 +386,13 @@ class FakeKube:
                 if not body["metadata"].get("name") and body["metadata"].get("generateName"):
                     body["metadata"]["name"] = body["metadata"]["generateName"] + uuid.uuid4().hex[:5]
                 key = (prefix, plural, namespace, body["metadata"]["name"])
+                if namespace in self.missing_namespaces:
+                    return h._status(404, "NotFound", f'namespaces "{namespace}" not found',
+                                     {"name": namespace, "kind": "namespaces"})
                 if key in self._objects:
                     return h._status(409, "AlreadyExists", f"{plural} {key[3]!r} already exists")
+                if query.get("dryRun") == "All":  # admitted and validated, never stored
+                    return h._send(201, dict(body, metadata=dict(body["metadata"], namespace=namespace)))
                 return h._send(201, self._store(key, body, "ADDED"))
             if method == "DELETE":
                 gone = self._delete(key)

@@ -48,6 +48,24 @@ class Context:
     kube: Kube
     handover_namespace: str
     node_cache_memory: int
+    release: "ReleaseNamespace"
+
+
+class ReleaseNamespace:
+    """Whether the release namespace exists: asked at start-up, and again by each plan while it is missing
+    (once it is there, it stays known)."""
+
+    def __init__(self, kube: Kube, name: str):
+        self.kube, self.name, self._present = kube, name, False
+
+    def present(self) -> bool:
+        if not self._present:
+            self._present = not self.kube.namespace_missing(self.name)
+        return self._present
+
+    def problem(self) -> str:
+        return (f"the release namespace {self.name!r} does not exist: create it, or start the operator with "
+                f"--handover-namespace naming the namespace Stoker is installed in")
 
 
 @kopf.on.startup()
@@ -58,14 +76,30 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 60
     logging.getLogger("kopf.objects").addFilter(_quiet_timer)
+    logging.getLogger("kopf.objects").addFilter(_release_wait_is_progress)
     config = memo.get("config") or OperatorConfig()
     load_config()
-    memo["ctx"] = Context(Kube(), config.handover_namespace, config.node_cache_memory)
+    kube = Kube()
+    release = ReleaseNamespace(kube, config.handover_namespace)
+    if not release.present():
+        log.error("%s; until then no DatasetCache is planned (each shows why in its status)", release.problem())
+    memo["ctx"] = Context(kube, config.handover_namespace, config.node_cache_memory, release)
 
 
 def _quiet_timer(record: logging.LogRecord) -> bool:
     """The aggregation timer succeeds every few seconds per cache: not worth a log line each time."""
     return "Timer 'summarize' succeeded" not in record.getMessage()
+
+
+RELEASE_WAIT = "waiting for the node agents to release"
+
+
+def _release_wait_is_progress(record: logging.LogRecord) -> bool:
+    """Deleting a DatasetCache waits for its nodes by retrying the release handler, which kopf logs as an
+    ERROR ("failed temporarily"): that wait is progress, logged at INFO."""
+    if record.levelno > logging.INFO and RELEASE_WAIT in record.getMessage():
+        record.levelno, record.levelname = logging.INFO, "INFO"
+    return True
 
 
 def _key(namespace: str, name: str) -> str:
@@ -113,6 +147,12 @@ def plan(*, spec, status, meta, namespace, name, body, patch, reason, memo, node
         refresh_handover(ctx, dict(spec), namespace, name)
         return  # already planned for this generation: an operator restart re-warms nothing
     conditions = list(status.get("conditions") or [])
+    if not ctx.release.present():
+        problem = ctx.release.problem()
+        patch.status.update(phase="Pending", observedGeneration=generation, conditions=merge_conditions(
+            conditions, {"Ready": ("False", "ReleaseNamespaceMissing", problem)}))
+        kopf.warn(body, reason="ReleaseNamespaceMissing", message=problem)
+        raise kopf.TemporaryError(problem, delay=10)
     try:
         ref = resolve(dict(spec), namespace, ctx.kube)
         secrets = read_secrets(ref, ctx.kube)
@@ -149,7 +189,7 @@ def plan(*, spec, status, meta, namespace, name, body, patch, reason, memo, node
             else ("True", "DatasetLargerThanCache", sizing.message),
         }))
     kopf.info(body, reason="Sized", message=f"{objects} objects, {human(dataset_bytes)}; {sizing.message}; "
-                                            f"nodes: {', '.join(n.name for n in nodes) or 'none'}")
+                                            f"nodes: {name_list([n.name for n in nodes]) or 'none'}")
     if not sizing.fits:
         kopf.warn(body, reason="CacheTooSmall", message=sizing.message)
 
@@ -308,8 +348,8 @@ def release(*, body, namespace, name, retry, memo, **_) -> None:
     items = [obj for obj in items if obj.get("status")]
     holding = sorted((obj.get("spec") or {}).get("node", obj["metadata"]["name"]) for obj in items)
     if holding and retry < RELEASE_WAIT_RETRIES:
-        raise kopf.TemporaryError(f"waiting for {len(holding)} nodes to release their caches: "
-                                  f"{name_list(holding)}", delay=2)
+        raise kopf.TemporaryError(f"{RELEASE_WAIT} the caches of {len(holding)} nodes: {name_list(holding)}",
+                                  delay=2)
     if holding:
         kopf.warn(body, reason="ReleaseTimeout", message=f"{len(holding)} nodes did not confirm the release: "
                                                          f"{name_list(holding)}")

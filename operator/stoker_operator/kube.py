@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import logging
 
 from kubernetes import client, config, watch
@@ -80,6 +81,22 @@ class Kube:
                 patch = {"data": {**{k: None for k in (current.data or {}) if k not in encoded}, **encoded},
                          "metadata": {"annotations": annotations, "labels": labels}}
                 self.core.patch_namespaced_secret(name, namespace, patch, _content_type=MERGE_PATCH)
+
+    def namespace_missing(self, namespace: str) -> bool:
+        """Does the API refuse writes into `namespace` because it does not exist? Asked with a dry-run create
+        of a Secret there (the operator writes its handovers there anyway: no read of Namespaces needed)."""
+        body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "stoker-namespace-probe"}}
+        try:
+            self.core.create_namespaced_secret(namespace, body, dry_run="All")
+        except ApiException as exc:
+            if exc.status != 404:
+                return False  # 409 (a Secret of that name), 403, ...: the namespace is there, or cannot be told
+            try:
+                details = json.loads(exc.body or "{}").get("details") or {}
+            except ValueError:
+                details = {}
+            return details.get("kind") == "namespaces"
+        return False
 
     def delete_secret(self, namespace: str, name: str) -> None:
         try:

@@ -53,7 +53,7 @@ def unstage(plugin, volume_id, staging):
 
 def stage_and_publish(plugin, volume_id: str, ctx: dict, tmp_path) -> tuple[str, str]:
     """Stage at kubelet's staging path and publish at tmp_path/target, as kubelet would; returns both paths."""
-    staging, target = plugin.staging(volume_id), str(tmp_path / "target")
+    staging, target = plugin.staging(volume_id), plugin.target("pod-a")
     stage(plugin, volume_id, staging, ctx)
     publish(plugin, volume_id, staging, target, ctx)
     return staging, target
@@ -128,7 +128,7 @@ def test_healthz_fails_while_the_driver_cannot_serve(plugin):
 
 def test_stage_publish_read_unpublish_unstage(plugin, moto_server, bucket, dataset, tmp_path):
     ctx = volume_context(bucket, moto_server.endpoint, prefix="train", cacheSize="256MiB")
-    staging, target = plugin.staging("vol-1"), str(tmp_path / "pod" / "mount")
+    staging, target = plugin.staging("vol-1"), plugin.target("pod")
     stage(plugin, "vol-1", staging, ctx)
     assert fs_type(staging) == "fuse.stoker"
     publish(plugin, "vol-1", staging, target, ctx)
@@ -155,7 +155,7 @@ def test_stage_publish_read_unpublish_unstage(plugin, moto_server, bucket, datas
 
 def test_repeated_calls_are_idempotent(plugin, moto_server, bucket, dataset, tmp_path):
     ctx = volume_context(bucket, moto_server.endpoint)
-    staging, target = plugin.staging("vol-2"), str(tmp_path / "target")
+    staging, target = plugin.staging("vol-2"), plugin.target("pod-a")
     for _ in range(2):
         stage(plugin, "vol-2", staging, ctx)
     pid = control_stats(plugin, "vol-2")["pid"]
@@ -172,7 +172,7 @@ def test_repeated_calls_are_idempotent(plugin, moto_server, bucket, dataset, tmp
 
 def test_error_codes(plugin, moto_server, bucket, dataset, tmp_path):
     ctx = volume_context(bucket, moto_server.endpoint)
-    staging, target = plugin.staging("v"), str(tmp_path / "target")
+    staging, target = plugin.staging("v"), plugin.target("pod-a")
     invalid = grpc.StatusCode.INVALID_ARGUMENT
     assert code_of(lambda: stage(plugin, "", staging, ctx))[0] == invalid
     assert code_of(lambda: stage(plugin, "v", "", ctx))[0] == invalid
@@ -221,7 +221,7 @@ def test_error_codes(plugin, moto_server, bucket, dataset, tmp_path):
 def test_two_targets_share_one_mount_and_one_cache(plugin, moto_server, bucket, dataset, tmp_path):
     ctx = volume_context(bucket, moto_server.endpoint)
     staging = plugin.staging("shared")
-    targets = [str(tmp_path / f"pod{i}" / "mount") for i in range(2)]
+    targets = [plugin.target(f"pod{i}") for i in range(2)]
     stage(plugin, "shared", staging, ctx)
     for target in targets:
         publish(plugin, "shared", staging, target, ctx)

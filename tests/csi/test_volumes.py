@@ -9,6 +9,7 @@ import threading
 import grpc
 import pytest
 
+from csi.layout import kubelet_staging_path
 from csi import csi_pb2 as pb
 from csi import csi_pb2_grpc as rpc
 from csi.errors import VolumeBusy
@@ -84,8 +85,8 @@ def test_overlapping_calls_on_one_volume_get_aborted(tmp_path):
     server.start()
     try:
         stub = rpc.NodeStub(grpc.insecure_channel(f"unix://{sock}"))
-        staging = tmp_path / "staging"
-        staging.mkdir()
+        staging = kubelet_staging_path(str(tmp_path / "kubelet"), "v")
+        os.makedirs(staging)
         request = pb.NodeStageVolumeRequest(volume_id="v", staging_target_path=str(staging),
                                             volume_capability=READ_ONLY_MANY, volume_context={"bucket": "b"},
                                             secrets=KEYS)

@@ -151,6 +151,10 @@ def test_datasetcache_warms_a_real_mount_and_releases_the_gated_pod(kube, operat
     assert wait_until(lambda: not is_mounted(mount_path), 30)
     assert kube.get("v1", "secrets", handover_name(NAMESPACE, "imagenet"), RELEASE_NS) is None
     assert node_object(kube, "imagenet", "gpu-1") is None
+    from stoker_operator.handlers import RELEASE_WAIT
+
+    assert not [line for line in operator.log().splitlines() if RELEASE_WAIT in line and "ERROR" in line], \
+        "waiting for the agents to release is progress, not an error"
 
 
 def test_a_dataset_larger_than_the_cache_warms_what_fits(kube, operator, node_plugin, moto_server, s3, bucket):

@@ -10,7 +10,8 @@ import pytest
 
 from tests.csi.conftest import SECRETS
 
-from .conftest import NAMESPACE, add_cache, add_node, add_secret, add_stoker_pvc, node_object, status
+from .conftest import (NAMESPACE, RELEASE_NS, OperatorProcess, add_cache, add_node, add_secret, add_stoker_pvc,
+                       node_object, status, wait_for_events)
 
 pytestmark = pytest.mark.integration
 
@@ -53,7 +54,8 @@ def test_bad_sources_fail_with_a_clear_message(kube, operator, moto_server, buck
     after = {p: kube.list(v, p) for v, p in (("v1", "pods"), ("v1", "persistentvolumes"), ("v1", "secrets"))}
     assert before == after
     patched = {path for method, path in kube.requests if method in ("PATCH", "PUT", "DELETE", "POST")
-               and "/datasetcaches/" not in path and "/events" not in path}  # no plan: no DatasetCacheNode either
+               and "/datasetcaches/" not in path and "/events" not in path  # no plan: no DatasetCacheNode either
+               and "dryRun=All" not in path}  # (the start-up check of the release namespace writes nothing)
     assert patched == set()
 
 
@@ -130,3 +132,63 @@ def test_a_cache_that_finds_its_nodes_full_waits_and_names_who_holds_them(kube, 
             status(kube, "second")
     finally:
         operator.stop()
+
+
+def test_a_missing_release_namespace_is_said_at_start_and_on_every_cache(kube, tmp_path, moto_server, s3, bucket):
+    """Run outside the chart, where the release namespace does not exist: one clear start-up line, and each
+    DatasetCache shows why it waits (condition and Event naming the namespace and the flag); once the namespace
+    exists, the caches are planned without a restart."""
+    s3.put_object(Bucket=bucket, Key="data/a.bin", Body=b"a" * 1000)
+    add_node(kube, "n1")
+    add_secret(kube, "creds", SECRETS)
+    kube.missing_namespaces.add(RELEASE_NS)
+    operator = OperatorProcess(kube, tmp_path)
+    operator.start()
+    try:
+        add_cache(kube, "c", {"source": {"s3": {"bucket": bucket, "prefix": "data", "endpointUrl": moto_server.endpoint,
+                                                "secretRef": {"name": "creds"}}}})
+
+        def waiting():
+            ready = [c for c in status(kube, "c").get("conditions", []) if c["type"] == "Ready"]
+            return ready and ready[0]["reason"] == "ReleaseNamespaceMissing" and ready[0]
+
+        condition = kube.wait_for(waiting, 30)
+        assert condition, (status(kube, "c"), operator.log()[-2000:])
+        assert RELEASE_NS in condition["message"] and "--handover-namespace" in condition["message"]
+        assert status(kube, "c")["phase"] == "Pending"
+        assert "ReleaseNamespaceMissing" in wait_for_events(kube, {"ReleaseNamespaceMissing"})
+        startup = [line for line in operator.log().splitlines() if f"release namespace {RELEASE_NS!r} does not exist"
+                   in line and "no DatasetCache is planned" in line]
+        assert len(startup) == 1, operator.log()[-3000:]
+        kube.missing_namespaces.clear()
+        assert kube.wait_for(lambda: status(kube, "c").get("phase") == "Warming", 60), status(kube, "c")
+    finally:
+        operator.stop()
+
+
+def test_the_sized_event_names_a_capped_list_of_nodes(kube, operator, moto_server, s3, bucket):
+    s3.put_object(Bucket=bucket, Key="data/a.bin", Body=b"a" * 1000)
+    for i in range(40):
+        add_node(kube, f"gpu-node-{i:03d}")
+    add_secret(kube, "creds", SECRETS)
+    add_cache(kube, "big", {"source": {"s3": {"bucket": bucket, "prefix": "data", "endpointUrl": moto_server.endpoint,
+                                              "secretRef": {"name": "creds"}}}})
+    wait_for_events(kube, {"Sized"})
+    sized = [e["message"] for e in kube.list("v1", "events", NAMESPACE) if e.get("reason") == "Sized"]
+    assert sized and all("and 30 more" in m and "gpu-node-039" not in m for m in sized), sized
+    assert all(len(m) < 1024 for m in sized), "kopf cuts messages at 1,024 characters"
+
+
+def test_waiting_for_nodes_to_release_is_logged_as_progress():
+    """kopf logs a handler's TemporaryError at ERROR; the release handler's wait for the agents is INFO."""
+    import logging
+
+    from stoker_operator.handlers import RELEASE_WAIT, _release_wait_is_progress
+
+    wait = logging.LogRecord("kopf.objects", logging.ERROR, __file__, 1,
+                             f"Handler 'release' failed temporarily: {RELEASE_WAIT} the caches of 3 nodes: a, b, c",
+                             None, None)
+    other = logging.LogRecord("kopf.objects", logging.ERROR, __file__, 1, "Handler 'plan' failed temporarily: boom",
+                              None, None)
+    assert _release_wait_is_progress(wait) and (wait.levelno, wait.levelname) == (logging.INFO, "INFO")
+    assert _release_wait_is_progress(other) and other.levelno == logging.ERROR
