@@ -9,7 +9,7 @@ SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv s3fs rclone
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-unit bench system venv clean
+.PHONY: demo test test-unit bench bench-ab system venv clean
 
 demo: venv
 	$(BIN)/stoker demo
@@ -22,6 +22,10 @@ test-unit: venv
 
 bench: venv
 	$(BIN)/stoker bench
+
+BASE ?= HEAD
+bench-ab: venv  # A/B of the working tree against BASE (make bench-ab BASE=<commit>)
+	$(BIN)/stoker bench --compare $(BASE)
 
 system:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \

@@ -139,6 +139,32 @@ def test_optional_parts_follow_the_values():
     assert "Service" not in minimal and "Deployment" not in minimal
 
 
+HARDENED = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_every_deployment_container_runs_hardened_and_probed(name):
+    """The operator and the controller (its csi-provisioner sidecar too): non-root pods with the runtime's
+    seccomp profile, containers without privilege escalation, with a read-only root and no capabilities;
+    each of our own containers has a liveness probe. (The node DaemonSets are privileged by necessity.)"""
+    checked = 0
+    for doc in by_kind(render(VALUE_SETS[name]), "Deployment"):
+        pod = doc["spec"]["template"]["spec"]
+        where = doc["metadata"]["name"]
+        assert pod.get("securityContext", {}).get("runAsNonRoot") is True, where
+        assert pod["securityContext"].get("runAsUser", 0) != 0, where
+        assert pod["securityContext"].get("seccompProfile") == {"type": "RuntimeDefault"}, where
+        for container in pod["containers"]:
+            context = container.get("securityContext") or {}
+            assert {k: context.get(k) for k in HARDENED} == HARDENED, (where, container["name"], context)
+            assert not context.get("privileged"), (where, container["name"])
+            if container["image"].startswith("ghcr.io/stoker-dev/stoker"):
+                assert container.get("livenessProbe"), (where, container["name"])
+            checked += 1
+    if name == "provisioning":
+        assert checked >= 3  # the operator, the controller and its provisioner
+
+
 @pytest.mark.parametrize("bad", [
     {"node": {"cacheMemory": "lots"}},
     {"node": {"cacheMemory": "8GB"}},
