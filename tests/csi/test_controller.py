@@ -33,6 +33,11 @@ def keys(s3, bucket: str) -> set[str]:
     return {o["Key"] for o in s3.list_objects_v2(Bucket=bucket).get("Contents", [])}
 
 
+def test_controller_mode_says_its_mode_not_an_empty_node_id(controller_plugin):
+    line = next(l for l in controller_plugin.log().splitlines() if "serving CSI" in l)
+    assert "controller mode" in line and "(node id" not in line, line  # it logged "(node id )"
+
+
 def test_controller_capabilities(controller_plugin):
     caps = controller_plugin.identity.GetPluginCapabilities(pb.GetPluginCapabilitiesRequest())
     assert [c.service.type for c in caps.capabilities] == [pb.PluginCapability.Service.CONTROLLER_SERVICE]
