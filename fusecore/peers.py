@@ -1,0 +1,205 @@
+"""Node-to-node block reads of a distributed cache: a small authenticated HTTP protocol.
+
+A node serves the blocks it holds to the other members (`PeerServer`, in the mount process, on the
+node's own address) and asks a block's owner before the object store (`PeerClient`). A peer can make a
+read slower, never make it fail or return other bytes: the client uses an answer only when it is the
+exact block version asked (ETag), of exactly the block's length, with a matching SHA-256, and returns
+None on anything else (refused, timed out, wrong answer), so the caller reads the store.
+
+    GET /v1/block?key=<object key>&etag=<etag>&index=<block index>
+    Authorization: Stoker-Peer <unix seconds> <hex HMAC-SHA256(cache key, "<seconds>\\n<path and query>")>
+
+The server answers 200 with the block (Content-Length, X-Stoker-ETag, X-Stoker-SHA256) when it holds that
+exact version, 404 when it does not (it never fetches from the store for a peer), 401 to a request that
+is not signed with the cache's key or whose time is more than MAX_SKEW seconds away (nothing is served
+unauthenticated; a key per DatasetCache keeps one tenant's nodes from another's blocks), 400 to a
+malformed one. Traffic is not encrypted: see docs/security.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import http.client
+import http.server
+import logging
+import socket
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+PATH = "/v1/block"
+SCHEME = "Stoker-Peer"
+MAX_SKEW = 60.0  # seconds a signed request stays valid (clocks of a cluster's nodes agree within that)
+CHUNK = 256 * 1024
+
+Lookup = Callable[[str, str, int], "bytes | memoryview | None"]  # (key, etag, index) -> the block, if held
+
+
+def sign(key: bytes, target: str, now: float) -> str:
+    """The Authorization header of a request for `target` (path and query) at `now`."""
+    seconds = str(int(now))
+    mac = hmac.new(key, f"{seconds}\n{target}".encode(), hashlib.sha256).hexdigest()
+    return f"{SCHEME} {seconds} {mac}"
+
+
+def verify(key: bytes, target: str, header: str | None, now: float) -> bool:
+    try:
+        scheme, seconds, mac = (header or "").split(" ")
+        stamp = int(seconds)
+    except ValueError:
+        return False
+    if scheme != SCHEME or abs(now - stamp) > MAX_SKEW:
+        return False
+    expected = hmac.new(key, f"{seconds}\n{target}".encode(), hashlib.sha256).hexdigest()
+    return hmac.compare_digest(expected, mac)
+
+
+def block_target(key: str, etag: str, index: int) -> str:
+    return f"{PATH}?" + urllib.parse.urlencode({"key": key, "etag": etag, "index": str(index)})
+
+
+class PeerServer:
+    """Serves held blocks to the cache's other members on `address` (host, port); port 0 picks one."""
+
+    def __init__(self, address: tuple[str, int], key: bytes, lookup: Lookup,
+                 clock: Callable[[], float] = time.time):
+        if not key:
+            raise ValueError("a peer key is required: nothing is served unauthenticated")
+        self.key, self.lookup, self.clock = key, lookup, clock
+        self.served = self.refused = self.missed = 0
+        self._server = http.server.ThreadingHTTPServer(address, self._handler())
+        self._server.daemon_threads = True
+        self.address = self._server.server_address[:2]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="peer-server", daemon=True)
+
+    def start(self) -> "PeerServer":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _handler(self) -> type[http.server.BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+                log.debug("peer %s: " + format, self.client_address[0], *args)
+
+            def do_GET(self) -> None:
+                server.answer(self)
+
+        return Handler
+
+    def answer(self, h: http.server.BaseHTTPRequestHandler) -> None:
+        if not verify(self.key, h.path, h.headers.get("Authorization"), self.clock()):
+            self.refused += 1
+            return _send(h, 401)
+        url = urllib.parse.urlsplit(h.path)
+        query = urllib.parse.parse_qs(url.query)
+        try:
+            key, etag, index = query["key"][0], query["etag"][0], int(query["index"][0])
+        except (KeyError, ValueError, IndexError):
+            return _send(h, 400)
+        if url.path != PATH or index < 0:
+            return _send(h, 400)
+        data = self.lookup(key, etag, index)
+        if data is None:
+            self.missed += 1
+            return _send(h, 404)
+        body = memoryview(data)
+        h.send_response(200)
+        h.send_header("Content-Length", str(len(body)))
+        h.send_header("X-Stoker-ETag", etag)
+        h.send_header("X-Stoker-SHA256", hashlib.sha256(body).hexdigest())
+        h.end_headers()
+        for start in range(0, len(body), CHUNK):
+            h.wfile.write(body[start:start + CHUNK])
+        self.served += 1
+
+
+def _send(h: http.server.BaseHTTPRequestHandler, status: int) -> None:
+    h.send_response(status)
+    h.send_header("Content-Length", "0")
+    h.end_headers()
+
+
+@dataclass
+class PeerTimeouts:
+    connect: float = 0.2  # seconds to connect to a peer
+    first_byte: float = 0.3  # seconds from the request to the answer's status line
+    body: float = 2.0  # seconds for the whole body of one block
+
+
+class PeerClient:
+    """Asks a peer for one block; None unless the answer is exactly that block. A peer that failed is
+    avoided for `avoid` seconds, then asked again."""
+
+    def __init__(self, key: bytes, timeouts: PeerTimeouts | None = None, avoid: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
+        self.key, self.timeouts, self.avoid = key, timeouts or PeerTimeouts(), avoid
+        self.clock, self.wall = clock, wall
+        self._avoid_until: dict[str, float] = {}
+        self.failures: dict[str, int] = {}
+
+    def avoided(self, peer: str) -> bool:
+        return self._avoid_until.get(peer, 0.0) > self.clock()
+
+    def fetch(self, peer: str, key: str, etag: str, index: int, size: int) -> bytearray | None:
+        """The block `index` of (`key`, `etag`), `size` bytes, from `peer` ("host:port"); None if it cannot
+        (a 404 is no failure: the peer just does not hold it)."""
+        if self.avoided(peer):
+            return None
+        try:
+            return self._get(peer, key, etag, index, size)
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            self._failed(peer, f"{type(exc).__name__}: {exc}")
+            return None
+
+    def _failed(self, peer: str, why: str) -> None:
+        self.failures[peer] = self.failures.get(peer, 0) + 1
+        self._avoid_until[peer] = self.clock() + self.avoid
+        log.info("peer %s failed (%s); avoided for %gs", peer, why, self.avoid)
+
+    def _get(self, peer: str, key: str, etag: str, index: int, size: int) -> bytearray | None:
+        host, _, port = peer.rpartition(":")
+        target = block_target(key, etag, index)
+        started = self.clock()
+        conn = http.client.HTTPConnection(host, int(port), timeout=self.timeouts.connect)
+        try:
+            conn.connect()
+            assert conn.sock is not None
+            conn.sock.settimeout(self.timeouts.first_byte)
+            conn.request("GET", target, headers={"Authorization": sign(self.key, target, self.wall())})
+            resp = conn.getresponse()
+            if resp.status == 404:
+                return None
+            if resp.status != 200:
+                raise ValueError(f"answered {resp.status}")
+            if resp.getheader("X-Stoker-ETag") != etag or resp.getheader("Content-Length") != str(size):
+                raise ValueError("answered another version or length")
+            digest = resp.getheader("X-Stoker-SHA256") or ""
+            body = bytearray(size)
+            view, got = memoryview(body), 0
+            while got < size:
+                left = self.timeouts.body - (self.clock() - started)
+                if left <= 0:
+                    raise socket.timeout("the body took too long")
+                conn.sock.settimeout(left)
+                n = resp.readinto(view[got:])
+                if not n:
+                    raise ValueError(f"short body ({got} of {size} bytes)")
+                got += n
+            if not hmac.compare_digest(hashlib.sha256(body).hexdigest(), digest):
+                raise ValueError("checksum mismatch")
+            return body
+        finally:
+            conn.close()

@@ -1,0 +1,144 @@
+"""The peer protocol of a distributed cache (fusecore/peers.py) over real HTTP on loopback: a peer can make a
+read slower, never make it fail or return other bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import os
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from fusecore.peers import PeerClient, PeerServer, PeerTimeouts, block_target, sign
+
+KEY = b"cache-key-of-tenant-a"
+BLOCK = os.urandom(1_000_003)
+
+
+class Held:
+    """What one node holds: (key, etag, index) -> bytes."""
+
+    def __init__(self):
+        self.blocks = {("train/shard-0.tar", "etag-1", 2): BLOCK}
+
+    def __call__(self, key, etag, index):
+        return self.blocks.get((key, etag, index))
+
+
+@pytest.fixture
+def server():
+    s = PeerServer(("127.0.0.1", 0), KEY, Held()).start()
+    yield s
+    s.close()
+
+
+def addr(server) -> str:
+    return f"{server.address[0]}:{server.address[1]}"
+
+
+def test_a_held_block_is_served_exactly_to_a_member(server):
+    client = PeerClient(KEY)
+    assert client.fetch(addr(server), "train/shard-0.tar", "etag-1", 2, len(BLOCK)) == BLOCK
+    assert server.served == 1
+
+
+def test_another_version_or_a_block_not_held_is_not_served_and_is_no_failure(server):
+    client = PeerClient(KEY)
+    assert client.fetch(addr(server), "train/shard-0.tar", "etag-2", 2, len(BLOCK)) is None
+    assert client.fetch(addr(server), "train/shard-0.tar", "etag-1", 3, len(BLOCK)) is None
+    assert server.missed == 2 and not client.failures and not client.avoided(addr(server))
+
+
+def test_a_request_without_the_caches_key_is_refused(server):
+    other_tenant = PeerClient(b"cache-key-of-tenant-b")
+    assert other_tenant.fetch(addr(server), "train/shard-0.tar", "etag-1", 2, len(BLOCK)) is None
+    target = block_target("train/shard-0.tar", "etag-1", 2)
+    for headers in ({}, {"Authorization": sign(KEY, target, time.time() - 3600)},  # unsigned; an old signature
+                    {"Authorization": sign(KEY, block_target("other", "etag-1", 2), time.time())}):  # another's
+        request = urllib.request.Request(f"http://{addr(server)}{target}", headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=5)
+        assert info.value.code == 401
+    assert server.refused == 4 and server.served == 0
+
+
+def test_nothing_is_served_without_a_key():
+    with pytest.raises(ValueError):
+        PeerServer(("127.0.0.1", 0), b"", Held())
+
+
+class Liar(http.server.BaseHTTPRequestHandler):
+    """A peer answering 200 with wrong bytes, a short body, or another length."""
+
+    protocol_version = "HTTP/1.1"
+    mode = "corrupt"
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        body = bytearray(BLOCK)
+        digest = hashlib.sha256(BLOCK).hexdigest()
+        if self.mode == "corrupt":
+            body[12345] ^= 0xFF
+        length = len(BLOCK) + (7 if self.mode == "longer" else 0)
+        self.send_response(200)
+        self.send_header("Content-Length", str(length))
+        self.send_header("X-Stoker-ETag", "etag-1")
+        self.send_header("X-Stoker-SHA256", digest)
+        self.end_headers()
+        self.wfile.write(body[: len(body) // 2] if self.mode == "short" else body)
+        if self.mode == "short":
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.mark.parametrize("mode", ["corrupt", "short", "longer"])
+def test_a_wrong_answer_is_refused_and_the_peer_avoided(mode):
+    handler = type("Handler", (Liar,), {"mode": mode})
+    liar = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=liar.serve_forever, daemon=True).start()
+    try:
+        peer = f"127.0.0.1:{liar.server_address[1]}"
+        client = PeerClient(KEY)
+        assert client.fetch(peer, "train/shard-0.tar", "etag-1", 2, len(BLOCK)) is None
+        assert client.failures[peer] == 1 and client.avoided(peer)
+    finally:
+        liar.shutdown()
+        liar.server_close()
+
+
+def test_a_stalled_peer_costs_a_bounded_wait_then_is_avoided_and_later_tried_again():
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts connections, never answers
+    peer = f"127.0.0.1:{silent.getsockname()[1]}"
+    now = [1000.0]
+    client = PeerClient(KEY, PeerTimeouts(connect=0.2, first_byte=0.3, body=1.0), avoid=30, clock=lambda: now[0])
+    try:
+        started = time.monotonic()
+        assert client.fetch(peer, "k", "e", 0, 10) is None
+        assert time.monotonic() - started < 1.5, "bounded by the first-byte timeout"
+        started = time.monotonic()
+        assert client.fetch(peer, "k", "e", 0, 10) is None and time.monotonic() - started < 0.05, "avoided"
+        assert client.failures[peer] == 1
+        now[0] += 31
+        assert not client.avoided(peer)
+        assert client.fetch(peer, "k", "e", 0, 10) is None and client.failures[peer] == 2, "tried again"
+    finally:
+        silent.close()
+
+
+def test_a_refused_connection_is_a_quick_failure():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    client = PeerClient(KEY)
+    started = time.monotonic()
+    assert client.fetch(f"127.0.0.1:{port}", "k", "e", 0, 10) is None
+    assert time.monotonic() - started < 1 and client.avoided(f"127.0.0.1:{port}")
