@@ -62,6 +62,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--no-kernel-cache", action="store_true", help="do not keep the kernel page cache across opens")
     m.add_argument("--read-ahead-kb", type=int, default=_default("read_ahead_kb"),
                    help="kernel readahead of the mount (root only)")
+    m.add_argument("--peers", default="", help="a distributed cache: every member's HOST:PORT, comma-separated "
+                                               "(this node's --peer-listen among them); each block is held by its "
+                                               "owners and read from them before the store")
+    m.add_argument("--peer-listen", default="", help="HOST:PORT this node serves its blocks to the members on")
+    m.add_argument("--peer-key-file", default="", help="file holding the cache's shared key (16+ bytes): peer "
+                                                       "requests are signed with it, unsigned ones refused")
+    m.add_argument("--peer-replicas", type=int, default=_default("peer_replicas"),
+                   help="members holding each block (default 1)")
+    m.add_argument("--peer-timeout", type=float, default=_default("peer_timeout"),
+                   help=f"seconds to connect to a peer and for its first byte, then the store is read "
+                        f"(default {_default('peer_timeout'):g})")
     m.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     m.add_argument("--metrics-addr", default="127.0.0.1", help="address for --metrics-port (default 127.0.0.1)")
     m.add_argument("--control-socket", help="unix socket of the control API (default: derived from MOUNTPOINT)")
@@ -116,6 +127,8 @@ def config_from_args(args: argparse.Namespace) -> MountConfig:
         block_size=parse_size(args.block_size, name="block-size"),
         max_prefetch=parse_size(args.max_prefetch, name="max-prefetch"),
         initial_prefetch=parse_size(args.initial_prefetch, name="initial-prefetch"),
+        peers=args.peers, peer_listen=args.peer_listen, peer_replicas=args.peer_replicas, peer_timeout=args.peer_timeout,
+        peer_key_file=os.path.abspath(args.peer_key_file) if args.peer_key_file else "",
         metadata_ttl=parse_ttl(args.metadata_ttl),
         kernel_cache=not args.no_kernel_cache,
         read_ahead_kb=args.read_ahead_kb,

@@ -147,6 +147,13 @@ class MountConfig:
     uid: int | None = None
     gid: int | None = None
     fuse_fd: int | None = None  # an open /dev/fuse already mounted at `mountpoint` by the caller
+    # A distributed cache (fusecore/cluster.py): every member's HOST:PORT, comma-separated; where this node
+    # serves its blocks (one of them); the file holding the cache's shared key; copies of each block.
+    peers: str = ""
+    peer_listen: str = ""
+    peer_key_file: str = ""
+    peer_replicas: int = 1
+    peer_timeout: float = 0.3  # seconds to connect to a peer and for its first byte (the block body: 2 s more)
 
     def __post_init__(self) -> None:
         """Every setting in its range, named as its flag: no value may yield a mount that cannot serve."""
@@ -168,9 +175,27 @@ class MountConfig:
         _within("read-ahead-kb", self.read_ahead_kb, 0, 1024 * 1024, "must be between 0 and 1048576")
         if self.metrics_port is not None:
             _within("metrics-port", self.metrics_port, 1, 65535)
+        if self.peers or self.peer_listen or self.peer_key_file:
+            self._check_peers()
         for name, value in (("uid", self.uid), ("gid", self.gid)):
             if value is not None:
                 _within(name, value, 0, 2**32 - 2)
+
+    def _check_peers(self) -> None:
+        if not (self.peers and self.peer_listen and self.peer_key_file):
+            raise ConfigError("peers", "a distributed cache needs --peers, --peer-listen and --peer-key-file together")
+        for member in [*self.peer_members, self.peer_listen]:
+            host, _, port = member.rpartition(":")
+            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise ConfigError("peers", f"{member!r} is not HOST:PORT")
+        if self.peer_listen not in self.peer_members:
+            raise ConfigError("peer-listen", f"{self.peer_listen} must be one of --peers (how the others reach it)")
+        _within("peer-replicas", self.peer_replicas, 1, len(self.peer_members), "must be between 1 and the members")
+        _within("peer-timeout", self.peer_timeout, 0.01, 60, "must be between 0.01 and 60 seconds")
+
+    @property
+    def peer_members(self) -> list[str]:
+        return [m.strip() for m in self.peers.split(",") if m.strip()]
 
     @property
     def inflight_limit(self) -> int:

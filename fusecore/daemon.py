@@ -15,7 +15,7 @@ import trio
 
 from .failures import StokerError
 from . import control
-from .config import MountConfig
+from .config import ConfigError, MountConfig
 from .datapath import DataPath
 from .fs import StokerFS
 from .mounts import is_mounted
@@ -56,15 +56,17 @@ def run_mount(cfg: MountConfig, ready: ReadyCallback) -> int:
             check_mountpoint(cfg.mountpoint)
         store = S3Store(cfg.store)
         store.check()
-    except (MountError, StoreError) as exc:
+        datapath = DataPath(cfg, store)
+    except (MountError, StoreError, ConfigError) as exc:
         ready(exc)
         return 1
-    datapath = DataPath(cfg, store)
     try:
         trio.run(_serve, cfg, datapath, ready)
-    except MountError as exc:
+    except (MountError, ConfigError) as exc:
         ready(exc)
         return 1
+    finally:
+        datapath.close()
     return 0
 
 

@@ -14,7 +14,8 @@ import trio
 
 from .blocks import block_count
 from .cache import BlockCache
-from .config import WARM_FRACTION, Identity, MountConfig
+from .cluster import Cluster, held_block, read_key
+from .config import WARM_FRACTION, ConfigError, Identity, MountConfig
 from .fetcher import Fetcher
 from .messages import WarmProgress
 from .metrics import MountMetrics
@@ -33,9 +34,10 @@ class DataPath:
         self.metrics = metrics or MountMetrics()
         self.cache = BlockCache(cfg.cache_size)
         self.metrics.bind_cache(self.cache.stats)
+        self.cluster = Cluster(cfg, read_key(cfg.peer_key_file)) if cfg.peers else None
         self.fetcher = Fetcher(store, self.cache, self.metrics, block_size=cfg.block_size,
                                max_concurrency=cfg.store.max_concurrency, inflight_limit=cfg.inflight_limit,
-                               read_deadline=cfg.read_deadline)
+                               read_deadline=cfg.read_deadline, cluster=self.cluster)
         self.namespace = Namespace(store, cfg.store.prefix, cfg.metadata_ttl, self.metrics)
         self.reader = Reader(self.fetcher, self.metrics, block_size=cfg.block_size,
                              prefetch_limit=cfg.prefetch_limit, initial_prefetch=cfg.initial_prefetch)
@@ -44,6 +46,21 @@ class DataPath:
 
     def start(self, nursery: trio.Nursery) -> None:
         self.fetcher.start(nursery)
+        if self.cluster is not None:
+            token = trio.lowlevel.current_trio_token()
+
+            def held(key: str, etag: str, index: int):
+                return trio.from_thread.run_sync(held_block, self.cache, key, etag, index, trio_token=token)
+
+            try:
+                self.cluster.serve(held)
+            except OSError as exc:
+                raise ConfigError("peer-listen", f"cannot serve peers on {self.cfg.peer_listen}: {exc.strerror}") \
+                    from None
+
+    def close(self) -> None:
+        if self.cluster is not None:
+            self.cluster.close()
 
     def stats(self) -> dict:
         c = self.cache.stats()
@@ -86,6 +103,7 @@ class DataPath:
             "skipped_names": self.namespace.skipped_names,
             "namespace_entries": self.namespace.entries,
             "credential_rotations": self.rotations,
+            **({"cluster": self.cluster.stats()} if self.cluster is not None else {}),
         }
 
     def resize(self, cache_size: int) -> dict:
@@ -108,20 +126,29 @@ class DataPath:
         self.cache.clear()
         return {"dropped_bytes": before}
 
+    def _warmed_blocks(self, info) -> list[int]:
+        """The blocks of a file this node warms: all, or in a distributed cache the ones it owns."""
+        blocks = range(block_count(info.size, self.cfg.block_size))
+        if self.cluster is None:
+            return list(blocks)
+        return [i for i in blocks if self.cluster.owns(info.key, info.etag, i)]
+
     async def warm(self, paths: list[str], report: Callable[[dict], Awaitable[None]]) -> dict:
         """Load files into the cache (up to 90% of the budget), reporting progress as it goes."""
         files = []
         for path in paths or [""]:
             files.extend(await self.namespace.walk_files(path))
         budget = int(self.cache.budget * WARM_FRACTION)
+        block_size = self.cfg.block_size
         planned, total = [], 0
         for info in files:
-            if total + info.size <= budget:
-                planned.append(info)
-                total += info.size
+            mine = self._warmed_blocks(info)
+            size = sum(min(block_size, info.size - i * block_size) for i in mine)
+            if mine and total + size <= budget:
+                planned.append((info, mine))
+                total += size
         progress = WarmProgress(files_total=len(planned), bytes_total=total, skipped_files=len(files) - len(planned))
         slots = trio.CapacityLimiter(self.cfg.store.max_concurrency)
-        block_size = self.cfg.block_size
 
         async def warm_block(info, index: int) -> None:
             async with slots:
@@ -141,8 +168,8 @@ class DataPath:
         async with trio.open_nursery() as outer:
             outer.start_soon(reporter)
             async with trio.open_nursery() as nursery:
-                for info in planned:
-                    for index in range(block_count(info.size, block_size)):
+                for info, mine in planned:
+                    for index in mine:
                         async with slots:  # keep at most max_concurrency tasks queued
                             pass
                         nursery.start_soon(warm_block, info, index)

@@ -12,6 +12,7 @@ import trio
 
 from .blocks import BlockKey, block_extent
 from .cache import BlockCache, Buffer
+from .cluster import Cluster
 from .metrics import MountMetrics
 from .buffers import allocate
 from .objects import ObjectInfo, ObjectStore, Progress
@@ -119,8 +120,10 @@ def _waker(event: trio.Event) -> Callable[[], None]:
 class Fetcher:
     def __init__(self, store: ObjectStore, cache: BlockCache, metrics: MountMetrics, *, block_size: int,
                  max_concurrency: int, inflight_limit: int, read_deadline: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], Awaitable[None]] = trio.sleep):
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], Awaitable[None]] = trio.sleep,
+                 cluster: Cluster | None = None):
         self.store = store
+        self.cluster = cluster  # a distributed cache: blocks this node does not own are asked of their owner first
         self._clock, self._sleep = clock, sleep  # the retry schedule's time (a fake one in tests)
         self.cache = cache
         self.metrics = metrics
@@ -254,6 +257,15 @@ class Fetcher:
             del self._pending[key]
             pending.finish()
 
+    async def _from_peer(self, key: BlockKey, obj: ObjectInfo, nbytes: int) -> Buffer | None:
+        """The block from its owner, if another node owns it and answers with exactly it (else the store)."""
+        assert self.cluster is not None
+        peer = self.cluster.owner_to_ask(obj.key, obj.etag, key.index)
+        if peer is None:
+            return None
+        return await trio.to_thread.run_sync(self.cluster.fetch, peer, obj.key, obj.etag, key.index, nbytes,
+                                             limiter=self._threads)
+
     async def _fetch(self, key: BlockKey, obj: ObjectInfo, pending: _Pending) -> Buffer:
         start, end = block_extent(key.index, obj.size, key.unit or self.block_size)
         nbytes = end - start
@@ -264,9 +276,15 @@ class Fetcher:
         self.metrics.inflight_requests.inc()
         self.metrics.inflight_bytes.inc(nbytes)
         try:
+            progress = pending.progress
+            if self.cluster is not None and not key.unit:
+                peer_copy = await self._from_peer(key, obj, nbytes)
+                if peer_copy is not None:
+                    pending.buffer = peer_copy
+                    progress.advance(nbytes)
+                    return peer_copy
             buffer = self.cache.take_buffer(nbytes) or allocate(nbytes)
             view = memoryview(buffer)
-            progress = pending.progress
             pending.buffer = buffer
             deadline = self._clock() + self.read_deadline
             while True:

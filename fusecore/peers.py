@@ -121,9 +121,9 @@ class PeerServer:
         h.send_header("X-Stoker-ETag", etag)
         h.send_header("X-Stoker-SHA256", hashlib.sha256(body).hexdigest())
         h.end_headers()
+        self.served += 1  # counted before the body: a client may have it all before this thread goes on
         for start in range(0, len(body), CHUNK):
             h.wfile.write(body[start:start + CHUNK])
-        self.served += 1
 
 
 def _send(h: http.server.BaseHTTPRequestHandler, status: int) -> None:

@@ -40,21 +40,24 @@ def addr(server) -> str:
     return f"{server.address[0]}:{server.address[1]}"
 
 
+SLACK = PeerTimeouts(connect=10, first_byte=10, body=20)  # correctness tests; the bounds are tested below
+
+
 def test_a_held_block_is_served_exactly_to_a_member(server):
-    client = PeerClient(KEY)
+    client = PeerClient(KEY, SLACK)
     assert client.fetch(addr(server), "train/shard-0.tar", "etag-1", 2, len(BLOCK)) == BLOCK
     assert server.served == 1
 
 
 def test_another_version_or_a_block_not_held_is_not_served_and_is_no_failure(server):
-    client = PeerClient(KEY)
+    client = PeerClient(KEY, SLACK)
     assert client.fetch(addr(server), "train/shard-0.tar", "etag-2", 2, len(BLOCK)) is None
     assert client.fetch(addr(server), "train/shard-0.tar", "etag-1", 3, len(BLOCK)) is None
     assert server.missed == 2 and not client.failures and not client.avoided(addr(server))
 
 
 def test_a_request_without_the_caches_key_is_refused(server):
-    other_tenant = PeerClient(b"cache-key-of-tenant-b")
+    other_tenant = PeerClient(b"cache-key-of-tenant-b", SLACK)
     assert other_tenant.fetch(addr(server), "train/shard-0.tar", "etag-1", 2, len(BLOCK)) is None
     target = block_target("train/shard-0.tar", "etag-1", 2)
     for headers in ({}, {"Authorization": sign(KEY, target, time.time() - 3600)},  # unsigned; an old signature
@@ -104,7 +107,7 @@ def test_a_wrong_answer_is_refused_and_the_peer_avoided(mode):
     threading.Thread(target=liar.serve_forever, daemon=True).start()
     try:
         peer = f"127.0.0.1:{liar.server_address[1]}"
-        client = PeerClient(KEY)
+        client = PeerClient(KEY, SLACK)
         assert client.fetch(peer, "train/shard-0.tar", "etag-1", 2, len(BLOCK)) is None
         assert client.failures[peer] == 1 and client.avoided(peer)
     finally:
