@@ -1,7 +1,7 @@
 """`stoker bench --compare REF`: an A/B of the working tree against REF, in one run, alternating.
 
 The base is REF's tree exported beside the working tree (`git archive`, cached by commit under the
-output folder); each side runs `stoker bench` as its own process with its own tree first on the
+output folder), the change a fresh copy of the working tree (edits included); each side runs `stoker bench` as its own process with its own tree first on the
 import path, and the sides alternate round by round (base first in odd rounds, change first in even
 ones) so that a drift of the machine's speed lands on both. Every cell then shows throughput, CPU
 per GiB, peak RSS and read amplification of both sides, each as the median of the rounds with its
@@ -70,6 +70,25 @@ def export_ref(repo: str, ref: str, dest: str) -> tuple[str, str]:
     return tree, commit
 
 
+def export_working_tree(repo: str, dest: str) -> str:
+    """The working tree as it is (tracked and untracked files git does not ignore, edits included) in
+    `dest`/change, so that both sides run from a fresh copy laid out alike (no side keeps compiled
+    caches or stray files the other lacks)."""
+    tree = os.path.join(dest, "change")
+    shutil.rmtree(tree, ignore_errors=True)
+    os.makedirs(tree)
+    listed = subprocess.run(["git", "-C", repo, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            capture_output=True, check=True).stdout.split(b"\0")
+    for name in (n.decode() for n in listed if n):
+        source = os.path.join(repo, name)
+        if not os.path.isfile(source):
+            continue  # deleted in the working tree
+        target = os.path.join(tree, name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copy2(source, target)
+    return tree
+
+
 def side_env(tree: str) -> dict[str, str]:
     """Imports come from `tree` alone: its packages first on the path, ahead of the installed project."""
     paths = [tree, os.path.join(tree, "bench"), os.path.join(tree, "operator")]
@@ -101,9 +120,10 @@ def known_workloads(tree: str) -> set[str]:
 def run(*, ref: str, rounds: int, systems: list[str], workloads: list[str], bench_args: list[str], out: str,
         log=print) -> tuple[Side, Side]:
     repo = repo_root(os.getcwd())
-    base_tree, commit = export_ref(repo, ref, os.path.join(os.path.abspath(out), "trees"))
+    trees = os.path.join(os.path.abspath(out), "trees")
+    base_tree, commit = export_ref(repo, ref, trees)
     base = Side("base", base_tree, f"{ref} = {commit[:12]}")
-    change = Side("change", repo, "working tree")
+    change = Side("change", export_working_tree(repo, trees), f"working tree of {repo}")
     common = [w for w in workloads if w in known_workloads(base.tree)]
     if dropped := [w for w in workloads if w not in common]:
         log(f"the base's bench has no {', '.join(dropped)}: compared without")
