@@ -40,11 +40,14 @@ CHUNK = 256 * 1024
 Lookup = Callable[[str, str, int], "bytes | memoryview | None"]  # (key, etag, index) -> the block, if held
 
 
+def _mac(key: bytes, seconds: str, target: str) -> str:
+    return hmac.new(key, f"{seconds}\n{target}".encode(), hashlib.sha256).hexdigest()
+
+
 def sign(key: bytes, target: str, now: float) -> str:
     """The Authorization header of a request for `target` (path and query) at `now`."""
     seconds = str(int(now))
-    mac = hmac.new(key, f"{seconds}\n{target}".encode(), hashlib.sha256).hexdigest()
-    return f"{SCHEME} {seconds} {mac}"
+    return f"{SCHEME} {seconds} {_mac(key, seconds, target)}"
 
 
 def verify(key: bytes, target: str, header: str | None, now: float) -> bool:
@@ -55,8 +58,7 @@ def verify(key: bytes, target: str, header: str | None, now: float) -> bool:
         return False
     if scheme != SCHEME or abs(now - stamp) > MAX_SKEW:
         return False
-    expected = hmac.new(key, f"{seconds}\n{target}".encode(), hashlib.sha256).hexdigest()
-    return hmac.compare_digest(expected, mac)
+    return hmac.compare_digest(_mac(key, seconds, target), mac)
 
 
 def block_target(key: str, etag: str, index: int) -> str:
