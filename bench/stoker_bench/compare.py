@@ -120,7 +120,8 @@ def known_workloads(tree: str) -> set[str]:
 def run(*, ref: str, rounds: int, systems: list[str], workloads: list[str], bench_args: list[str], out: str,
         log=print) -> tuple[Side, Side]:
     repo = repo_root(os.getcwd())
-    trees = os.path.join(os.path.abspath(out), "trees")
+    out = os.path.abspath(out)  # each side's bench runs in its own tree: a relative --out would land there
+    trees = os.path.join(out, "trees")
     base_tree, commit = export_ref(repo, ref, trees)
     base = Side("base", base_tree, f"{ref} = {commit[:12]}")
     change = Side("change", export_working_tree(repo, trees), f"working tree of {repo}")
