@@ -175,6 +175,7 @@ class MountConfig:
         _within("read-ahead-kb", self.read_ahead_kb, 0, 1024 * 1024, "must be between 0 and 1048576")
         if self.metrics_port is not None:
             _within("metrics-port", self.metrics_port, 1, 65535)
+        _within("peer-timeout", self.peer_timeout, 0.01, 60, "must be between 0.01 and 60 seconds")
         if self.peers or self.peer_listen or self.peer_key_file:
             self._check_peers()
         for name, value in (("uid", self.uid), ("gid", self.gid)):
@@ -191,7 +192,6 @@ class MountConfig:
         if self.peer_listen not in self.peer_members:
             raise ConfigError("peer-listen", f"{self.peer_listen} must be one of --peers (how the others reach it)")
         _within("peer-replicas", self.peer_replicas, 1, len(self.peer_members), "must be between 1 and the members")
-        _within("peer-timeout", self.peer_timeout, 0.01, 60, "must be between 0.01 and 60 seconds")
 
     @property
     def peer_members(self) -> list[str]:

@@ -24,6 +24,7 @@ def test_parses_store_location_and_knobs():
     ({}, "bucket"),
     ({"bucket": "b", "cacheSize": "huge"}, "cacheSize"),
     ({"bucket": "b", "blockSize": "1KiB"}, "blockSize"),
+    ({"bucket": "b", "initialPrefetch": "lots"}, "initialPrefetch"),
     ({"bucket": "b", "cacheSize": "1MiB"}, "cacheSize"),
     ({"bucket": "b", "maxConcurrency": "many"}, "maxConcurrency"),
     ({"bucket": "b", "maxConcurrency": "5000"}, "maxConcurrency: must be between"),

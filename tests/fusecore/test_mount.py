@@ -353,6 +353,8 @@ def test_serve_mount_refuses_a_document_it_does_not_know(tmp_path, entry):
     ("--uid", "-1", "uid"),
     ("--cache-size", "1MiB", "cache-size"),
     ("--max-prefetch", "lots", "max-prefetch"),
+    ("--initial-prefetch", "lots", "initial-prefetch"),
+    ("--peer-timeout", "0", "peer-timeout"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag(tmp_path, capsys, flag, value, named):
     """Refused before anything mounts: status 2, one line on stderr naming the setting and its range."""
