@@ -107,6 +107,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--quiet", action="store_true")
     w.set_defaults(func=cmd_warm)
 
+    pe = sub.add_parser("peers", help="replace the members of a mount's distributed cache (a node joined or left)")
+    pe.add_argument("mountpoint")
+    pe.add_argument("members", help="every member's HOST:PORT, comma-separated (this node's among them)")
+    pe.add_argument("--replicas", type=int, default=None, help="copies of each block (default: unchanged)")
+    pe.add_argument("--no-warm", action="store_true", help="do not warm what this node now owns")
+    pe.add_argument("--control-socket")
+    pe.set_defaults(func=cmd_peers)
+
     d = sub.add_parser("drop", help="empty the cache of a mount")
     d.add_argument("mountpoint")
     d.add_argument("--control-socket")
@@ -263,6 +271,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
           f"{format_size(stats['bytes_served']['network'])} from the network")
     print(f"in flight    {stats['inflight']['requests']} GETs, {format_size(stats['inflight']['bytes'])}")
     print(f"errors       {json.dumps(stats['errors']) if stats['errors'] else 'none'}")
+    cluster = stats.get("cluster")
+    if cluster:
+        by = stats["bytes_by_source"]
+        print(f"cluster      {cluster['members']} members, {cluster['replicas']} replicas, this node owns "
+              f"{cluster['share']:.1%}; served {format_size(cluster['bytes_served_to_peers'])} to peers")
+        print(f"received     {format_size(by['local_cache'])} from the local cache, {format_size(by['peers'])} from "
+              f"peers, {format_size(by['store'])} from the store")
+        for peer, row in sorted(cluster["peers"].items()):
+            print(f"  peer {peer}: {row['hit']} hits, {row['miss']} misses, {row['failed']} failed, "
+                  f"{format_size(row['bytes'])}, {row['mean_ms']} ms mean")
     return 0
 
 
@@ -291,6 +309,21 @@ def _progress_bar(p: control.WarmProgress) -> None:
     bar = "#" * int(frac * 30)
     done, total = format_size(p.bytes_done), format_size(p.bytes_total)
     print(f"\r[{bar:<30}] {frac:6.1%} {done}/{total}", end="", flush=True)
+
+
+def cmd_peers(args: argparse.Namespace) -> int:
+    """New members, then a warm: the blocks this node now owns come from a replica or the store."""
+    members = [m for m in args.members.split(",") if m.strip()]
+    try:
+        result = control.set_peers(_socket(args), members, args.replicas)
+    except control.ControlError as exc:
+        print(f"stoker peers: {exc}", file=sys.stderr)
+        return 1
+    print(f"{result['members']} members, {result['replicas']} replicas; this node owns {result['share']:.1%}")
+    if args.no_warm:
+        return 0
+    args.paths, args.quiet = [], True
+    return cmd_warm(args)
 
 
 def cmd_drop(args: argparse.Namespace) -> int:

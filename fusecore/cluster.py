@@ -3,14 +3,20 @@
 Each block has owners among the members (ownership.py); a node warms and keeps the blocks it owns, and
 reads a block it does not own from an owner first (peers.py), then from the object store on a miss, a
 timeout or any error. Knows nothing of FUSE or Kubernetes: the members come from the mount's
-configuration (`--peers`; the operator will write them from the DatasetCacheNodes).
+configuration (`--peers`) and can be replaced while it runs (the control API's `peers`, `stoker peers`):
+blocks then change owners, and a warm after the change fetches what this node now owns (from another
+owner when R > 1, else from the store).
 """
 
 from __future__ import annotations
 
+import threading
+import time
+
 from .blocks import BlockKey
 from .cache import BlockCache, Buffer
-from .config import ConfigError, MountConfig
+from .config import ConfigError, MountConfig, check_member
+from .metrics import MountMetrics
 from .ownership import Owners, block_id
 from .peers import PeerClient, PeerServer, PeerTimeouts
 
@@ -28,50 +34,105 @@ def read_key(path: str) -> bytes:
 
 
 class Cluster:
-    def __init__(self, cfg: MountConfig, key: bytes):
+    def __init__(self, cfg: MountConfig, key: bytes, metrics: MountMetrics | None = None):
         self.me = cfg.peer_listen
         self.key = key
+        self.metrics = metrics or MountMetrics()
         self.owners = Owners(cfg.peer_members, cfg.peer_replicas)
+        self.changes = 0  # membership changes since the mount started
         t = cfg.peer_timeout
         self.client = PeerClient(key, PeerTimeouts(connect=t, first_byte=t, body=t + 2.0))
         self.server: PeerServer | None = None
+        self._lock = threading.Lock()  # worker threads tally per peer
         self.bytes_from_peers = 0
         self.peer_misses = 0
+        self._show_owners()
+
+    def set_members(self, members: list[str], replicas: int | None = None) -> dict:
+        """Replace the member list (a node joined or left); this node must stay among them. Building the
+        table takes ~0.15 s: call it from a worker thread."""
+        members = sorted({m.strip() for m in members if m.strip()})
+        for member in members:
+            check_member(member)
+        if self.me not in members:
+            raise ValueError(f"this node ({self.me}) must be one of the members")
+        replicas = self.owners.replicas if replicas is None else replicas
+        if not 1 <= replicas <= len(members):
+            raise ValueError(f"replicas must be between 1 and the members ({len(members)})")
+        owners = Owners(members, replicas)
+        if (owners.members, owners.replicas) != (self.owners.members, self.owners.replicas):
+            self.owners = owners
+            self.changes += 1
+            self._show_owners()
+        return {"members": len(owners.members), "replicas": owners.replicas, "share": round(owners.share(self.me), 4)}
+
+    def _show_owners(self) -> None:
+        self.metrics.cluster_members.set(len(self.owners.members))
+        self.metrics.cluster_share.set(self.owners.share(self.me))
 
     def owns(self, key: str, etag: str, index: int) -> bool:
         return self.owners.owns(self.me, block_id(key, etag, index))
 
-    def owner_to_ask(self, key: str, etag: str, index: int) -> str | None:
-        """An owner of the block other than this node that is not being avoided; None if this node owns it."""
-        owners = self.owners.of(block_id(key, etag, index))
-        if self.me in owners:
-            return None
-        return next((o for o in owners if not self.client.avoided(o)), None)
+    def sources(self, key: str, etag: str, index: int) -> list[str]:
+        """Whom to ask for a block before the store: its owners other than this node (a replica when this
+        node is an owner), primary first, skipping peers being avoided."""
+        return [o for o in self.owners.of(block_id(key, etag, index)) if o != self.me and not self.client.avoided(o)]
 
-    def fetch(self, peer: str, key: str, etag: str, index: int, size: int) -> bytearray | None:
-        """From a worker thread: the block from `peer`, or None (then the store)."""
-        data = self.client.fetch(peer, key, etag, index, size)
-        if data is None:
+    def fetch(self, key: str, etag: str, index: int, size: int) -> bytearray | None:
+        """From a worker thread: the block from one of its other owners, or None (then the store)."""
+        for peer in self.sources(key, etag, index):
+            began = time.monotonic()
+            failures = self.client.failures.get(peer, 0)
+            data = self.client.fetch(peer, key, etag, index, size)
+            seconds = time.monotonic() - began
+            outcome = "hit" if data is not None else ("failed" if self.client.failures.get(peer, 0) > failures
+                                                       else "miss")
+            m = self.metrics
+            m.peer_requests.labels(peer=peer, outcome=outcome).inc()
+            m.peer_seconds.labels(peer=peer).inc(seconds)
+            m.peer_latency.observe(seconds)
+            if data is not None:
+                m.peer_bytes.labels(peer=peer).inc(len(data))
+                with self._lock:
+                    self.bytes_from_peers += len(data)
+                return data
+        with self._lock:
             self.peer_misses += 1
-        else:
-            self.bytes_from_peers += len(data)
-        return data
+        return None
 
     def serve(self, held) -> None:
         """Serve what this node holds (`held(key, etag, index)`, thread-safe) on its --peer-listen address."""
         host, _, port = self.me.rpartition(":")
-        self.server = PeerServer((host, int(port)), self.key, held).start()
+        self.server = PeerServer((host, int(port)), self.key, held, metrics=self.metrics).start()
 
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
 
+    def per_peer(self) -> dict[str, dict]:
+        """Requests by outcome, bytes and mean latency of each peer this node asked."""
+        out: dict[str, dict] = {}
+        m = self.metrics
+        for metric in m.peer_requests.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    peer = sample.labels["peer"]
+                    out.setdefault(peer, {"hit": 0, "miss": 0, "failed": 0})[sample.labels["outcome"]] = int(sample.value)
+        for peer, row in out.items():
+            asked = row["hit"] + row["miss"] + row["failed"]
+            row["bytes"] = int(m.value(m.peer_bytes, peer=peer))
+            row["mean_ms"] = round(1000 * m.value(m.peer_seconds, peer=peer) / max(1, asked), 2)
+        return out
+
     def stats(self) -> dict:
         server = self.server
         return {"members": len(self.owners.members), "replicas": self.owners.replicas, "me": self.me,
-                "share": round(self.owners.share(self.me), 4), "bytes_from_peers": self.bytes_from_peers,
-                "peer_misses": self.peer_misses, "peer_failures": dict(self.client.failures),
-                "served_to_peers": server.served if server else 0, "refused": server.refused if server else 0,
+                "share": round(self.owners.share(self.me), 4), "membership_changes": self.changes,
+                "bytes_from_peers": self.bytes_from_peers, "peer_misses": self.peer_misses,
+                "peer_failures": dict(self.client.failures), "peers": self.per_peer(),
+                "served_to_peers": server.served if server else 0,
+                "bytes_served_to_peers": server.served_bytes if server else 0,
+                "refused": server.refused if server else 0, "busy": server.busy if server else 0,
                 "missed_for_peers": server.missed if server else 0}
 
 

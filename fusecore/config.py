@@ -120,6 +120,13 @@ class StoreConfig:
     credentials: Identity | None = None  # None: boto3's default chain (environment, files, roles)
 
 
+def check_member(member: str) -> None:
+    """A distributed cache's member is HOST:PORT (how the others reach it); ValueError if not."""
+    host, _, port = member.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{member!r} is not HOST:PORT")
+
+
 def _within(name: str, value: float, low: float, high: float, text: str | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
         raise ConfigError(name, f"{text or f'must be between {low:g} and {high:g}'} (got {value!r})")
@@ -186,9 +193,10 @@ class MountConfig:
         if not (self.peers and self.peer_listen and self.peer_key_file):
             raise ConfigError("peers", "a distributed cache needs --peers, --peer-listen and --peer-key-file together")
         for member in [*self.peer_members, self.peer_listen]:
-            host, _, port = member.rpartition(":")
-            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-                raise ConfigError("peers", f"{member!r} is not HOST:PORT")
+            try:
+                check_member(member)
+            except ValueError as exc:
+                raise ConfigError("peers", str(exc)) from None
         if self.peer_listen not in self.peer_members:
             raise ConfigError("peer-listen", f"{self.peer_listen} must be one of --peers (how the others reach it)")
         _within("peer-replicas", self.peer_replicas, 1, len(self.peer_members), "must be between 1 and the members")

@@ -1,4 +1,4 @@
-"""A mount's local control API: JSON lines over a unix socket (stats, warm, drop, resize).
+"""A mount's local control API: JSON lines over a unix socket (stats, warm, drop, resize, credentials, peers).
 
 The CLI (`stoker stats|warm|drop`) and the CSI plugin talk to a running mount through it.
 """
@@ -63,6 +63,11 @@ def resize(path: str, cache_size: int, timeout: float | None = 30.0) -> None:
     call(path, {"op": "resize", "cache_size": cache_size}, timeout)
 
 
+def set_peers(path: str, members: list[str], replicas: int | None = None, timeout: float | None = 30.0) -> dict:
+    """Replace a distributed cache's members on a running mount (then warm: it fetches what it now owns)."""
+    return call(path, {"op": "peers", "members": list(members), "replicas": replicas}, timeout)
+
+
 def rotate(path: str, credentials: dict[str, Any] | None, timeout: float | None = 10.0) -> None:
     call(path, {"op": "credentials", "credentials": credentials}, timeout)
 
@@ -110,6 +115,13 @@ async def _handle(datapath: DataPath, stream: trio.SocketStream) -> None:
                 await _send(stream, datapath.drop())
             elif op == "resize":
                 await _send(stream, datapath.resize(int(request["cache_size"])))
+            elif op == "peers":
+                members = request["members"]
+                if not isinstance(members, list):
+                    raise TypeError("members must be a list of HOST:PORT")
+                replicas = request.get("replicas")
+                await _send(stream, await datapath.set_peers([str(m) for m in members],
+                                                             None if replicas is None else int(replicas)))
             elif op == "credentials":
                 identity = identity_from_document(request.get("credentials"))
                 if identity is None:

@@ -34,7 +34,7 @@ class DataPath:
         self.metrics = metrics or MountMetrics()
         self.cache = BlockCache(cfg.cache_size)
         self.metrics.bind_cache(self.cache.stats)
-        self.cluster = Cluster(cfg, read_key(cfg.peer_key_file)) if cfg.peers else None
+        self.cluster = Cluster(cfg, read_key(cfg.peer_key_file), self.metrics) if cfg.peers else None
         self.fetcher = Fetcher(store, self.cache, self.metrics, block_size=cfg.block_size,
                                max_concurrency=cfg.store.max_concurrency, inflight_limit=cfg.inflight_limit,
                                read_deadline=cfg.read_deadline, cluster=self.cluster)
@@ -95,6 +95,12 @@ class DataPath:
                 "cache": int(m.value(m.bytes_served, source="cache")),
                 "network": int(m.value(m.bytes_served, source="network")),
             },
+            # where the bytes this node received came from: its cache (served to readers), peers, the store
+            "bytes_by_source": {
+                "local_cache": int(m.value(m.bytes_served, source="cache")),
+                "peers": self.cluster.bytes_from_peers if self.cluster is not None else 0,
+                "store": int(m.value(m.get_bytes)),
+            },
             "inflight": {"requests": self.fetcher.inflight, "bytes": int(m.value(m.inflight_bytes))},
             "open_files": self.reader.open_files,
             "walk_prefetches": self.walk.issued,
@@ -114,6 +120,13 @@ class DataPath:
         self.fetcher.set_inflight_limit(self.cfg.inflight_limit)
         self.cache.resize(cache_size)
         return {"budget": self.cache.budget, "bytes": self.cache.stats().bytes}
+
+    async def set_peers(self, members: list[str], replicas: int | None = None) -> dict:
+        """New members of the distributed cache (a node joined or left); warm again to fetch what this node
+        now owns."""
+        if self.cluster is None:
+            raise ValueError("this mount is not part of a distributed cache (--peers)")
+        return await trio.to_thread.run_sync(self.cluster.set_members, members, replicas)
 
     def rotate(self, identity: Identity) -> dict:
         """Sign with new credentials from now on (kubelet's republish or restage brought them)."""

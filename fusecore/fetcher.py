@@ -258,12 +258,11 @@ class Fetcher:
             pending.finish()
 
     async def _from_peer(self, key: BlockKey, obj: ObjectInfo, nbytes: int) -> Buffer | None:
-        """The block from its owner, if another node owns it and answers with exactly it (else the store)."""
+        """The block from another of its owners that answers with exactly it (else the store)."""
         assert self.cluster is not None
-        peer = self.cluster.owner_to_ask(obj.key, obj.etag, key.index)
-        if peer is None:
+        if not self.cluster.sources(obj.key, obj.etag, key.index):
             return None
-        return await trio.to_thread.run_sync(self.cluster.fetch, peer, obj.key, obj.etag, key.index, nbytes,
+        return await trio.to_thread.run_sync(self.cluster.fetch, obj.key, obj.etag, key.index, nbytes,
                                              limiter=self._threads)
 
     async def _fetch(self, key: BlockKey, obj: ObjectInfo, pending: _Pending) -> Buffer:

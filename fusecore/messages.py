@@ -24,6 +24,18 @@ class CacheStats:
 
 
 @dataclass(frozen=True)
+class ClusterStats:
+    """A distributed cache member's part of `stats`: who it is among how many, and what it owns."""
+
+    me: str
+    members: int
+    replicas: int
+    share: float
+    bytes_from_peers: int
+    bytes_served_to_peers: int
+
+
+@dataclass(frozen=True)
 class MountStats:
     """The `stats` reply, typed: what the CSI plugin, the warm agent, the demo and the bench read."""
 
@@ -35,6 +47,7 @@ class MountStats:
     served_from_network: int
     inflight_bytes: int
     document: dict = field(repr=False, compare=False)  # the whole reply, for `stoker stats`
+    cluster: ClusterStats | None = None  # a member of a distributed cache
 
     @classmethod
     def from_wire(cls, doc: dict) -> "MountStats":
@@ -42,9 +55,13 @@ class MountStats:
             c = doc["cache"]
             cache = CacheStats(int(c["bytes"]), int(c["budget"]), int(c.get("entries", 0)), int(c.get("hits", 0)),
                                int(c.get("misses", 0)), float(c.get("hit_ratio", 0.0)))
+            k = doc.get("cluster")
+            cluster = None if k is None else ClusterStats(
+                str(k["me"]), int(k["members"]), int(k["replicas"]), float(k["share"]), int(k["bytes_from_peers"]),
+                int(k.get("bytes_served_to_peers", 0)))
             return cls(int(doc["pid"]), cache, int(doc["requests"]["get"]), int(doc["bytes_fetched"]),
                        int(doc["bytes_served"]["cache"]), int(doc["bytes_served"]["network"]),
-                       int(doc["inflight"]["bytes"]), doc)
+                       int(doc["inflight"]["bytes"]), doc, cluster)
         except (KeyError, TypeError, ValueError) as exc:
             raise MalformedReply(f"the mount answered stats the client does not understand ({exc!r})") from None
 

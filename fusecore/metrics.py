@@ -30,6 +30,19 @@ class MountMetrics:
                                registry=r)
         self.throttled = Counter("stoker_throttled", "GET answers that were throttling (503 SlowDown, 429)",
                                  registry=r)
+        # A distributed cache (cluster.py): blocks asked of peers, per peer (a counter per member: mean latency
+        # is seconds over requests; one histogram for all, so series do not grow with members x buckets).
+        self.peer_requests = Counter("stoker_peer_requests", "Blocks asked of a peer, by outcome (hit, miss, failed)",
+                                     ["peer", "outcome"], registry=r)
+        self.peer_bytes = Counter("stoker_peer_bytes", "Bytes received from a peer", ["peer"], registry=r)
+        self.peer_seconds = Counter("stoker_peer_seconds", "Seconds spent asking a peer", ["peer"], registry=r)
+        self.peer_latency = Histogram("stoker_peer_latency_seconds", "Time to a peer's whole answer (any peer)",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.peer_served_bytes = Counter("stoker_peer_served_bytes", "Bytes this node served to its peers",
+                                         registry=r)
+        self.cluster_members = Gauge("stoker_cluster_members", "Members of the distributed cache", registry=r)
+        self.cluster_share = Gauge("stoker_cluster_owned_share",
+                                   "Share of the blocks this node owns (about replicas / members)", registry=r)
         self.cache_bytes = Gauge("stoker_cache_bytes", "Bytes held by the block cache", registry=r)
         self.cache_budget = Gauge("stoker_cache_budget_bytes", "Configured cache budget", registry=r)
         self.cache_evictions = Gauge("stoker_cache_evictions", "Blocks evicted or not admitted (total)",

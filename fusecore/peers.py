@@ -10,7 +10,8 @@ None on anything else (refused, timed out, wrong answer), so the caller reads th
     Authorization: Stoker-Peer <unix seconds> <hex HMAC-SHA256(cache key, "<seconds>\\n<path and query>")>
 
 The server answers 200 with the block (Content-Length, X-Stoker-ETag, X-Stoker-SHA256) when it holds that
-exact version, 404 when it does not (it never fetches from the store for a peer), 401 to a request that
+exact version, 404 when it does not (it never fetches from the store for a peer), 503 when it already
+answers MAX_CLIENTS requests (the asker reads the store; a busy peer is not avoided), 401 to a request that
 is not signed with the cache's key or whose time is more than MAX_SKEW seconds away (nothing is served
 unauthenticated; a key per DatasetCache keeps one tenant's nodes from another's blocks), 400 to a
 malformed one. Traffic is not encrypted: see docs/security.md.
@@ -36,6 +37,7 @@ PATH = "/v1/block"
 SCHEME = "Stoker-Peer"
 MAX_SKEW = 60.0  # seconds a signed request stays valid (clocks of a cluster's nodes agree within that)
 CHUNK = 256 * 1024
+MAX_CLIENTS = 64  # requests a node answers at once; more are told 503 (threads and memory stay bounded)
 
 Lookup = Callable[[str, str, int], "bytes | memoryview | None"]  # (key, etag, index) -> the block, if held
 
@@ -69,11 +71,12 @@ class PeerServer:
     """Serves held blocks to the cache's other members on `address` (host, port); port 0 picks one."""
 
     def __init__(self, address: tuple[str, int], key: bytes, lookup: Lookup,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, metrics=None, max_clients: int = MAX_CLIENTS):
         if not key:
             raise ValueError("a peer key is required: nothing is served unauthenticated")
-        self.key, self.lookup, self.clock = key, lookup, clock
-        self.served = self.refused = self.missed = 0
+        self.key, self.lookup, self.clock, self.metrics = key, lookup, clock, metrics
+        self.served = self.refused = self.missed = self.busy = self.served_bytes = 0
+        self._slots = threading.BoundedSemaphore(max_clients)
         self._server = http.server.ThreadingHTTPServer(address, self._handler())
         self._server.daemon_threads = True
         self.address = self._server.server_address[:2]
@@ -97,7 +100,13 @@ class PeerServer:
                 log.debug("peer %s: " + format, self.client_address[0], *args)
 
             def do_GET(self) -> None:
-                server.answer(self)
+                if not server._slots.acquire(blocking=False):
+                    server.busy += 1
+                    return _send(self, 503)
+                try:
+                    server.answer(self)
+                finally:
+                    server._slots.release()
 
         return Handler
 
@@ -124,6 +133,9 @@ class PeerServer:
         h.send_header("X-Stoker-SHA256", hashlib.sha256(body).hexdigest())
         h.end_headers()
         self.served += 1  # counted before the body: a client may have it all before this thread goes on
+        self.served_bytes += len(body)
+        if self.metrics is not None:
+            self.metrics.peer_served_bytes.inc(len(body))
         for start in range(0, len(body), CHUNK):
             h.wfile.write(body[start:start + CHUNK])
 
@@ -182,7 +194,7 @@ class PeerClient:
             conn.sock.settimeout(self.timeouts.first_byte)
             conn.request("GET", target, headers={"Authorization": sign(self.key, target, self.wall())})
             resp = conn.getresponse()
-            if resp.status == 404:
+            if resp.status in (404, 503):  # not held, or busy: no failure, the store answers this one
                 return None
             if resp.status != 200:
                 raise ValueError(f"answered {resp.status}")

@@ -119,3 +119,62 @@ def test_bad_peer_settings_fail_before_mounting(mounts, bucket, tmp_path):
     for args, named in cases:
         result = mounts.run(f"s3://{bucket}", *args)
         assert result.returncode != 0 and named in result.stderr, (args, result.stderr)
+
+
+def warm_all(mps) -> None:
+    for mp in mps:
+        for _ in control.warm(control.default_control_socket(mp), []):
+            pass
+
+
+def test_a_joining_and_a_leaving_member_re_home_their_shares(mounts, bucket, dataset, tmp_path):
+    """Membership changes on running mounts (`stoker peers`): after a join the new member owns a third and
+    fetches it; after a leave the others take the leaver's share; each time, once re-warmed, every read on
+    every member is answered by the cluster (no store bytes), with the objects' bytes."""
+    mps, members = start_cluster(mounts, bucket, tmp_path)
+    total = sum(len(b) for b in dataset.values())
+    a, b, c = mps
+    pair = members[:2]
+    for mp in (a, b):  # a and b start as a cluster of two; c joins
+        control.set_peers(control.default_control_socket(mp), pair)
+    assert stats(c)["cluster"]["members"] == 3
+    control.set_peers(control.default_control_socket(c), pair + [members[2]])
+    warm_all((a, b))
+    assert [round(stats(mp)["cluster"]["share"], 1) for mp in (a, b)] == [0.5, 0.5]
+    assert sum(stats(mp)["bytes_fetched"] for mp in mps) == total
+
+    for mp in (a, b):  # the join
+        reply = control.set_peers(control.default_control_socket(mp), members)
+        assert reply["members"] == 3 and abs(reply["share"] - 1 / 3) < 0.05
+    warm_all(mps)
+    fetched = sum(stats(mp)["bytes_fetched"] for mp in mps)
+    assert total < fetched < 1.6 * total, "c fetched about the third it now owns, nothing more"
+    for mp in mps:
+        read_all(mp, dataset)
+    assert sum(stats(mp)["bytes_fetched"] for mp in mps) == fetched, "every read was answered by an owner"
+    assert stats(a)["cluster"]["membership_changes"] == 2
+
+    os.kill(stats(b)["pid"], signal.SIGKILL)  # the leave: b dies, a and c are told
+    survivors = [members[0], members[2]]
+    for mp in (a, c):
+        control.set_peers(control.default_control_socket(mp), survivors)
+    warm_all((a, c))
+    before = [stats(mp)["bytes_fetched"] for mp in (a, c)]
+    for mp in (a, c):
+        read_all(mp, dataset)
+        s = stats(mp)
+        assert not s["errors"] and abs(s["cluster"]["share"] - 0.5) < 0.05
+    assert [stats(mp)["bytes_fetched"] for mp in (a, c)] == before, "the leaver's share was re-homed by the warm"
+    by = stats(a)["bytes_by_source"]
+    assert by["peers"] > 0 and by["store"] == stats(a)["bytes_fetched"]
+
+
+def test_membership_changes_are_checked(mounts, bucket, dataset, tmp_path):
+    mps, members = start_cluster(mounts, bucket, tmp_path)
+    sock = control.default_control_socket(mps[0])
+    for bad, named in (([members[1], members[2]], "must be one of the members"), (["nohost"], "HOST:PORT"),
+                       (members, "replicas")):
+        with pytest.raises(control.ControlError) as info:
+            control.set_peers(sock, bad, replicas=4 if bad == members else None)
+        assert named in str(info.value) and info.value.kind == "bad_request"
+    assert stats(mps[0])["cluster"]["members"] == 3

@@ -145,3 +145,29 @@ def test_a_refused_connection_is_a_quick_failure():
     started = time.monotonic()
     assert client.fetch(f"127.0.0.1:{port}", "k", "e", 0, 10) is None
     assert time.monotonic() - started < 1 and client.avoided(f"127.0.0.1:{port}")
+
+
+def test_a_busy_peer_answers_503_at_once_and_is_not_avoided():
+    gate = threading.Event()
+
+    def slow(key, etag, index):
+        gate.wait(10)
+        return BLOCK
+
+    s = PeerServer(("127.0.0.1", 0), KEY, slow, max_clients=1).start()
+    try:
+        first = threading.Thread(target=PeerClient(KEY, SLACK).fetch,
+                                 args=(addr(s), "train/shard-0.tar", "etag-1", 2, len(BLOCK)))
+        first.start()
+        deadline = time.monotonic() + 5
+        while s._slots._value and time.monotonic() < deadline:  # the first request holds the only slot
+            time.sleep(0.01)
+        client = PeerClient(KEY, SLACK)
+        assert client.fetch(addr(s), "train/shard-0.tar", "etag-1", 2, len(BLOCK)) is None
+        assert s.busy == 1 and not client.avoided(addr(s)) and not client.failures
+        gate.set()
+        first.join(10)
+        assert s.served == 1
+    finally:
+        gate.set()
+        s.close()
