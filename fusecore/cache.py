@@ -6,6 +6,9 @@ the block they would evict (ties keep the incumbent). Reading a dataset slightly
 cache in the same order every epoch therefore keeps a stable subset cached (hit ratio close to
 cache/dataset) instead of collapsing to zero as plain LRU does.
 
+A block put with `keep=False` (in a distributed cache, a block another node owns, fetched for a read
+here) lives in the window only: while its reader needs it, never displacing what this node owns.
+
 Prefetched blocks that nobody has read yet are *staged*: outside the policy (a prefetch must not
 be evicted by the policy before its reader arrives), counted in the budget, and dropped oldest
 first if staging grows past its cap. Bytes of GETs still in flight are *reserved* in the budget,
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from typing import AbstractSet, Hashable
 
 from .blocks import BlockKey
+from .config import STAGED_FRACTION, WINDOW_FRACTION
 
 Buffer = bytes | bytearray | memoryview | mmap.mmap
 
@@ -32,6 +36,7 @@ class _Entry:
     data: Buffer
     size: int
     visit: Hashable | None = None
+    keep: bool = True  # False: dropped when it leaves the window (never admitted to main)
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,7 @@ class FrequencySketch:
 class BlockCache:
     """See the module docstring. `budget` bounds window + main + staged + reserved bytes."""
 
-    def __init__(self, budget: int, *, window_fraction: float = 0.1, staged_fraction: float = 0.125,
+    def __init__(self, budget: int, *, window_fraction: float = WINDOW_FRACTION, staged_fraction: float = STAGED_FRACTION,
                  min_sample: int = 10_000):
         self._window_fraction, self._staged_fraction = window_fraction, staged_fraction
         self._set_budget(budget)
@@ -175,11 +180,12 @@ class BlockCache:
 
     # ---- writes --------------------------------------------------------------------------
     def put(self, key: BlockKey, data: Buffer, *, prefetched: bool = False,
-            visit: Hashable | None = None) -> None:
-        """Insert a fetched block (demand read, or `prefetched` and not read yet)."""
+            visit: Hashable | None = None, keep: bool = True) -> None:
+        """Insert a fetched block (demand read, or `prefetched` and not read yet); `keep=False`: for
+        its readers only, never admitted to main."""
         if key in self:
             return
-        entry = _Entry(data, len(data), visit)
+        entry = _Entry(data, len(data), visit, keep)
         if entry.size > self.budget:
             self.rejections += 1
             return
@@ -288,6 +294,11 @@ class BlockCache:
 
     def _admit(self, key: BlockKey, entry: _Entry) -> None:
         """A block leaves the window: keep it in main only if it is worth more than main's LRU."""
+        if not entry.keep:
+            self._forget(key)
+            self.evictions += 1
+            self._recycle(entry)
+            return
         room = self.budget - self.used
         if entry.size > room:
             candidate_freq = self._freq.frequency(key)

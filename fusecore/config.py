@@ -21,6 +21,23 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 FOREVER = math.inf
 WARM_FRACTION = 0.9  # `warm` fills at most this share of a cache budget (the rest serves reads meanwhile)
+INFLIGHT_DIVISOR = 8  # in-flight GET bytes take at most budget / this
+WINDOW_FRACTION = 0.1  # of a cache budget: new blocks, and blocks kept for their readers only (cache.py)
+STAGED_FRACTION = 0.125  # of a cache budget: prefetched blocks not read yet (cache.py)
+
+
+def kept_fraction() -> float:
+    """The share of a cache budget that blocks survive in while readers fill the rest at their most:
+    the window, staged prefetches and GETs in flight are transient (cache.py). A distributed cache is
+    sized on it, because an owner that evicts a block it owns sends every other node to the store."""
+    return 1 - WINDOW_FRACTION - STAGED_FRACTION - 1 / INFLIGHT_DIVISOR
+
+
+def distributed_cache_size(dataset_bytes: int, members: int, replicas: int = 1, headroom: float = 0.1) -> int:
+    """The cache budget of one member of a distributed cache: its share of the dataset (R/N; Maglev keeps
+    shares within a few percent of it), `headroom` over it, kept through transient use (kept_fraction)."""
+    share = dataset_bytes * min(replicas, members) / max(1, members)
+    return int(math.ceil(share * (1 + headroom) / kept_fraction()))
 
 
 class ConfigError(StokerError, ValueError):
@@ -209,7 +226,7 @@ class MountConfig:
     def inflight_limit(self) -> int:
         """In-flight GET bytes count against the cache budget: at most an eighth of it, so that
         reading ahead never pushes out the blocks a multi-epoch job keeps hitting."""
-        return max(self.block_size, min(self.max_inflight_bytes, self.cache_size // 8))
+        return max(self.block_size, min(self.max_inflight_bytes, self.cache_size // INFLIGHT_DIVISOR))
 
     @property
     def prefetch_limit(self) -> int:

@@ -233,10 +233,11 @@ class Fetcher:
                     if pending.demanded or wanted():
                         pending.data = await self._fetch(key, obj, pending)
             if pending.data is not None:
-                self.cache.put(key, pending.data, prefetched=not pending.demanded, visit=pending.visit)
+                self.cache.put(key, pending.data, prefetched=not pending.demanded, visit=pending.visit,
+                               keep=self._keeps(key, obj))
             elif pending.demanded:  # a reader joined a prefetch that was abandoned
                 pending.data = await self._fetch(key, obj, pending)
-                self.cache.put(key, pending.data, visit=pending.visit)
+                self.cache.put(key, pending.data, visit=pending.visit, keep=self._keeps(key, obj))
         except Exception as exc:  # noqa: BLE001 - one request never ends the mount: its readers get EIO
             if not isinstance(exc, StoreError):
                 log.exception("unexpected error fetching %s block %d", obj.key, key.index)
@@ -256,6 +257,11 @@ class Fetcher:
             self._settle(pending)
             del self._pending[key]
             pending.finish()
+
+    def _keeps(self, key: BlockKey, obj: ObjectInfo) -> bool:
+        """Does the cache keep this block past its readers? In a distributed cache only the blocks this node
+        owns (and pages, which are never shared): the others belong to other nodes' shares."""
+        return self.cluster is None or bool(key.unit) or self.cluster.owns(obj.key, obj.etag, key.index)
 
     async def _from_peer(self, key: BlockKey, obj: ObjectInfo, nbytes: int) -> Buffer | None:
         """The block from another of its owners that answers with exactly it (else the store)."""

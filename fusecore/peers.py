@@ -77,7 +77,7 @@ class PeerServer:
         self.key, self.lookup, self.clock, self.metrics = key, lookup, clock, metrics
         self.served = self.refused = self.missed = self.busy = self.served_bytes = 0
         self._slots = threading.BoundedSemaphore(max_clients)
-        self._server = http.server.ThreadingHTTPServer(address, self._handler())
+        self._server = _Server(address, self._handler())
         self._server.daemon_threads = True
         self.address = self._server.server_address[:2]
         self._thread = threading.Thread(target=self._server.serve_forever, name="peer-server", daemon=True)
@@ -138,6 +138,13 @@ class PeerServer:
             self.metrics.peer_served_bytes.inc(len(body))
         for start in range(0, len(body), CHUNK):
             h.wfile.write(body[start:start + CHUNK])
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    # The listen backlog: with the default of 5, a burst of members' requests overflows it and the kernel
+    # drops SYNs, which costs the asker a one-second retransmit (past its connect timeout).
+    request_queue_size = 256
+    daemon_threads = True
 
 
 def _send(h: http.server.BaseHTTPRequestHandler, status: int) -> None:

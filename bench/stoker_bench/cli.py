@@ -41,6 +41,16 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--operator", action="store_true",
                    help="instead: the DatasetCache operator at cluster scale (simulated nodes, faked API server)")
     p.add_argument("--nodes", default="100,1000,5000", help="--operator: node counts (default 100,1000,5000)")
+    p.add_argument("--cluster", type=int, metavar="N", default=None,
+                   help="instead: data-parallel training on N nodes (N mounts on loopback addresses), per-node "
+                        "caches against one distributed cache (DistributedSampler partitions, --epochs epochs)")
+    p.add_argument("--epochs", type=int, default=3, help="--cluster: epochs (default 3)")
+    p.add_argument("--replicas", type=int, default=1, help="--cluster: copies of each block (default 1)")
+    p.add_argument("--no-kill", action="store_true",
+                   help="--cluster: skip the last epoch, in which one node's mount is killed halfway")
+    p.add_argument("--peer-timeout", type=float, default=1.0,
+                   help="--cluster: the mounts' --peer-timeout (default 1.0: N mounts, the store and the readers "
+                        "share this machine's cores)")
     p.add_argument("--engines", action="store_true",
                    help="instead: range-GET engines without FUSE (Stoker's store client; awscrt's S3 client if "
                         "installed), CPU per GiB and per GET")
@@ -101,6 +111,32 @@ def run_engines(args: argparse.Namespace) -> int:
     return 1 if any(r.wrong or r.note for r in rows) else 0
 
 
+def run_cluster(args: argparse.Namespace) -> int:
+    """Per-node caches against one distributed cache, N mounts on one machine (cluster.py)."""
+    from . import cluster
+
+    n = args.cluster
+    if not 2 <= n <= 32 or args.epochs < 2 or not 1 <= args.replicas <= n:
+        print("stoker bench: --cluster takes 2-32 nodes, --epochs at least 2, --replicas 1 to the nodes",
+              file=sys.stderr)
+        return 2
+    workdir = scratch_dir("stoker-bench-cluster-")
+    try:
+        result = cluster.run(n=n, replicas=args.replicas, epochs=args.epochs, kill=not args.no_kill,
+                             scale=args.scale, workdir=workdir, latency=args.latency_ms / 1000,
+                             bandwidth=args.bandwidth_mbps * 1e6, peer_timeout=args.peer_timeout,
+                             log=lambda line: print(line, flush=True))
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    text = cluster.table(result)
+    paths = write_table(args.out, f"cluster-{n}", text, [dataclasses.asdict(r) for r in result.rows])
+    print()
+    print(text)
+    print("written: " + ", ".join(paths.values()))
+    return 1 if any(r.wrong for r in result.rows) else 0
+
+
 def run_compare(args: argparse.Namespace, systems: list[str], workloads: list[str]) -> int:
     """Base (REF) and change (the working tree) alternating, `--rounds` each; one table of both."""
     from . import compare
@@ -132,6 +168,11 @@ def run(args: argparse.Namespace) -> int:
         return run_operator(args)
     if args.engines:
         return run_engines(args)
+    if args.cluster is not None:
+        if os.geteuid() != 0 and not shutil.which("fusermount3"):
+            print("stoker bench: FUSE mounts need root or fusermount3", file=sys.stderr)
+            return 2
+        return run_cluster(args)
     default_systems = "stoker" if args.compare else ",".join(SYSTEMS)
     default_workloads = COMPARE_WORKLOADS if args.compare else ",".join(WORKLOADS)
     systems = [s for s in (args.systems or default_systems).split(",") if s]

@@ -59,6 +59,7 @@ class Stats:
     heads: int = 0
     lists: int = 0
     bytes_sent: int = 0
+    get_bytes: int = 0  # object bytes (GET bodies): bytes_sent less listings and error bodies
     connections: int = 0
 
 
@@ -128,6 +129,7 @@ class ObjectStoreServer:
             pos += n
             sent += n
             self.stats.bytes_sent += n
+            self.stats.get_bytes += n
             if self.bandwidth:
                 ahead = began + sent / self.bandwidth - time.monotonic()
                 if ahead > 0:

@@ -69,11 +69,18 @@ class MountedSystem:
 class Stoker(MountedSystem):
     name = "stoker"
 
+    def __init__(self, *args, label: str = "", extra_args: tuple[str, ...] = (), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.extra_args = extra_args  # e.g. a distributed cache's --peers (stoker bench --cluster)
+        if label:  # several mounts of one run (cluster nodes), each its own mountpoint and log
+            self.mountpoint = os.path.join(self.workdir, f"mnt-{self.name}-{label}")
+            self.log_path = os.path.join(self.workdir, f"{self.name}-{label}.log")
+
     def start(self) -> None:
         os.makedirs(self.mountpoint, exist_ok=True)
         cmd = [sys.executable, "-P", "-m", "stoker", "mount", f"s3://{self.bucket}", self.mountpoint,
                "--endpoint-url", self.endpoint, "--cache-size", str(self.cache_bytes), "--log-file", self.log_path,
-               "--metadata-ttl", "3600"] + ([] if self.kernel_cache else ["--no-kernel-cache"])
+               "--metadata-ttl", "3600", *self.extra_args] + ([] if self.kernel_cache else ["--no-kernel-cache"])
         result = subprocess.run(cmd, env=self.env(), capture_output=True, text=True)
         if result.returncode != 0:
             raise Unavailable(result.stderr.strip())

@@ -179,3 +179,21 @@ def test_resize_shrinks_by_eviction_and_grows_the_room():
     for i in range(10, 25):
         cache.put(BlockKey("k", "e", i, 100), memoryview(bytearray(100)))
     assert 1000 < cache.stats().bytes <= 2000
+
+
+def test_blocks_kept_for_their_readers_only_never_displace_owned_blocks():
+    """A distributed cache's node puts blocks it does not own with keep=False: they serve their readers
+    from the window and are dropped when they leave it, whatever their frequency."""
+    from fusecore.blocks import BlockKey
+
+    cache = BlockCache(10 * 100, window_fraction=0.2)
+    owned = [BlockKey("owned", "e", i) for i in range(6)]
+    for key in owned:
+        cache.put(key, bytes(100))
+    for round_ in range(3):
+        for i in range(10):
+            key = BlockKey("other", "e", i)
+            cache.put(key, bytes(100), keep=False)
+            assert cache.get(key) is not None  # its reader has it
+    assert all(key in cache for key in owned)
+    assert sum(BlockKey("other", "e", i) in cache for i in range(10)) <= 2, "only the window holds them"

@@ -1,0 +1,53 @@
+"""`stoker bench --cluster N` at a tiny scale: two real mounts per mode on loopback addresses, a real
+DistributedSampler run through both, every byte checked; the store's counts (not speed) are asserted."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from stoker_bench.cluster import ClusterDataset, ClusterResult, EpochRow, targets
+from tests.conftest import requires_fuse
+
+pytestmark = pytest.mark.integration
+
+
+def test_partitions_are_a_reshuffled_split_of_the_dataset_each_epoch():
+    d = ClusterDataset.build(0.02)
+    for epoch in (1, 2):
+        parts = [d.partition(epoch, 3, rank) for rank in range(3)]
+        assert sorted(i for p in parts for i in p) == sorted(d.items), "each item once per epoch, on one node"
+    assert d.partition(1, 3, 0) != d.partition(2, 3, 0), "set_epoch reshuffles"
+
+
+def test_targets_name_each_figure_met_or_missed():
+    result = ClusterResult(4, 1, 1000, 10, 500, [
+        EpochRow("per-node", "2", store_bytes=700, files_per_s_per_node=100.0),
+        EpochRow("distributed", "warm", store_bytes=1000), EpochRow("distributed", "1"),
+        EpochRow("distributed", "2", store_gets=3, store_bytes=30, files_per_s_per_node=150.0),
+        EpochRow("distributed", "kill", failed_reads=1)])
+    text = "\n".join(targets(result))
+    assert "MISSED: epochs after the first sent 3 GETs" in text
+    assert "met: the store sent the dataset 1.030x" in text
+    assert "MISSED: epoch 2 150.0 files/s per node against 100.0" in text
+    assert "MISSED: a mount killed mid-epoch: 1 failed" in text
+
+
+@requires_fuse
+def test_a_two_node_run_reads_right_bytes_and_the_distributed_store_sends_the_dataset_once(tmp_path):
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "stoker", "bench", "--cluster", "2", "--scale", "0.02",
+                             "--epochs", "2", "--peer-timeout", "10", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads((out / "cluster-2.json").read_text())
+    assert [(r["mode"], r["epoch"]) for r in rows] == [
+        ("per-node", "warm"), ("per-node", "1"), ("per-node", "2"),
+        ("distributed", "warm"), ("distributed", "1"), ("distributed", "2"), ("distributed", "kill")]
+    assert all(r["wrong"] == 0 for r in rows)
+    assert all(r["failed_reads"] == 0 for r in rows), "a killed peer costs the others no read"
+    distributed = {r["epoch"]: r for r in rows if r["mode"] == "distributed"}
+    assert 0.99 <= distributed["warm"]["store_x_dataset"] <= 1.01, "the warm fetched each block once, to its owner"
+    assert distributed["2"]["store_gets"] == 0 and distributed["2"]["peer_bytes"] > 0
+    assert "| distributed | kill |" in (out / "cluster-2.md").read_text()
