@@ -27,6 +27,8 @@ from .plan import READY_AT, node_should_warm, timestamp
 log = logging.getLogger(__name__)
 REPORT_EVERY = 10.0  # seconds between progress reports while warming (phase changes are reported at once)
 RECHECK_EVERY = 30.0  # seconds between KeepWarm checks of a warm cache
+DISTRIBUTED_NOT_SERVED = ("node agents do not serve distributed DatasetCaches yet (the operator plans their shares): "
+                          "remove spec.distributed, or use `stoker mount --peers` outside Kubernetes")
 
 
 class CacheWorker:
@@ -70,6 +72,8 @@ class CacheWorker:
 
     def _keep_warm(self) -> None:
         plan = self.plan
+        if plan.replicas:  # planned by the operator; the node side is the cluster-cache issue's next slice
+            raise RuntimeError(DISTRIBUTED_NOT_SERVED)
         try:
             data, annotations = self.agent.kube.secret(self.agent.handover_namespace,
                                                        handover_name(plan.cache_namespace, plan.cache_name))

@@ -29,6 +29,10 @@ _NODE_STATUS = {
         "message": {"type": "string"},
         "updated": {"type": "string", "format": "date-time"},
         "plan": {"type": "string", "description": "the plan this report is about (spec.plan when it was written)"},
+        "peer": {"type": "string", "description": "a distributed cache: HOST:PORT this node serves its blocks on"},
+        "shareBytes": {"type": "integer", "format": "int64", "minimum": 0,
+                       "description": "a distributed cache: bytes of the dataset this node owns"},
+        "share": {"type": "string", "description": "a distributed cache: the part of the dataset this node owns"},
     },
 }
 
@@ -80,6 +84,13 @@ SPEC_SCHEMA = {
         "headroomPercent": {"type": "integer", "minimum": 0, "maximum": 100, "default": 10},
         "maxNodeMemoryFraction": {"type": "number", "minimum": 0.01, "maximum": 0.9, "default": 0.5},
         "policy": {"type": "string", "enum": ["Once", "KeepWarm"], "default": "Once"},
+        "distributed": {
+            "type": "object",
+            "description": "Hold the dataset once (or R times) across the nodes, served node to node, instead of "
+                           "whole on every node: each node warms and keeps the blocks it owns",
+            "properties": {"replicas": {"type": "integer", "minimum": 1, "maximum": 3, "default": 1,
+                                        "description": "copies of each block among the nodes"}},
+        },
     },
 }
 
@@ -123,6 +134,10 @@ STATUS_SCHEMA = {
                                 "of this plan count towards Ready"},
         "warmedBytes": {"type": "integer", "format": "int64", "minimum": 0,
                         "description": "bytes the target nodes hold of the current plan, summed"},
+        "distributed": {"type": "object", "description": "a distributed cache: how the dataset is spread",
+                        "properties": {"replicas": {"type": "integer", "minimum": 1},
+                                       "nodes": {"type": "integer", "minimum": 0},
+                                       "shareBytes": {"type": "integer", "format": "int64", "minimum": 0}}},
         "kopf": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
     },
 }
@@ -141,6 +156,8 @@ NODE_SPEC_SCHEMA = {
                           "description": "what Ready means: bytes of the dataset the budget holds"},
         "paths": {"type": "array", "items": {"type": "string"}},
         "policy": {"type": "string", "enum": ["Once", "KeepWarm"]},
+        "distributed": {"type": "object", "description": "a distributed cache: this node warms the blocks it owns",
+                        "properties": {"replicas": {"type": "integer", "minimum": 1, "maximum": 3}}},
     },
 }
 
@@ -202,6 +219,7 @@ def node_definition() -> dict:
                     {"name": "Node", "type": "string", "jsonPath": ".spec.node"},
                     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
                     {"name": "Cached", "type": "integer", "jsonPath": ".status.cachedBytes"},
+                    {"name": "Share", "type": "string", "jsonPath": ".status.share"},
                     {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
                     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                 ], ["spec"])

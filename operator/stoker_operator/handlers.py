@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import kopf
 
 from . import CACHE_ANNOTATION, GATE, GROUP, NODE_PLURAL, PLURAL, VERSION
-from .handover import LABELS, OWNER_ANNOTATION, handover_name, owner, secret_data
-from .kube import Kube, load_config
+from .handover import LABELS, OWNER_ANNOTATION, PEER_KEY, handover_name, new_peer_key, owner, secret_data
+from .kube import Kube, NotFoundInCluster, load_config
 from .nodes import FINALIZER as NODE_FINALIZER
 from .nodes import NodePlan, NodeState, NotANodePlan, cache_selector, changes, object_name, release_patch, state_of
 from .plan import (NoRoom, SpecProblem, aggregate, gate_release_patch, human, merge_conditions, name_list, node_room,
-                   plan_id, size_cache, target_nodes)
+                   plan_id, replicas_of, size_cache, target_nodes)
 from .source import StoreBusy, measure, read_secrets, resolve
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ def plan(*, spec, status, meta, namespace, name, body, patch, reason, memo, node
         ref = resolve(dict(spec), namespace, ctx.kube)
         secrets = read_secrets(ref, ctx.kube)
         dataset_bytes, objects = measure(ref, secrets, list(spec.get("paths") or []))
-        hand_over(ctx, namespace, name, ref, secrets)
+        hand_over(ctx, namespace, name, ref, secrets, distributed=bool(replicas_of(dict(spec))))
         nodes = target_nodes(dict(spec.get("nodeSelector") or {}), ctx.kube.nodes())
         room = room_on(ctx, node_loads, nodes, namespace, name)
         sizing = size_cache(dict(spec), dataset_bytes, objects, nodes, room, ctx.node_cache_memory)
@@ -176,7 +176,8 @@ def plan(*, spec, status, meta, namespace, name, body, patch, reason, memo, node
     volume = ref.as_status()
     plan_name = plan_id(generation, volume, list(spec.get("paths") or []))
     assign(ctx, namespace, name, dict(spec), plan_name, [n.name for n in nodes], sizing.cache_bytes_per_node,
-           sizing.warmable_bytes)
+           sizing.warmable_bytes, sizing.replicas)
+    patch.status.update(distributed=distribution(sizing, len(nodes)))
     patch.status.update(
         phase="Warming", datasetBytes=dataset_bytes, datasetSize=human(dataset_bytes), objectCount=objects,
         cacheBytesPerNode=sizing.cache_bytes_per_node, warmableBytes=sizing.warmable_bytes,
@@ -212,11 +213,21 @@ def room_on(ctx: Context, loads, nodes, namespace: str, name: str):
     return node_room(ctx.node_cache_memory, names, {n: list(loads.get(n, ())) for n in names}, _key(namespace, name))
 
 
+def distribution(sizing, nodes: int) -> dict | None:
+    """status.distributed of a distributed cache (None: the key is removed from a cache that is no longer)."""
+    if not sizing.replicas:
+        return None
+    return {"replicas": sizing.replicas, "nodes": nodes, "shareBytes": sizing.warmable_bytes}
+
+
 def assign(ctx: Context, namespace: str, name: str, spec: dict, plan_name: str, nodes: list[str], cache_bytes: int,
-           warmable_bytes: int) -> None:
-    """Make this cache's DatasetCacheNodes say the plan: one per target node, none elsewhere."""
+           warmable_bytes: int, replicas: int = 0) -> None:
+    """Make this cache's DatasetCacheNodes say the plan: one per target node, none elsewhere. In a distributed
+    cache a node that joins or leaves changes every node's share: each is re-specced (cacheBytes,
+    warmableBytes) and its agent warms what it now owns."""
     wanted = {node: NodePlan(_key(namespace, name), node, plan_name, cache_bytes, warmable_bytes,
-                             tuple(spec.get("paths") or ()), str(spec.get("policy") or "Once")) for node in nodes}
+                             tuple(spec.get("paths") or ()), str(spec.get("policy") or "Once"), replicas)
+              for node in nodes}
     kube, release_ns = ctx.kube, ctx.handover_namespace
     items, _ = kube.node_objects(release_ns, cache_selector(namespace, name))
     current = {}
@@ -237,17 +248,26 @@ def assign(ctx: Context, namespace: str, name: str, spec: dict, plan_name: str, 
                  len(nodes), len(create), len(update), len(delete))
 
 
-def hand_over(ctx: Context, namespace: str, name: str, ref, secrets: dict[str, str]) -> None:
-    """Give the node agents the volume and its credentials, in the release namespace (handover.py)."""
-    ctx.kube.put_secret(ctx.handover_namespace, handover_name(namespace, name), secret_data(ref, secrets),
-                      {OWNER_ANNOTATION: owner(namespace, name)}, LABELS)
+def hand_over(ctx: Context, namespace: str, name: str, ref, secrets: dict[str, str], *, distributed: bool) -> None:
+    """Give the node agents the volume and its credentials, in the release namespace (handover.py); a
+    distributed cache's peer key is made once and kept (its nodes' running mounts sign with it)."""
+    secret = handover_name(namespace, name)
+    peer_key = None
+    if distributed:
+        try:
+            peer_key = ctx.kube.secret(ctx.handover_namespace, secret)[0].get(PEER_KEY)
+        except NotFoundInCluster:
+            pass
+        peer_key = peer_key or new_peer_key()
+    ctx.kube.put_secret(ctx.handover_namespace, secret, secret_data(ref, secrets, peer_key),
+                        {OWNER_ANNOTATION: owner(namespace, name)}, LABELS)
 
 
 def refresh_handover(ctx: Context, spec: dict, namespace: str, name: str) -> None:
     """Hand over the source's current credentials (a rotated Secret reaches the nodes this way)."""
     try:
         ref = resolve(spec, namespace, ctx.kube)
-        hand_over(ctx, namespace, name, ref, read_secrets(ref, ctx.kube))
+        hand_over(ctx, namespace, name, ref, read_secrets(ref, ctx.kube), distributed=bool(replicas_of(spec)))
     except SpecProblem as exc:
         log.warning("%s/%s: credentials not refreshed: %s", namespace, name, exc)
 
@@ -330,8 +350,9 @@ def replan_on_node_changes(*, spec, status, meta, namespace, name, patch, memo, 
             status.get("conditions") or [], {"Ready": ("False", "NoNodes", str(exc))}))
         return
     assign(ctx, namespace, name, dict(spec), str(status.get("plan")), [n.name for n in nodes], sizing.cache_bytes_per_node,
-           sizing.warmable_bytes)
-    patch.status.update(cacheBytesPerNode=sizing.cache_bytes_per_node, warmableBytes=sizing.warmable_bytes)
+           sizing.warmable_bytes, sizing.replicas)
+    patch.status.update(cacheBytesPerNode=sizing.cache_bytes_per_node, warmableBytes=sizing.warmable_bytes,
+                        distributed=distribution(sizing, len(nodes)))
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)

@@ -10,6 +10,7 @@ The operator deletes it when the DatasetCache is deleted (after the nodes releas
 from __future__ import annotations
 
 import json
+import secrets as secrets_module
 from dataclasses import dataclass
 
 from csi.attributes import SECRET_KEYS, AttributeProblem, parse_secrets
@@ -21,6 +22,7 @@ from .source import VolumeRef
 OWNER_ANNOTATION = "stoker.dev/datasetcache"
 LABELS = {"app.kubernetes.io/managed-by": "stoker-operator", "stoker.dev/handover": "true"}
 VOLUME_KEY = "volume"
+PEER_KEY = "peerKey"  # a distributed cache's key: its nodes sign and check their block requests with it
 
 
 class HandoverProblem(OperatorError, ValueError):
@@ -36,9 +38,18 @@ def owner(namespace: str, name: str) -> str:
     return f"{namespace}/{name}"
 
 
-def secret_data(ref: VolumeRef, secrets: dict[str, str]) -> dict[str, str]:
-    """The handover's content: the volume, and the credentials under their canonical keys only."""
+def new_peer_key() -> str:
+    """A distributed cache's own key (256 bits): a node of another cache, another tenant's included, cannot
+    read its blocks."""
+    return secrets_module.token_hex(32)
+
+
+def secret_data(ref: VolumeRef, secrets: dict[str, str], peer_key: str | None = None) -> dict[str, str]:
+    """The handover's content: the volume, the credentials under their canonical keys only, and a
+    distributed cache's peer key."""
     data = {VOLUME_KEY: json.dumps({"id": ref.volume_id, "attributes": ref.attributes}, sort_keys=True)}
+    if peer_key:
+        data[PEER_KEY] = peer_key
     creds = parse_secrets(secrets)
     if creds is not None:
         data["accessKeyId"], data["secretAccessKey"] = creds.access_key_id, creds.secret_access_key
@@ -52,6 +63,7 @@ class Handover:
     volume_id: str
     attributes: dict[str, str]
     secrets: dict[str, str]
+    peer_key: str | None = None  # a distributed cache's key (never logged)
 
 
 def read_handover(cache_namespace: str, cache_name: str, data: dict[str, str], annotations: dict[str, str]) -> Handover:
@@ -68,4 +80,7 @@ def read_handover(cache_namespace: str, cache_name: str, data: dict[str, str], a
         parse_secrets(secrets)
     except AttributeProblem as exc:
         raise HandoverProblem(f"the handover Secret: {exc}") from None
-    return Handover(volume_id, attributes, secrets)
+    peer_key = data.get(PEER_KEY) or None
+    if peer_key is not None and len(peer_key) < 32:
+        raise HandoverProblem("the handover Secret's peer key is too short")
+    return Handover(volume_id, attributes, secrets, peer_key)

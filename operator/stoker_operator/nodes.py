@@ -63,6 +63,7 @@ class NodePlan:
     warmable_bytes: int
     paths: tuple[str, ...] = ()
     policy: str = "Once"
+    replicas: int = 0  # a distributed cache: the node warms the blocks it owns among the cache's nodes (R copies)
 
     @property
     def cache_namespace(self) -> str:
@@ -73,8 +74,11 @@ class NodePlan:
         return self.cache.split("/", 1)[1]
 
     def spec(self) -> dict:
-        return {"cache": self.cache, "node": self.node, "plan": self.plan, "cacheBytes": self.cache_bytes,
+        spec = {"cache": self.cache, "node": self.node, "plan": self.plan, "cacheBytes": self.cache_bytes,
                 "warmableBytes": self.warmable_bytes, "paths": list(self.paths), "policy": self.policy}
+        if self.replicas:
+            spec["distributed"] = {"replicas": self.replicas}
+        return spec
 
     def body(self, namespace: str) -> dict:
         """The whole object, as the operator creates it."""
@@ -99,8 +103,9 @@ def plan_of(obj: dict) -> NodePlan:
         cache, node, plan = str(spec["cache"]), str(spec["node"]), str(spec["plan"])
         if cache.count("/") != 1 or not all(cache.split("/")):
             raise ValueError(cache)
+        replicas = int((spec.get("distributed") or {}).get("replicas", 0))
         return NodePlan(cache, node, plan, int(spec["cacheBytes"]), int(spec.get("warmableBytes") or 0),
-                        tuple(str(p) for p in spec.get("paths") or ()), str(spec.get("policy") or "Once"))
+                        tuple(str(p) for p in spec.get("paths") or ()), str(spec.get("policy") or "Once"), replicas)
     except (KeyError, TypeError, ValueError):
         raise NotANodePlan(f"DatasetCacheNode {obj.get('metadata', {}).get('name')!r} has no valid spec") from None
 

@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 
 from kubernetes.utils.quantity import parse_quantity
 
-from fusecore.config import WARM_FRACTION
+from fusecore.config import WARM_FRACTION, distributed_cache_size, kept_fraction
 from fusecore.config import format_size as human
 
 from .failures import OperatorError
@@ -46,6 +46,18 @@ class Sizing:
     warmable_bytes: int  # what each node will hold once warm
     fits: bool
     message: str
+    replicas: int = 0  # a distributed cache: copies of each block among the nodes (0: every node holds it all)
+
+
+def replicas_of(spec: dict) -> int:
+    """spec.distributed.replicas, or 0 when the cache is not distributed (every node holds the dataset)."""
+    distributed = spec.get("distributed")
+    if distributed is None:
+        return 0
+    replicas = int((distributed or {}).get("replicas", 1))
+    if not 1 <= replicas <= 3:
+        raise SpecProblem("distributed.replicas: must be 1, 2 or 3")
+    return replicas
 
 
 def quantity_bytes(text: str, *, what: str = "cacheSize") -> int:
@@ -106,21 +118,32 @@ def node_room(memory: int, nodes: list[str], loads: dict[str, list[tuple[str, in
 
 def size_cache(spec: dict, dataset_bytes: int, object_count: int, nodes: list[NodeInfo],
                room: NodeRoom | None = None, memory: int = 0) -> Sizing:
-    """Per-node cache budget: the explicit cacheSize, or auto (the dataset plus headroom, capped by
-    maxNodeMemoryFraction of the smallest target node's allocatable memory and by what other
-    DatasetCaches left of the node cache memory, `room`)."""
+    """Per-node cache budget: the explicit cacheSize, or auto (what a node must hold plus headroom, capped
+    by maxNodeMemoryFraction of the smallest target node's allocatable memory and by what other
+    DatasetCaches left of the node cache memory, `room`). What a node must hold is the dataset, or in a
+    distributed cache its share: dataset x R / N (fusecore.config.distributed_cache_size)."""
     requested = str(spec.get("cacheSize", "auto"))
     fraction = float(spec.get("maxNodeMemoryFraction", 0.5))
     headroom = int(spec.get("headroomPercent", 10))
-    need = math.ceil(dataset_bytes / WARM_FRACTION)
+    replicas = min(replicas_of(spec), len(nodes)) if replicas_of(spec) else 0
+    if replicas:  # a share per node: kept through transient use, since an owner's eviction costs every node
+        goal = math.ceil(dataset_bytes * replicas / len(nodes))
+        need = distributed_cache_size(dataset_bytes, len(nodes), replicas, headroom / 100)
+        holds = kept_fraction()
+        what = f"a share of {human(goal)} (dataset {human(dataset_bytes)} x {replicas} / {len(nodes)} nodes)"
+    else:
+        goal = dataset_bytes
+        need = math.ceil(math.ceil(dataset_bytes / WARM_FRACTION) * (1 + headroom / 100))
+        holds = WARM_FRACTION
+        what = f"dataset {human(dataset_bytes)}"
     if requested == "auto":
         if not nodes:
             raise SpecProblem("no Ready node matches the nodeSelector, so the cache cannot be sized")
         cap = int(min(n.allocatable_memory for n in nodes) * fraction)
         if room is not None:
             cap = min(cap, room.free)
-        per_node = max(MIN_CACHE_BYTES, min(math.ceil(need * (1 + headroom / 100)), cap))  # a mount needs a floor
-        how = f"auto: dataset {human(dataset_bytes)} + {headroom}% headroom, capped at {fraction:g} of " \
+        per_node = max(MIN_CACHE_BYTES, min(need, cap))  # a mount needs a floor
+        how = f"auto: {what} + {headroom}% headroom, capped at {fraction:g} of " \
               f"{human(min(n.allocatable_memory for n in nodes))} allocatable"
     else:
         per_node = max(MIN_CACHE_BYTES, quantity_bytes(requested))
@@ -134,14 +157,16 @@ def size_cache(spec: dict, dataset_bytes: int, object_count: int, nodes: list[No
                               f"({human(smallest.allocatable_memory)} allocatable)")
     if room is not None and per_node > room.free:
         raise NoRoom(f"{human(per_node)} per node does not fit: {room.describe(memory)}")
-    warmable = min(dataset_bytes, int(per_node * WARM_FRACTION))
-    fits = warmable >= dataset_bytes
+    warmable = min(goal, int(per_node * holds))
+    fits = warmable >= goal
+    whole = f"its share of the dataset ({human(goal)}; {len(nodes)} nodes hold it {replicas}x)" if replicas \
+        else f"the whole dataset of {human(dataset_bytes)}"
     if fits:
-        message = f"{human(per_node)} per node ({how}) holds the whole dataset of {human(dataset_bytes)}"
+        message = f"{human(per_node)} per node ({how}) holds {whole}"
     else:
-        message = (f"the dataset is {human(dataset_bytes)} but {human(per_node)} per node ({how}) holds only "
-                   f"{human(warmable)} ({100 * warmable / max(1, dataset_bytes):.0f}%); warming what fits")
-    return Sizing(dataset_bytes, object_count, per_node, warmable, fits, message)
+        message = (f"{'a share' if replicas else 'the dataset'} is {human(goal)} but {human(per_node)} per node "
+                   f"({how}) holds only {human(warmable)} ({100 * warmable / max(1, goal):.0f}%); warming what fits")
+    return Sizing(dataset_bytes, object_count, per_node, warmable, fits, message, replicas)
 
 
 NOT_READY_SHOWN = 10  # nodes named in status.notReady (all of them: the DatasetCacheNodes)

@@ -192,3 +192,46 @@ def test_waiting_for_nodes_to_release_is_logged_as_progress():
                               None, None)
     assert _release_wait_is_progress(wait) and (wait.levelno, wait.levelname) == (logging.INFO, "INFO")
     assert _release_wait_is_progress(other) and other.levelno == logging.ERROR
+
+
+def test_a_distributed_cache_plans_shares_and_hands_over_one_peer_key_it_keeps(kube, operator, moto_server, s3,
+                                                                               bucket):
+    """spec.distributed: each node's DatasetCacheNode asks for its share (dataset x R / N) and says the cache
+    is distributed; the handover Secret carries a key of this cache, made once: a re-plan keeps it."""
+    import base64
+
+    from fusecore.config import distributed_cache_size
+    from stoker_operator.handover import handover_name
+
+    from .conftest import RELEASE_NS, node_object
+
+    s3.put_object(Bucket=bucket, Key="data/a.bin", Body=b"a" * 300_000)
+    s3.put_object(Bucket=bucket, Key="data/b.bin", Body=b"b" * 100_000)
+    for n in ("n1", "n2", "n3", "n4"):
+        add_node(kube, n, memory="8Gi")
+    add_secret(kube, "creds", SECRETS)
+    add_cache(kube, "d", {"source": {"s3": {"bucket": bucket, "prefix": "data", "endpointUrl": moto_server.endpoint,
+                                            "secretRef": {"name": "creds"}}},
+                          "distributed": {"replicas": 2}})
+    st = kube.wait_for(lambda: status(kube, "d").get("phase") == "Warming" and status(kube, "d"), 60)
+    assert st, status(kube, "d")
+    assert st["distributed"] == {"replicas": 2, "nodes": 4, "shareBytes": 200_000}
+    assert st["warmableBytes"] == 200_000
+    assert st["cacheBytesPerNode"] == max(64 * 1024**2, distributed_cache_size(400_000, 4, 2, 0.1))
+    for n in ("n1", "n2", "n3", "n4"):
+        spec = node_object(kube, "d", n)["spec"]
+        assert spec["distributed"] == {"replicas": 2} and spec["warmableBytes"] == 200_000
+
+    def peer_key() -> str:
+        secret = kube.get("v1", "secrets", handover_name(NAMESPACE, "d"), RELEASE_NS)
+        return base64.b64decode(secret["data"]["peerKey"]).decode()
+
+    key = peer_key()
+    assert len(key) == 64 and int(key, 16)
+    assert key not in operator.log(), "the peer key is never logged"
+    request = urllib.request.Request(f"{kube.url}/apis/stoker.dev/v1alpha1/namespaces/{NAMESPACE}/datasetcaches/d",
+                                     data=json.dumps({"spec": {"policy": "KeepWarm"}}).encode(), method="PATCH",
+                                     headers={"Content-Type": "application/merge-patch+json"})
+    urllib.request.urlopen(request).close()
+    assert kube.wait_for(lambda: node_object(kube, "d", "n1")["spec"]["policy"] == "KeepWarm", 60)
+    assert peer_key() == key, "the nodes' running mounts sign with it: a re-plan keeps the key"

@@ -96,3 +96,33 @@ def test_the_agents_intervals_are_refused_unless_positive(capsys, flag, value):
         build_parser().parse_args(["csi", "--warm-agent", flag, value])
     assert exit_.value.code == 2 and flag in capsys.readouterr().err
     assert build_parser().parse_args(["csi", flag, "2.5"]).__dict__[flag[2:].replace("-", "_")] == 2.5
+
+
+def test_an_agent_says_it_does_not_serve_a_distributed_plan_and_holds_nothing():
+    """The operator plans distributed caches; until node agents serve them, a node says so in its report
+    (phase Failed, a message naming the way out) instead of warming a share as if it were the dataset."""
+    import threading
+
+    from stoker_bench.operator_scale import FakeVolumes
+    from stoker_operator.agent import DISTRIBUTED_NOT_SERVED, WarmAgent
+
+    reports = []
+    reported = threading.Event()
+
+    class Kube:
+        def patch_node_status(self, namespace, name, status):
+            reports.append(status)
+            reported.set()
+
+        def __getattr__(self, name):
+            raise AssertionError(f"the agent called the API ({name}) for a plan it does not serve")
+
+    volumes = FakeVolumes("/nonexistent.sock")
+    agent = WarmAgent(volumes, "gpu-1", Kube(), recheck=60)
+    distributed = NodePlan("ml/c", "gpu-1", "1-abc", 2**30, 2**29, replicas=1)
+    agent.observe("ADDED", distributed.body("stoker-system"))
+    assert reported.wait(10)
+    assert reports[0]["phase"] == "Failed" and reports[0]["message"] == DISTRIBUTED_NOT_SERVED
+    assert volumes.held == {}
+    for worker in agent.workers.values():
+        worker.stop()

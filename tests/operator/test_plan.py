@@ -217,6 +217,11 @@ def test_a_handover_of_another_cache_or_malformed_is_refused():
     with pytest.raises(HandoverProblem, match="contradictory") as info:
         read_handover("ml", "a", dict(good, AWS_ACCESS_KEY_ID="AKIA2"), {"stoker.dev/datasetcache": "ml/a"})
     assert "s3cr3t" not in str(info.value)
+    keyed = dict(good, peerKey="ab" * 32)
+    assert read_handover("ml", "a", keyed, {"stoker.dev/datasetcache": "ml/a"}).peer_key == "ab" * 32
+    assert handover.peer_key is None
+    with pytest.raises(HandoverProblem, match="peer key is too short") as info:
+        read_handover("ml", "a", dict(good, peerKey="short"), {"stoker.dev/datasetcache": "ml/a"})
 
 
 def test_a_cache_size_no_node_can_hold_is_refused_not_left_pending():
@@ -229,3 +234,51 @@ def test_a_cache_size_no_node_can_hold_is_refused_not_left_pending():
     with pytest.raises(SpecProblem, match="more than node small has"):
         size_cache({"cacheSize": "40Gi"}, GiB, 10, nodes)
     assert size_cache({"cacheSize": "30Gi"}, GiB, 10, nodes, None, 64 * GiB).cache_bytes_per_node == 30 * GiB
+
+
+def test_a_distributed_cache_sizes_each_node_for_its_share():
+    from fusecore.config import distributed_cache_size, kept_fraction
+
+    nodes = [NodeInfo(f"n{i}", {}, 64 * GiB) for i in range(4)]
+    one = size_cache({"distributed": {"replicas": 1}}, 10 * GiB, 100, nodes)
+    assert one.replicas == 1 and one.fits
+    assert one.warmable_bytes == math.ceil(10 * GiB / 4)
+    assert one.cache_bytes_per_node == distributed_cache_size(10 * GiB, 4, 1, 0.1)
+    assert one.cache_bytes_per_node * kept_fraction() >= one.warmable_bytes * 1.1
+    assert "its share of the dataset" in one.message
+    two = size_cache({"distributed": {"replicas": 2}}, 10 * GiB, 100, nodes)
+    assert two.warmable_bytes == 2 * one.warmable_bytes and two.cache_bytes_per_node > one.cache_bytes_per_node
+    alone = size_cache({"distributed": {}}, 10 * GiB, 100, nodes[:1])  # replicas default 1; one node holds it all
+    assert alone.warmable_bytes == 10 * GiB
+    capped = size_cache({"distributed": {"replicas": 3}}, 10 * GiB, 100, nodes[:2])  # 3 copies on 2 nodes: 2
+    assert capped.replicas == 2
+    small = size_cache({"distributed": {}, "maxNodeMemoryFraction": 0.01}, 100 * GiB, 100, nodes)
+    assert not small.fits and "warming what fits" in small.message
+    whole = size_cache({}, 10 * GiB, 100, nodes)
+    assert whole.replicas == 0 and whole.cache_bytes_per_node > 2.5 * one.cache_bytes_per_node
+
+
+def test_a_node_leaving_a_distributed_cache_re_homes_its_share_on_the_others():
+    """Four nodes become three: the leaver's object is deleted and the other three are re-specced with a
+    larger share (their agents warm what they now own)."""
+    from stoker_operator.nodes import NodePlan, changes
+
+    four = [NodeInfo(f"n{i}", {}, 64 * GiB) for i in range(4)]
+    before, after = (size_cache({"distributed": {"replicas": 1}}, 12 * GiB, 10, nodes) for nodes in (four, four[:3]))
+    assert after.warmable_bytes == 4 * GiB and before.warmable_bytes == 3 * GiB
+    assert after.cache_bytes_per_node > before.cache_bytes_per_node
+
+    def objects(sizing, nodes):
+        return {n.name: NodePlan("ml/c", n.name, "1-abc", sizing.cache_bytes_per_node, sizing.warmable_bytes,
+                                 replicas=sizing.replicas) for n in nodes}
+
+    current = {node: dict(plan.body("stoker-system"), status={}) for node, plan in objects(before, four).items()}
+    create, update, delete = changes(current, objects(after, four[:3]))
+    assert not create and sorted(p.node for p in update) == ["n0", "n1", "n2"]
+    assert all(p.spec()["distributed"] == {"replicas": 1} and p.warmable_bytes == 4 * GiB for p in update)
+    assert delete == [current["n3"]["metadata"]["name"]]
+
+
+def test_distributed_replicas_are_checked():
+    with pytest.raises(SpecProblem):
+        size_cache({"distributed": {"replicas": 4}}, GiB, 1, [NodeInfo("n", {}, 64 * GiB)])
