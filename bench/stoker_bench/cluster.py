@@ -93,10 +93,11 @@ def _cpu(nodes: list[Node], store: StoreProcess, skip: int | None = None) -> tup
         if node.rank == skip:
             continue
         try:
-            mounts += _proc_cpu(node.mount.pid)
+            mounts += _proc_cpu(node.pid)
         except OSError:  # killed
             pass
     usage = resource.getrusage(resource.RUSAGE_SELF)
+    assert store.proc is not None, "the store is started"
     return mounts, _proc_cpu(store.proc.pid), usage.ru_utime + usage.ru_stime
 
 
@@ -138,6 +139,12 @@ class Node:
         self.rank, self.mount = rank, mount
         self.killed = False
         self.files = self.bytes = self.failed = self.wrong = 0
+
+    @property
+    def pid(self) -> int:
+        """The mount's serving process."""
+        assert self.mount.pid is not None, "the mount is started"
+        return self.mount.pid
 
     @property
     def sock(self) -> str:
@@ -217,7 +224,7 @@ def _phase(mode: str, label: str, nodes: list[Node], store: StoreProcess, datase
     before_store = store.stats()
     before_peers, _, before_missed, before_failed = _totals(nodes, skip=kill_rank)
     cpu_before = _cpu(nodes, store, skip=kill_rank)
-    samplers = [RssSampler(node.mount.pid) for node in nodes if not node.killed]
+    samplers = [RssSampler(node.pid) for node in nodes if not node.killed]
     for sampler in samplers:
         sampler.start()
     threads = [threading.Thread(target=work, args=(node,)) for node in nodes if not node.killed]
@@ -227,7 +234,7 @@ def _phase(mode: str, label: str, nodes: list[Node], store: StoreProcess, datase
     if kill_rank is not None:
         time.sleep(0.5)  # halfway into the epoch's first reads
         victim = nodes[kill_rank]
-        os.kill(victim.mount.pid, signal.SIGKILL)
+        os.kill(victim.pid, signal.SIGKILL)
         victim.killed = True
         row.note = f"node {kill_rank}'s mount killed (SIGKILL) 0.5 s in; its own reads are not counted"
     for t in threads:
