@@ -43,8 +43,7 @@ class Cluster:
         t = cfg.peer_timeout
         self.client = PeerClient(key, PeerTimeouts(connect=t, first_byte=t, body=t + 2.0))
         self.server: PeerServer | None = None
-        self._lock = threading.Lock()  # worker threads tally per peer
-        self.bytes_from_peers = 0
+        self._lock = threading.Lock()  # worker threads count blocks no peer answered
         self.peer_misses = 0
         self._show_owners()
 
@@ -78,23 +77,21 @@ class Cluster:
         node is an owner), primary first, skipping peers being avoided."""
         return [o for o in self.owners.of(block_id(key, etag, index)) if o != self.me and not self.client.avoided(o)]
 
-    def fetch(self, key: str, etag: str, index: int, size: int) -> bytearray | None:
-        """From a worker thread: the block from one of its other owners, or None (then the store)."""
-        for peer in self.sources(key, etag, index):
+    def fetch(self, peers: list[str], key: str, etag: str, index: int, size: int) -> bytearray | None:
+        """From a worker thread: the block from the first of `peers` (its `sources`) that answers with it, or
+        None (then the store)."""
+        m = self.metrics
+        for peer in peers:
             began = time.monotonic()
-            failures = self.client.failures.get(peer, 0)
-            data = self.client.fetch(peer, key, etag, index, size)
+            outcome, data = self.client.ask(peer, key, etag, index, size)
+            if outcome == "avoided":  # failed since `sources` was read: not asked
+                continue
             seconds = time.monotonic() - began
-            outcome = "hit" if data is not None else ("failed" if self.client.failures.get(peer, 0) > failures
-                                                       else "miss")
-            m = self.metrics
             m.peer_requests.labels(peer=peer, outcome=outcome).inc()
             m.peer_seconds.labels(peer=peer).inc(seconds)
             m.peer_latency.observe(seconds)
             if data is not None:
                 m.peer_bytes.labels(peer=peer).inc(len(data))
-                with self._lock:
-                    self.bytes_from_peers += len(data)
                 return data
         with self._lock:
             self.peer_misses += 1
@@ -108,6 +105,12 @@ class Cluster:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+
+    @property
+    def bytes_from_peers(self) -> int:
+        """Bytes received from peers (the sum of stoker_peer_bytes_total)."""
+        return sum(int(sample.value) for metric in self.metrics.peer_bytes.collect() for sample in metric.samples
+                   if sample.name.endswith("_total"))
 
     def per_peer(self) -> dict[str, dict]:
         """Requests by outcome, bytes and mean latency of each peer this node asked."""

@@ -266,9 +266,10 @@ class Fetcher:
     async def _from_peer(self, key: BlockKey, obj: ObjectInfo, nbytes: int) -> Buffer | None:
         """The block from another of its owners that answers with exactly it (else the store)."""
         assert self.cluster is not None
-        if not self.cluster.sources(obj.key, obj.etag, key.index):
+        peers = self.cluster.sources(obj.key, obj.etag, key.index)
+        if not peers:  # this node is the only owner (or the others are avoided): no thread hop
             return None
-        return await trio.to_thread.run_sync(self.cluster.fetch, obj.key, obj.etag, key.index, nbytes,
+        return await trio.to_thread.run_sync(self.cluster.fetch, peers, obj.key, obj.etag, key.index, nbytes,
                                              limiter=self._threads)
 
     async def _fetch(self, key: BlockKey, obj: ObjectInfo, pending: _Pending) -> Buffer:

@@ -78,7 +78,6 @@ class PeerServer:
         self.served = self.refused = self.missed = self.busy = self.served_bytes = 0
         self._slots = threading.BoundedSemaphore(max_clients)
         self._server = _Server(address, self._handler())
-        self._server.daemon_threads = True
         self.address = self._server.server_address[:2]
         self._thread = threading.Thread(target=self._server.serve_forever, name="peer-server", daemon=True)
 
@@ -177,13 +176,19 @@ class PeerClient:
     def fetch(self, peer: str, key: str, etag: str, index: int, size: int) -> bytearray | None:
         """The block `index` of (`key`, `etag`), `size` bytes, from `peer` ("host:port"); None if it cannot
         (a 404 is no failure: the peer just does not hold it)."""
+        return self.ask(peer, key, etag, index, size)[1]
+
+    def ask(self, peer: str, key: str, etag: str, index: int, size: int) -> tuple[str, bytearray | None]:
+        """(outcome, block) of one request: "hit" with the block; "miss" (not held, or busy), "failed"
+        (refused, timed out, a wrong answer: the peer is avoided a while) or "avoided", with None."""
         if self.avoided(peer):
-            return None
+            return "avoided", None
         try:
-            return self._get(peer, key, etag, index, size)
+            data = self._get(peer, key, etag, index, size)
         except (OSError, http.client.HTTPException, ValueError) as exc:
             self._failed(peer, f"{type(exc).__name__}: {exc}")
-            return None
+            return "failed", None
+        return ("miss", None) if data is None else ("hit", data)
 
     def _failed(self, peer: str, why: str) -> None:
         self.failures[peer] = self.failures.get(peer, 0) + 1

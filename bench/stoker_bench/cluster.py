@@ -20,18 +20,18 @@ import os
 import random
 import resource
 import signal
-import socket
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 
 from fusecore import control
 from fusecore.config import distributed_cache_size
+from stoker.s3server import free_port
 
 from .fixture import StoreProcess
 from .runner import RssSampler, _proc_cpu
 from .systems import Stoker
-from .workloads import KiB, MiB, _verify
+from .workloads import KiB, MiB, _parallel, read_stream
 
 READERS = 8  # per node: a DataLoader's workers
 
@@ -111,27 +111,9 @@ class ClusterResult:
     rows: list[EpochRow] = field(default_factory=list)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cache_per_node(dataset_bytes: int, nodes: int, replicas: int) -> int:
     """The distributed cache's budget per node, as the operator sizes it (whole MiB)."""
     return int(math.ceil(distributed_cache_size(dataset_bytes, nodes, replicas) / MiB)) * MiB
-
-
-def read_item(mountpoint: str, key: str, size: int) -> tuple[int, bool]:
-    """Read one item whole (small files in one read, shards 1 MiB at a time); (bytes, all bytes right)."""
-    piece_size = 256 * KiB if size <= MiB else MiB
-    done, right = 0, True
-    with open(os.path.join(mountpoint, key), "rb", buffering=0) as f:
-        while piece := f.read(piece_size):
-            if size <= MiB or done % (16 * MiB) == 0 or done + len(piece) >= size:
-                right = right and _verify(key, done, piece)
-            done += len(piece)
-    return done, right and done == size
 
 
 class Node:
@@ -158,8 +140,11 @@ class Node:
         lock = threading.Lock()
 
         def one(item: tuple[str, int]) -> None:
+            key, size = item
+            small = size <= MiB  # small files are checked whole, shards every 16 MiB and at the end
             try:
-                n, right = read_item(self.mount.mountpoint, *item)
+                n, wrong = read_stream(self.mount, key, size, bs=256 * KiB if small else MiB,
+                                       verify_every=1 if small else 16)
             except OSError:
                 with lock:
                     self.failed += 1
@@ -167,17 +152,14 @@ class Node:
             with lock:
                 self.files += 1
                 self.bytes += n
-                self.wrong += not right
+                self.wrong += wrong > 0
 
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(READERS) as pool:
-            list(pool.map(one, items))
+        _parallel(READERS, items, one)
 
 
 def _start_nodes(mode: str, n: int, replicas: int, store: StoreProcess, workdir: str, cache_bytes: int,
                  peer_timeout: float) -> list[Node]:
-    port = _free_port()
+    port = free_port()
     members = [f"127.0.0.{2 + i}:{port}" for i in range(n)]
     key_file = os.path.join(workdir, "peer.key")
     with open(key_file, "wb") as f:

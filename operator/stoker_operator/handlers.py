@@ -177,10 +177,10 @@ def plan(*, spec, status, meta, namespace, name, body, patch, reason, memo, node
     plan_name = plan_id(generation, volume, list(spec.get("paths") or []))
     assign(ctx, namespace, name, dict(spec), plan_name, [n.name for n in nodes], sizing.cache_bytes_per_node,
            sizing.warmable_bytes, sizing.replicas)
-    patch.status.update(distributed=distribution(sizing, len(nodes)))
     patch.status.update(
         phase="Warming", datasetBytes=dataset_bytes, datasetSize=human(dataset_bytes), objectCount=objects,
         cacheBytesPerNode=sizing.cache_bytes_per_node, warmableBytes=sizing.warmable_bytes,
+        distributed=distribution(sizing, len(nodes)),
         volume=replacing(status.get("volume"), volume), observedGeneration=generation, plan=plan_name,
         nodeSummary={"targets": len(nodes), "ready": 0, "warming": 0, "failed": 0, "waiting": len(nodes)},
         notReady=[], warmedBytes=0, cachedPercentage=0, cached="0%", nodeReports=cache_selector(namespace, name),

@@ -125,7 +125,7 @@ def size_cache(spec: dict, dataset_bytes: int, object_count: int, nodes: list[No
     requested = str(spec.get("cacheSize", "auto"))
     fraction = float(spec.get("maxNodeMemoryFraction", 0.5))
     headroom = int(spec.get("headroomPercent", 10))
-    replicas = min(replicas_of(spec), len(nodes)) if replicas_of(spec) else 0
+    replicas = min(replicas_of(spec), len(nodes))  # 0: not distributed (or no nodes to spread it on)
     if replicas:  # a share per node: kept through transient use, since an owner's eviction costs every node
         goal = math.ceil(dataset_bytes * replicas / len(nodes))
         need = distributed_cache_size(dataset_bytes, len(nodes), replicas, headroom / 100)

@@ -51,3 +51,12 @@ def test_a_two_node_run_reads_right_bytes_and_the_distributed_store_sends_the_da
     assert 0.99 <= distributed["warm"]["store_x_dataset"] <= 1.01, "the warm fetched each block once, to its owner"
     assert distributed["2"]["store_gets"] == 0 and distributed["2"]["peer_bytes"] > 0
     assert "| distributed | kill |" in (out / "cluster-2.md").read_text()
+
+
+@pytest.mark.parametrize("args", [["--cluster", "1"], ["--cluster", "33"], ["--cluster", "2", "--epochs", "1"],
+                                  ["--cluster", "2", "--replicas", "3"]])
+def test_bad_cluster_arguments_are_refused_with_a_reason(args, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "stoker", "bench", *args, "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--cluster takes 2-32 nodes" in result.stderr, result.stderr
+    assert not list(tmp_path.iterdir()), "nothing was run"

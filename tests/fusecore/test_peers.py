@@ -52,8 +52,9 @@ def test_a_held_block_is_served_exactly_to_a_member(server):
 def test_another_version_or_a_block_not_held_is_not_served_and_is_no_failure(server):
     client = PeerClient(KEY, SLACK)
     assert client.fetch(addr(server), "train/shard-0.tar", "etag-2", 2, len(BLOCK)) is None
-    assert client.fetch(addr(server), "train/shard-0.tar", "etag-1", 3, len(BLOCK)) is None
+    assert client.ask(addr(server), "train/shard-0.tar", "etag-1", 3, len(BLOCK)) == ("miss", None)
     assert server.missed == 2 and not client.failures and not client.avoided(addr(server))
+    assert client.ask(addr(server), "train/shard-0.tar", "etag-1", 2, len(BLOCK)) == ("hit", BLOCK)
 
 
 def test_a_request_without_the_caches_key_is_refused(server):
@@ -108,8 +109,9 @@ def test_a_wrong_answer_is_refused_and_the_peer_avoided(mode):
     try:
         peer = f"127.0.0.1:{liar.server_address[1]}"
         client = PeerClient(KEY, SLACK)
-        assert client.fetch(peer, "train/shard-0.tar", "etag-1", 2, len(BLOCK)) is None
+        assert client.ask(peer, "train/shard-0.tar", "etag-1", 2, len(BLOCK)) == ("failed", None)
         assert client.failures[peer] == 1 and client.avoided(peer)
+        assert client.ask(peer, "train/shard-0.tar", "etag-1", 2, len(BLOCK)) == ("avoided", None)
     finally:
         liar.shutdown()
         liar.server_close()
