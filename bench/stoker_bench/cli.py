@@ -163,16 +163,21 @@ def run_compare(args: argparse.Namespace, systems: list[str], workloads: list[st
     return 1 if compare.any_wrong(base, change) else 0
 
 
+def _no_fuse() -> bool:
+    """Can this process not mount (neither root nor fusermount3)? Says so."""
+    if os.geteuid() != 0 and not shutil.which("fusermount3"):
+        print("stoker bench: FUSE mounts need root or fusermount3", file=sys.stderr)
+        return True
+    return False
+
+
 def run(args: argparse.Namespace) -> int:
     if args.operator:
         return run_operator(args)
     if args.engines:
         return run_engines(args)
     if args.cluster is not None:
-        if os.geteuid() != 0 and not shutil.which("fusermount3"):
-            print("stoker bench: FUSE mounts need root or fusermount3", file=sys.stderr)
-            return 2
-        return run_cluster(args)
+        return 2 if _no_fuse() else run_cluster(args)
     default_systems = "stoker" if args.compare else ",".join(SYSTEMS)
     default_workloads = COMPARE_WORKLOADS if args.compare else ",".join(WORKLOADS)
     systems = [s for s in (args.systems or default_systems).split(",") if s]
@@ -181,8 +186,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"stoker bench: unknown system or workload: {', '.join(unknown)}", file=sys.stderr)
         return 2
-    if os.geteuid() != 0 and not shutil.which("fusermount3"):
-        print("stoker bench: FUSE mounts need root or fusermount3", file=sys.stderr)
+    if _no_fuse():
         return 2
     if args.compare:
         return run_compare(args, systems, workloads)
