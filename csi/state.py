@@ -76,6 +76,9 @@ class StateDir:
     def control_socket(self, volume_id: str) -> str:
         return os.path.join(self.root, "run", volume_key(volume_id) + ".sock")
 
+    def peer_socket(self, volume_id: str) -> str:
+        return os.path.join(self.root, "run", volume_key(volume_id) + ".peer")
+
     def log_file(self, volume_id: str) -> str:
         return os.path.join(self.root, "logs", volume_key(volume_id) + ".log")
 

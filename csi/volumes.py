@@ -270,6 +270,10 @@ class VolumeManager:
             self._retire_or_save(record)
             log.info("released volume %s for %s", volume_id, holder)
 
+    def peer_socket(self, volume_id: str) -> str:
+        """Where a volume's mount receives the peer connections of its distributed cache (peer_router.py)."""
+        return self.state.peer_socket(volume_id)
+
     def holders(self) -> set[str]:
         """Everyone holding a volume on this node (DatasetCaches, by namespace/name)."""
         return {holder for record in self.state.records() for holder in record.holders}

@@ -173,6 +173,17 @@ class BlockCache:
         self._count_visit(key, entry, visit)
         return entry.data
 
+    def transient(self, key: BlockKey) -> bool:
+        """Is the block held for its readers only (put with keep=False, still in the window)?"""
+        entry = self._window.get(key)
+        return entry is not None and not entry.keep
+
+    def keep(self, key: BlockKey) -> None:
+        """Keep a transient block like any other (it became this node's to hold: ownership moved)."""
+        entry = self._window.get(key)
+        if entry is not None:
+            entry.keep = True
+
     def _count_visit(self, key: BlockKey, entry: _Entry, visit: Hashable | None) -> None:
         if visit is None or entry.visit != visit:
             entry.visit = visit

@@ -18,7 +18,7 @@ from .cache import BlockCache, Buffer
 from .config import ConfigError, MountConfig, check_member
 from .metrics import MountMetrics
 from .ownership import Owners, block_id
-from .peers import PeerClient, PeerServer, PeerTimeouts
+from .peers import PeerClient, PeerServer, PeerTimeouts, cache_prefix
 
 
 def read_key(path: str) -> bytes:
@@ -34,18 +34,26 @@ def read_key(path: str) -> bytes:
 
 
 class Cluster:
-    def __init__(self, cfg: MountConfig, key: bytes, metrics: MountMetrics | None = None):
-        self.me = cfg.peer_listen
+    def __init__(self, me: str, members: list[str], replicas: int, key: bytes, metrics: MountMetrics | None = None,
+                 *, timeout: float = 0.3, name: str = ""):
+        self.me = me
+        self.name = name  # the cache's id when the node's peer router serves it (requests under /c/<name>)
         self.key = key
         self.metrics = metrics or MountMetrics()
-        self.owners = Owners(cfg.peer_members, cfg.peer_replicas)
+        self.owners = Owners(members, replicas)
         self.changes = 0  # membership changes since the mount started
-        t = cfg.peer_timeout
-        self.client = PeerClient(key, PeerTimeouts(connect=t, first_byte=t, body=t + 2.0))
+        self.prefix = cache_prefix(name) if name else ""
+        self.client = PeerClient(key, PeerTimeouts(connect=timeout, first_byte=timeout, body=timeout + 2.0),
+                                 prefix=self.prefix)
         self.server: PeerServer | None = None
         self._lock = threading.Lock()  # worker threads count blocks no peer answered
         self.peer_misses = 0
         self._show_owners()
+
+    @classmethod
+    def from_config(cls, cfg: MountConfig, key: bytes, metrics: MountMetrics | None = None) -> "Cluster":
+        """A member configured at start (`--peers`, `--peer-listen`): it listens on its own address."""
+        return cls(cfg.peer_listen, cfg.peer_members, cfg.peer_replicas, key, metrics, timeout=cfg.peer_timeout)
 
     def set_members(self, members: list[str], replicas: int | None = None) -> dict:
         """Replace the member list (a node joined or left); this node must stay among them. Building the
@@ -64,6 +72,18 @@ class Cluster:
             self.changes += 1
             self._show_owners()
         return {"members": len(owners.members), "replicas": owners.replicas, "share": round(owners.share(self.me), 4)}
+
+    def rekey(self, me: str, key: bytes) -> None:
+        """A new address for this node (its peer port moved) or a new key (the cache's handover was made
+        again); the members that follow are checked by set_members."""
+        check_member(me)
+        if key != self.key:
+            self.key = self.client.key = key
+            if self.server is not None:
+                self.server.key = key
+        if me != self.me:
+            self.me = me
+            self._show_owners()
 
     def _show_owners(self) -> None:
         self.metrics.cluster_members.set(len(self.owners.members))
@@ -97,10 +117,14 @@ class Cluster:
             self.peer_misses += 1
         return None
 
-    def serve(self, held) -> None:
-        """Serve what this node holds (`held(key, etag, index)`, thread-safe) on its --peer-listen address."""
-        host, _, port = self.me.rpartition(":")
-        self.server = PeerServer((host, int(port)), self.key, held, metrics=self.metrics).start()
+    def serve(self, held, handoff: str | None = None) -> None:
+        """Serve what this node holds (`held(key, etag, index)`, thread-safe): on its own address, or on the
+        connections the node's peer router hands to the unix socket `handoff`."""
+        if handoff is None:
+            host, _, port = self.me.rpartition(":")
+            self.server = PeerServer((host, int(port)), self.key, held, metrics=self.metrics).start()
+        else:
+            self.server = PeerServer(None, self.key, held, metrics=self.metrics, prefix=self.prefix).receive(handoff)
 
     def close(self) -> None:
         if self.server is not None:
@@ -130,6 +154,7 @@ class Cluster:
     def stats(self) -> dict:
         server = self.server
         return {"members": len(self.owners.members), "replicas": self.owners.replicas, "me": self.me,
+                "name": self.name,
                 "share": round(self.owners.share(self.me), 4), "membership_changes": self.changes,
                 "bytes_from_peers": self.bytes_from_peers, "peer_misses": self.peer_misses,
                 "peer_failures": dict(self.client.failures), "peers": self.per_peer(),

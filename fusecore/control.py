@@ -1,4 +1,4 @@
-"""A mount's local control API: JSON lines over a unix socket (stats, warm, drop, resize, credentials, peers).
+"""A mount's local control API: JSON lines over a unix socket (stats, warm, drop, resize, credentials, peers, join).
 
 The CLI (`stoker stats|warm|drop`) and the CSI plugin talk to a running mount through it.
 """
@@ -18,7 +18,7 @@ from .failures import StokerError
 from .config import identity_from_document
 from .datapath import DataPath
 from .store_errors import StoreError
-from .messages import MalformedReply, MountStats, WarmProgress
+from .messages import JoinRequest, MalformedReply, MountStats, WarmProgress
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,11 @@ def set_peers(path: str, members: list[str], replicas: int | None = None, timeou
     return call(path, {"op": "peers", "members": list(members), "replicas": replicas}, timeout)
 
 
+def join(path: str, request: JoinRequest, timeout: float | None = 30.0) -> dict:
+    """Make a running mount a member of a distributed cache, or update its membership (then warm)."""
+    return call(path, request.wire(), timeout)
+
+
 def rotate(path: str, credentials: dict[str, Any] | None, timeout: float | None = 10.0) -> None:
     call(path, {"op": "credentials", "credentials": credentials}, timeout)
 
@@ -84,7 +89,11 @@ async def serve(datapath: DataPath, path: str, *, task_status=trio.TASK_STATUS_I
     task_status.started()
     try:
         async def handle(stream: trio.SocketStream) -> None:
-            await _handle(datapath, stream)
+            try:
+                await _handle(datapath, stream)
+            except Exception as exc:  # noqa: BLE001 - one request's end never ends the mount's serving
+                if not _client_gone(exc):
+                    log.exception("control request failed")
 
         await trio.serve_listeners(handle, [listener])
     finally:
@@ -122,6 +131,8 @@ async def _handle(datapath: DataPath, stream: trio.SocketStream) -> None:
                 replicas = request.get("replicas")
                 await _send(stream, await datapath.set_peers([str(m) for m in members],
                                                              None if replicas is None else int(replicas)))
+            elif op == "join":
+                await _send(stream, await datapath.join(JoinRequest.from_wire(request)))
             elif op == "credentials":
                 identity = identity_from_document(request.get("credentials"))
                 if identity is None:
@@ -140,8 +151,21 @@ async def _handle(datapath: DataPath, stream: trio.SocketStream) -> None:
         except (ValueError, KeyError, TypeError) as exc:
             await _send(stream, {"error": f"{op}: {exc}", "kind": "bad_request"})
         except Exception as exc:  # noqa: BLE001 - report to the client, keep serving
+            if _client_gone(exc):  # e.g. a warm's caller stopped listening (re-planned): the warm just ends
+                return
             log.exception("control request %r failed", op)
             await _send(stream, {"error": f"{type(exc).__name__}: {exc}", "kind": "failed"})
+
+
+_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+def _client_gone(exc: BaseException) -> bool:
+    """The client hung up: the error, or a group of nothing else (a warm's progress reporter raises it
+    from a nursery)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(_GONE)[1] is None
+    return isinstance(exc, _GONE)
 
 
 async def _send(stream: trio.SocketStream, message: dict) -> None:

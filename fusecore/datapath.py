@@ -17,7 +17,7 @@ from .cache import BlockCache
 from .cluster import Cluster, held_block, read_key
 from .config import WARM_FRACTION, ConfigError, Identity, MountConfig
 from .fetcher import Fetcher
-from .messages import WarmProgress
+from .messages import JoinRequest, WarmProgress
 from .metrics import MountMetrics
 from .namespace import Namespace
 from .reader import Reader
@@ -34,7 +34,7 @@ class DataPath:
         self.metrics = metrics or MountMetrics()
         self.cache = BlockCache(cfg.cache_size)
         self.metrics.bind_cache(self.cache.stats)
-        self.cluster = Cluster(cfg, read_key(cfg.peer_key_file), self.metrics) if cfg.peers else None
+        self.cluster = Cluster.from_config(cfg, read_key(cfg.peer_key_file), self.metrics) if cfg.peers else None
         self.fetcher = Fetcher(store, self.cache, self.metrics, block_size=cfg.block_size,
                                max_concurrency=cfg.store.max_concurrency, inflight_limit=cfg.inflight_limit,
                                read_deadline=cfg.read_deadline, cluster=self.cluster)
@@ -46,17 +46,17 @@ class DataPath:
 
     def start(self, nursery: trio.Nursery) -> None:
         self.fetcher.start(nursery)
+        self._token = trio.lowlevel.current_trio_token()
         if self.cluster is not None:
-            token = trio.lowlevel.current_trio_token()
-
-            def held(key: str, etag: str, index: int):
-                return trio.from_thread.run_sync(held_block, self.cache, key, etag, index, trio_token=token)
-
             try:
-                self.cluster.serve(held)
+                self.cluster.serve(self._held)
             except OSError as exc:
                 raise ConfigError("peer-listen", f"cannot serve peers on {self.cfg.peer_listen}: {exc.strerror}") \
                     from None
+
+    def _held(self, key: str, etag: str, index: int):
+        """From a peer server's thread: a whole block this node holds, or None."""
+        return trio.from_thread.run_sync(held_block, self.cache, key, etag, index, trio_token=self._token)
 
     def close(self) -> None:
         if self.cluster is not None:
@@ -128,6 +128,23 @@ class DataPath:
             raise ValueError("this mount is not part of a distributed cache (--peers)")
         return await trio.to_thread.run_sync(self.cluster.set_members, members, replicas)
 
+    async def join(self, request: JoinRequest) -> dict:
+        """Become a member of a distributed cache, or update the membership of the one this mount is in
+        (members, replicas, this node's address, the key). A mount serves one distributed cache at most."""
+        cluster = self.cluster
+        if cluster is not None and cluster.name != request.name:
+            raise ValueError(f"this mount already serves distributed cache {cluster.name or '(--peers)'!r}")
+        if cluster is None:
+            cluster = Cluster(request.me, [request.me], 1, request.key, self.metrics, timeout=self.cfg.peer_timeout,
+                              name=request.name)
+            answer = await trio.to_thread.run_sync(cluster.set_members, list(request.members), request.replicas)
+            cluster.changes = 0
+            cluster.serve(self._held, handoff=request.handoff)
+            self.cluster = self.fetcher.cluster = cluster
+            return answer
+        cluster.rekey(request.me, request.key)
+        return await trio.to_thread.run_sync(cluster.set_members, list(request.members), request.replicas)
+
     def rotate(self, identity: Identity) -> dict:
         """Sign with new credentials from now on (kubelet's republish or restage brought them)."""
         self.store.rotate(identity)
@@ -153,14 +170,16 @@ class DataPath:
             files.extend(await self.namespace.walk_files(path))
         budget = int(self.cache.budget * WARM_FRACTION)
         block_size = self.cfg.block_size
-        planned, total = [], 0
+        planned, total, skipped = [], 0, 0
         for info in files:
             mine = self._warmed_blocks(info)
             size = sum(min(block_size, info.size - i * block_size) for i in mine)
             if mine and total + size <= budget:
                 planned.append((info, mine))
                 total += size
-        progress = WarmProgress(files_total=len(planned), bytes_total=total, skipped_files=len(files) - len(planned))
+            elif mine or self.cluster is None:  # another node's file is not skipped: it is not this node's to warm
+                skipped += 1
+        progress = WarmProgress(files_total=len(planned), bytes_total=total, skipped_files=skipped)
         slots = trio.CapacityLimiter(self.cfg.store.max_concurrency)
 
         async def warm_block(info, index: int) -> None:

@@ -165,6 +165,8 @@ class Fetcher:
         key = BlockKey(obj.key, obj.etag, index, unit)
         data = self.cache.get(key, visit)
         if data is not None:
+            if self.cluster is not None and self.cache.transient(key) and self._keeps(key, obj):
+                self.cache.keep(key)  # read for another owner, and this node's own since the members changed
             return data, True
         pending = self._pending.get(key)
         if pending is None:

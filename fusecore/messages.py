@@ -86,3 +86,39 @@ class WarmProgress:
     def from_wire(cls, doc: dict) -> "WarmProgress":
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in doc.items() if k in known})
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """The control socket's `join`: make a running mount a member of a distributed cache (what a node agent
+    does in Kubernetes), or bring its membership up to date. The key travels here, never in a file or an
+    argument; the node's peer router hands this cache's connections to the unix socket `handoff`."""
+
+    name: str  # the cache's id: its requests arrive under /c/<name>
+    me: str  # HOST:PORT this node is reached on (the node's peer port)
+    members: tuple[str, ...]
+    replicas: int
+    key: bytes = field(repr=False)
+    handoff: str
+
+    def wire(self) -> dict:
+        return {"op": "join", "name": self.name, "me": self.me, "members": list(self.members),
+                "replicas": self.replicas, "key": self.key.hex(), "handoff": self.handoff}
+
+    @classmethod
+    def from_wire(cls, doc: dict) -> "JoinRequest":
+        """ValueError (the control socket's bad_request) when a field is missing or malformed."""
+        try:
+            name, me, handoff = str(doc["name"]), str(doc["me"]), str(doc["handoff"])
+            members, replicas, key = doc["members"], int(doc["replicas"]), bytes.fromhex(str(doc["key"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"join: missing or malformed field ({type(exc).__name__})") from None
+        if not isinstance(members, list):
+            raise ValueError("join: members must be a list of HOST:PORT")
+        if not (name.isalnum() and name.isascii() and 8 <= len(name) <= 64):
+            raise ValueError("join: name must be the cache's id (8-64 letters and digits)")
+        if len(key) < 16:
+            raise ValueError("join: the key must be at least 16 bytes")
+        if not handoff.startswith("/"):
+            raise ValueError("join: handoff must be an absolute path")
+        return cls(name, me, tuple(str(m) for m in members), replicas, key, handoff)

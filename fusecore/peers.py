@@ -6,8 +6,13 @@ read slower, never make it fail or return other bytes: the client uses an answer
 exact block version asked (ETag), of exactly the block's length, with a matching SHA-256, and returns
 None on anything else (refused, timed out, wrong answer), so the caller reads the store.
 
-    GET /v1/block?key=<object key>&etag=<etag>&index=<block index>
+    GET <prefix>/v1/block?key=<object key>&etag=<etag>&index=<block index>
     Authorization: Stoker-Peer <unix seconds> <hex HMAC-SHA256(cache key, "<seconds>\\n<path and query>")>
+
+The prefix is empty when a mount listens on its own address (`--peer-listen`), and `/c/<cache id>` when a
+node's one peer port serves every distributed cache of the node (peer_router.py): the router reads the
+request line, hands the connection to the mount of that cache (`PeerServer.receive`), and the mount
+answers it as its own. The signature covers the whole target, prefix included.
 
 The server answers 200 with the block (Content-Length, X-Stoker-ETag, X-Stoker-SHA256) when it holds that
 exact version, 404 when it does not (it never fetches from the store for a peer), 503 when it already
@@ -19,11 +24,13 @@ malformed one. Traffic is not encrypted: see docs/security.md.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import http.client
 import http.server
 import logging
+import os
 import socket
 import threading
 import time
@@ -38,6 +45,7 @@ SCHEME = "Stoker-Peer"
 MAX_SKEW = 60.0  # seconds a signed request stays valid (clocks of a cluster's nodes agree within that)
 CHUNK = 256 * 1024
 MAX_CLIENTS = 64  # requests a node answers at once; more are told 503 (threads and memory stay bounded)
+IDLE_TIMEOUT = 30.0  # seconds a peer connection may stay silent (or not take its answer) before it is closed
 
 Lookup = Callable[[str, str, int], "bytes | memoryview | None"]  # (key, etag, index) -> the block, if held
 
@@ -63,30 +71,78 @@ def verify(key: bytes, target: str, header: str | None, now: float) -> bool:
     return hmac.compare_digest(_mac(key, seconds, target), mac)
 
 
-def block_target(key: str, etag: str, index: int) -> str:
-    return f"{PATH}?" + urllib.parse.urlencode({"key": key, "etag": etag, "index": str(index)})
+def block_target(key: str, etag: str, index: int, prefix: str = "") -> str:
+    return f"{prefix}{PATH}?" + urllib.parse.urlencode({"key": key, "etag": etag, "index": str(index)})
+
+
+def cache_prefix(cache_id: str) -> str:
+    """The path prefix of one distributed cache's requests on a node's shared peer port."""
+    return f"/c/{cache_id}"
 
 
 class PeerServer:
-    """Serves held blocks to the cache's other members on `address` (host, port); port 0 picks one."""
+    """Serves held blocks to the cache's other members: on `address` (host, port; port 0 picks one), or,
+    with `address` None, on the connections a node's peer router hands over (`receive`)."""
 
-    def __init__(self, address: tuple[str, int], key: bytes, lookup: Lookup,
-                 clock: Callable[[], float] = time.time, metrics=None, max_clients: int = MAX_CLIENTS):
+    def __init__(self, address: tuple[str, int] | None, key: bytes, lookup: Lookup,
+                 clock: Callable[[], float] = time.time, metrics=None, max_clients: int = MAX_CLIENTS,
+                 prefix: str = ""):
         if not key:
             raise ValueError("a peer key is required: nothing is served unauthenticated")
         self.key, self.lookup, self.clock, self.metrics = key, lookup, clock, metrics
+        self.path = prefix + PATH
         self.served = self.refused = self.missed = self.busy = self.served_bytes = 0
         self._slots = threading.BoundedSemaphore(max_clients)
-        self._server = _Server(address, self._handler())
+        self._listening = address is not None
+        self._server = _Server(address or ("127.0.0.1", 0), self._handler(), bind_and_activate=self._listening)
         self.address = self._server.server_address[:2]
+        self._handoff: socket.socket | None = None
         self._thread = threading.Thread(target=self._server.serve_forever, name="peer-server", daemon=True)
 
     def start(self) -> "PeerServer":
-        self._thread.start()
+        if self._listening:
+            self._thread.start()
         return self
 
+    def receive(self, path: str) -> "PeerServer":
+        """Answer the connections a peer router sends to the unix socket `path` (one descriptor a datagram)."""
+        if os.path.exists(path):
+            os.unlink(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.bind(path)
+        os.chmod(path, 0o600)
+        self._handoff = sock
+        threading.Thread(target=self._receive, args=(sock,), name="peer-handoff", daemon=True).start()
+        return self
+
+    def _receive(self, sock: socket.socket) -> None:
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, 16, 4)
+            except OSError:
+                return  # closed
+            if not data and not fds:
+                return  # shut down (close)
+            for fd in fds:
+                try:
+                    conn = socket.socket(fileno=fd)
+                    peer = conn.getpeername()
+                except OSError:
+                    os.close(fd)
+                    continue
+                self._server.process_request(conn, peer)  # a thread of its own, like an accepted connection
+
     def close(self) -> None:
-        self._server.shutdown()
+        if self._listening:
+            self._server.shutdown()
+        handoff, self._handoff = self._handoff, None
+        if handoff is not None:
+            path = handoff.getsockname()
+            with contextlib.suppress(OSError):
+                handoff.shutdown(socket.SHUT_RDWR)  # wakes the receiving thread (a close alone would not)
+            handoff.close()
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         self._server.server_close()
 
     def _handler(self) -> type[http.server.BaseHTTPRequestHandler]:
@@ -94,6 +150,7 @@ class PeerServer:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            timeout = IDLE_TIMEOUT  # a connection that sends nothing for this long is closed
 
             def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
                 log.debug("peer %s: " + format, self.client_address[0], *args)
@@ -119,7 +176,7 @@ class PeerServer:
             key, etag, index = query["key"][0], query["etag"][0], int(query["index"][0])
         except (KeyError, ValueError, IndexError):
             return _send(h, 400)
-        if url.path != PATH or index < 0:
+        if url.path != self.path or index < 0:
             return _send(h, 400)
         data = self.lookup(key, etag, index)
         if data is None:
@@ -164,8 +221,9 @@ class PeerClient:
     avoided for `avoid` seconds, then asked again."""
 
     def __init__(self, key: bytes, timeouts: PeerTimeouts | None = None, avoid: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
-        self.key, self.timeouts, self.avoid = key, timeouts or PeerTimeouts(), avoid
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 prefix: str = ""):
+        self.key, self.timeouts, self.avoid, self.prefix = key, timeouts or PeerTimeouts(), avoid, prefix
         self.clock, self.wall = clock, wall
         self._avoid_until: dict[str, float] = {}
         self.failures: dict[str, int] = {}
@@ -197,7 +255,7 @@ class PeerClient:
 
     def _get(self, peer: str, key: str, etag: str, index: int, size: int) -> bytearray | None:
         host, _, port = peer.rpartition(":")
-        target = block_target(key, etag, index)
+        target = block_target(key, etag, index, self.prefix)
         started = self.clock()
         conn = http.client.HTTPConnection(host, int(port), timeout=self.timeouts.connect)
         try:

@@ -18,17 +18,69 @@ import threading
 import time
 
 from fusecore import control
+from fusecore.messages import JoinRequest
+from fusecore.peer_router import PeerRouter
 
 from .handover import handover_name, read_handover
 from .kube import Kube, NotFoundInCluster, load_config
-from .nodes import FINALIZER, NodePlan, NotANodePlan, node_selector, plan_of, release_patch
+from .nodes import FINALIZER, NodePlan, NotANodePlan, cache_id, cache_selector, node_selector, plan_of, release_patch
 from .plan import READY_AT, node_should_warm, timestamp
 
 log = logging.getLogger(__name__)
 REPORT_EVERY = 10.0  # seconds between progress reports while warming (phase changes are reported at once)
 RECHECK_EVERY = 30.0  # seconds between KeepWarm checks of a warm cache
-DISTRIBUTED_NOT_SERVED = ("node agents do not serve distributed DatasetCaches yet (the operator plans their shares): "
-                          "remove spec.distributed, or use `stoker mount --peers` outside Kubernetes")
+PEER_PORT = 7470  # the node plugin's peer port (chart value node.peerPort)
+JOIN_WAIT = 60.0  # seconds a node waits for every planned node to publish its peer address before it warms
+NO_PEER_PORT = ("this node serves no peer port (the node plugin runs with --peer-port 0, or without its pod's "
+                "address): a distributed DatasetCache needs node.peerPort")
+
+
+class Membership:
+    """Who serves one distributed cache: its DatasetCacheNodes' `status.peer`, listed and watched by the
+    cache's label (an agent's traffic grows with the cache's members, not with the cluster). `on_change`
+    is called when the peers or the number of planned nodes change (progress reports do not)."""
+
+    def __init__(self, kube: Kube, namespace: str, selector: str, on_change):
+        self.kube, self.namespace, self.selector, self.on_change = kube, namespace, selector, on_change
+        self._objects: dict[str, str] = {}  # DatasetCacheNode name -> its peer ("" before the node published it)
+        self._lock = threading.Lock()
+        self.listed = threading.Event()
+        self.stopped = threading.Event()
+
+    def current(self) -> tuple[list[str], int]:
+        """(the peers published, the nodes planned)."""
+        with self._lock:
+            return sorted({p for p in self._objects.values() if p}), len(self._objects)
+
+    def _apply(self, update) -> None:
+        before = self.current()
+        with self._lock:
+            update(self._objects)
+        if self.current() != before:
+            self.on_change()
+
+    def _observe(self, event_type: str, obj: dict) -> None:
+        name = obj["metadata"]["name"]
+        gone = event_type == "DELETED" or bool(obj["metadata"].get("deletionTimestamp"))
+        peer = str((obj.get("status") or {}).get("peer") or "")
+        self._apply(lambda objects: objects.pop(name, None) if gone else objects.__setitem__(name, peer))
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                items, version = self.kube.node_objects(self.namespace, self.selector)
+                live = {o["metadata"]["name"]: str((o.get("status") or {}).get("peer") or "") for o in items
+                        if not o["metadata"].get("deletionTimestamp")}
+                self._apply(lambda objects: (objects.clear(), objects.update(live)))
+                self.listed.set()
+                for event in self.kube.watch_node_objects(self.namespace, self.selector, version, timeout=60):
+                    if self.stopped.is_set():
+                        return
+                    if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                        self._observe(event["type"], event["object"])
+            except Exception as exc:  # noqa: BLE001 - the API may be briefly away; list and watch again
+                log.warning("watching the members of %s: %s", self.selector, exc)
+                self.stopped.wait(2)
 
 
 class CacheWorker:
@@ -45,6 +97,12 @@ class CacheWorker:
         self.thread = threading.Thread(target=self._run, name=f"warm {self.key}", daemon=True)
         self._last_report = 0.0
         self.held: str | None = None  # the volume this worker holds (released by id)
+        self.membership: Membership | None = None  # a distributed cache's members, watched while it is planned
+        self.joined: tuple | None = None  # (members, replicas) the mount was last told
+        self.warmed_for: tuple | None = None  # the membership the last complete warm was for
+        self.owned_bytes = 0  # what this node owns of the dataset, as its last warm counted it
+        self._waiting_since: float | None = None
+        self.share = 0.0  # the part of the dataset's blocks this node owns (the mount's answer to join)
 
     def update(self, obj: dict, plan: NodePlan) -> None:
         self.report = dict(obj.get("status") or {})
@@ -55,6 +113,8 @@ class CacheWorker:
     def stop(self) -> None:
         self.stopped.set()
         self.changed.set()
+        if self.membership is not None:
+            self.membership.stopped.set()
 
     def _run(self) -> None:
         while not self.stopped.is_set():
@@ -72,8 +132,8 @@ class CacheWorker:
 
     def _keep_warm(self) -> None:
         plan = self.plan
-        if plan.replicas:  # planned by the operator; the node side is the cluster-cache issue's next slice
-            raise RuntimeError(DISTRIBUTED_NOT_SERVED)
+        if plan.replicas and self.agent.peers is None:
+            raise RuntimeError(NO_PEER_PORT)
         try:
             data, annotations = self.agent.kube.secret(self.agent.handover_namespace,
                                                        handover_name(plan.cache_namespace, plan.cache_name))
@@ -83,12 +143,21 @@ class CacheWorker:
         goal = plan.warmable_bytes
         if self.held is not None and self.held != handover.volume_id:
             self.agent.volumes.release(self.held, self.key)
+        if plan.replicas and not handover.peer_key:
+            raise RuntimeError("the operator has not handed over this DatasetCache's peer key yet")
         sock = self.agent.volumes.hold(handover.volume_id, handover.attributes, handover.secrets, self.key,
                                        plan.cache_bytes)
         self.held = handover.volume_id
+        membership_changed = False
+        if plan.replicas:
+            joined = self._join(sock, handover.volume_id, bytes.fromhex(handover.peer_key or ""))
+            if joined is None:
+                return  # waiting for the other nodes to publish their addresses
+            membership_changed = joined != self.warmed_for
+            goal = self.owned_bytes or goal
         cached = control.stats(sock).cache.bytes
         mine = self._current()  # a report about an earlier plan counts as none
-        if not node_should_warm(plan.policy, mine, cached, goal):
+        if not membership_changed and not node_should_warm(plan.policy, mine, cached, goal):
             evicted = cached < READY_AT * goal  # policy Once: say so, do not fetch again
             if mine and (evicted or abs(int(mine.get("cachedBytes", 0)) - cached) > 0.02 * max(goal, 1)):
                 self._report(dict(mine, cachedBytes=cached, phase="Evicted" if evicted else mine["phase"],
@@ -109,11 +178,49 @@ class CacheWorker:
             raise RuntimeError("the mount ended the warm without a result")
         skipped = f"; {final.skipped_files} files did not fit the cache" if final.skipped_files else ""
         ok = final.errors == 0 and final.bytes_done >= READY_AT * final.bytes_total
+        if plan.replicas:
+            self.owned_bytes = final.bytes_total
+            self.warmed_for = self.joined
         self._report({"phase": "Ready" if ok else "Failed", "warmedBytes": final.bytes_done, "cachedBytes": cached,
                       "filesWarmed": final.files_done,
                       "message": (f"warm in {final.seconds}s{skipped}" if ok
                                   else f"{final.errors} files could not be read{skipped}")}, force=True)
         log.info("%s: warmed %d bytes on %s", self.key, final.bytes_done, self.agent.node)
+
+    def _join(self, sock: str, volume_id: str, key: bytes) -> tuple | None:
+        """Publish this node's peer address, and once every planned node published its own (or JOIN_WAIT
+        passed), tell the mount its members; None while waiting. Returns the membership the mount has."""
+        peers = self.agent.peers
+        assert peers is not None
+        if self.membership is None:
+            self.membership = Membership(self.agent.kube, self.agent.handover_namespace,
+                                         cache_selector(self.plan.cache_namespace, self.plan.cache_name),
+                                         self.changed.set)
+            threading.Thread(target=self.membership.run, name=f"members {self.key}", daemon=True).start()
+        if self.report.get("peer") != peers.address:
+            self._report({"phase": "Pending", "message": "joining the distributed cache"}, force=True)
+        self.membership.listed.wait(10)
+        members, planned = self.membership.current()
+        members = sorted(set(members) | {peers.address})
+        now = time.monotonic()
+        if len(members) < planned:
+            self._waiting_since = self._waiting_since or now
+            if now - self._waiting_since < self.agent.join_wait:
+                message = (f"{len(members)} of {planned} nodes joined; waiting for the others before warming "
+                           f"this node's share")
+                self._report({"phase": "Pending", "message": message}, force=message != self.report.get("message"))
+                self.changed.wait(min(5.0, self.agent.join_wait))  # a member's arrival ends the wait early
+                self.changed.set()  # come straight back (the loop clears it)
+                return None
+        self._waiting_since = None
+        replicas = min(self.plan.replicas, len(members))
+        name = cache_id(self.plan.cache_namespace, self.plan.cache_name)
+        handoff = self.agent.volumes.peer_socket(volume_id)
+        answer = control.join(sock, JoinRequest(name, peers.address, tuple(members), replicas, key, handoff))
+        peers.route(name, handoff)
+        self.joined = (tuple(members), replicas)
+        self.share = float(answer.get("share", 0.0))
+        return self.joined
 
     def _report(self, entry: dict, *, force: bool = False) -> None:
         now = time.monotonic()
@@ -122,18 +229,43 @@ class CacheWorker:
         self._last_report = now
         report = {"warmedBytes": 0, "cachedBytes": 0, "filesWarmed": 0, **entry, "updated": timestamp(),
                   "plan": self.plan.plan}
+        if self.plan.replicas and self.agent.peers is not None:
+            report["peer"] = self.agent.peers.address
+            if self.joined is not None:
+                report["share"] = f"{self.share:.1%}"
+            if self.owned_bytes:
+                report["shareBytes"] = self.owned_bytes
         self.agent.kube.patch_node_status(self.agent.handover_namespace, self.name, report)
         self.report = report
 
     def release(self) -> None:
         """Give the memory back, whatever this holder holds (even from before a restart)."""
+        if self.plan.replicas and self.agent.peers is not None:
+            self.agent.peers.unroute(cache_id(self.plan.cache_namespace, self.plan.cache_name))
         self.agent.volumes.release_holder(self.key)
         self.held = None
 
 
+class PeerPort:
+    """This node's one peer address (HOST:PORT, the node plugin pod's), and the router behind it that hands
+    each distributed cache's connections to the mount serving it."""
+
+    def __init__(self, address: str, router: PeerRouter):
+        self.address, self.router = address, router
+
+    def route(self, cache: str, handoff: str) -> None:
+        self.router.route(cache, handoff)
+
+    def unroute(self, cache: str) -> None:
+        self.router.unroute(cache)
+
+
 class WarmAgent:
     def __init__(self, volumes, node: str, kube: Kube, recheck: float = RECHECK_EVERY,
-                 handover_namespace: str = "stoker-system", report_every: float = REPORT_EVERY):
+                 handover_namespace: str = "stoker-system", report_every: float = REPORT_EVERY,
+                 peers: PeerPort | None = None, join_wait: float = JOIN_WAIT):
+        self.peers = peers  # None: distributed caches are refused on this node
+        self.join_wait = join_wait
         self.volumes = volumes
         self.handover_namespace = handover_namespace
         self.recheck = recheck
@@ -223,15 +355,44 @@ class WarmAgentExtension:
                             help=f"seconds between checks that a warm cache is still warm (default {RECHECK_EVERY:g})")
         parser.add_argument("--warm-report-interval", type=_seconds, default=REPORT_EVERY,
                             help=f"seconds between progress reports while warming (default {REPORT_EVERY:g})")
+        parser.add_argument("--peer-port", type=_port, default=PEER_PORT,
+                            help=f"the port this node serves distributed DatasetCaches' blocks to the other nodes "
+                                 f"on, for every cache of the node (default {PEER_PORT}; 0: none)")
+        parser.add_argument("--peer-address", default=os.environ.get("POD_IP", ""),
+                            help="the address the other nodes reach this node plugin on (default: $POD_IP)")
+        parser.add_argument("--join-wait", type=_seconds, default=JOIN_WAIT,
+                            help=f"seconds a node waits for every planned node of a distributed cache to join "
+                                 f"before it warms its share (default {JOIN_WAIT:g})")
 
     def start(self, args: argparse.Namespace, volumes, stop: threading.Event) -> None:
         if not args.warm_agent:
             return
         load_config()
+        peers = None
+        if args.peer_port and args.peer_address:
+            router = PeerRouter((args.peer_address, args.peer_port)).start()
+            peers = PeerPort(_member(args.peer_address, args.peer_port), router)
+            log.info("serving distributed caches' blocks on %s", peers.address)
         agent = WarmAgent(volumes, args.node_id, Kube(), recheck=args.warm_recheck,
-                          handover_namespace=args.handover_namespace, report_every=args.warm_report_interval)
+                          handover_namespace=args.handover_namespace, report_every=args.warm_report_interval,
+                          peers=peers, join_wait=args.join_wait)
         threading.Thread(target=agent.run, args=(stop,), name="warm-agent", daemon=True).start()
         log.info("warm agent watching the DatasetCacheNodes of node %s", args.node_id)
+
+
+def _member(address: str, port: int) -> str:
+    """HOST:PORT as the members name each other (an IPv6 address in brackets)."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 65535 (got {text})")
+    return value
 
 
 def _seconds(text: str) -> float:

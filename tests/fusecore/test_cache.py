@@ -197,3 +197,21 @@ def test_blocks_kept_for_their_readers_only_never_displace_owned_blocks():
             assert cache.get(key) is not None  # its reader has it
     assert all(key in cache for key in owned)
     assert sum(BlockKey("other", "e", i) in cache for i in range(10)) <= 2, "only the window holds them"
+
+
+def test_a_transient_block_kept_once_it_becomes_this_node_s_stays_past_the_window():
+    """Members changed: a block read for another owner is now this node's (its warm finds it in the window).
+    Kept from then on, it is admitted like any other block instead of being dropped with the window."""
+    from fusecore.blocks import BlockKey
+
+    cache = BlockCache(10 * 100, window_fraction=0.2)
+    moved, other = BlockKey("moved", "e", 0), BlockKey("other", "e", 0)
+    for key in (moved, other):
+        cache.put(key, bytes(100), keep=False)
+    assert cache.transient(moved) and cache.get(moved) is not None
+    cache.keep(moved)
+    assert not cache.transient(moved)
+    for i in range(5):  # other reads push both out of the window
+        cache.put(BlockKey("later", "e", i), bytes(100))
+        cache.get(BlockKey("later", "e", i))
+    assert moved in cache and other not in cache

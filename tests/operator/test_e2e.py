@@ -27,10 +27,12 @@ pytestmark = [pytest.mark.integration, requires_fuse]
 
 
 class NodePlugin:
-    """A real `stoker csi` node plugin with the warm agent, for node gpu-1."""
+    """A real `stoker csi` node plugin with the warm agent, for node `node` (its own directories under
+    `tmp_path`; `extra` arguments, such as its peer address)."""
 
-    def __init__(self, kube, tmp_path):
-        self.kube, self.tmp_path = kube, tmp_path
+    def __init__(self, kube, tmp_path, node: str = "gpu-1", extra: tuple[str, ...] = ()):
+        self.kube, self.tmp_path, self.node, self.extra = kube, tmp_path, node, extra
+        tmp_path.mkdir(parents=True, exist_ok=True)
         self.state = StateDir(str(tmp_path / "state"))
         self.kubelet_dir = str(tmp_path / "kubelet")
         self.proc = None
@@ -40,9 +42,9 @@ class NodePlugin:
         with open(self.tmp_path / "csi.log", "ab") as logs:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "stoker", "csi", "--endpoint", f"unix://{self.tmp_path}/csi.sock",
-                 "--node-id", "gpu-1", "--state-dir", self.state.root, "--warm-agent", "--warm-recheck", "1",
+                 "--node-id", self.node, "--state-dir", self.state.root, "--warm-agent", "--warm-recheck", "1",
                  "--health-interval", "1", "--kubelet-dir", self.kubelet_dir, "--secrets-dir",
-                 str(self.tmp_path / "secrets")], stdout=logs, stderr=logs, env=env)
+                 str(self.tmp_path / "secrets"), *self.extra], stdout=logs, stderr=logs, env=env)
 
     def stop(self) -> None:
         self.proc.terminate()

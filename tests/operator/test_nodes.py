@@ -98,13 +98,14 @@ def test_the_agents_intervals_are_refused_unless_positive(capsys, flag, value):
     assert build_parser().parse_args(["csi", flag, "2.5"]).__dict__[flag[2:].replace("-", "_")] == 2.5
 
 
-def test_an_agent_says_it_does_not_serve_a_distributed_plan_and_holds_nothing():
-    """The operator plans distributed caches; until node agents serve them, a node says so in its report
-    (phase Failed, a message naming the way out) instead of warming a share as if it were the dataset."""
+def test_an_agent_without_a_peer_port_says_it_cannot_serve_a_distributed_plan_and_holds_nothing():
+    """A node plugin started with --peer-port 0 (or without its pod's address) cannot serve a share to the
+    other nodes: it says so in its report (phase Failed, a message naming the chart value) instead of
+    warming a share as if it were the dataset."""
     import threading
 
     from stoker_bench.operator_scale import FakeVolumes
-    from stoker_operator.agent import DISTRIBUTED_NOT_SERVED, WarmAgent
+    from stoker_operator.agent import NO_PEER_PORT, WarmAgent
 
     reports = []
     reported = threading.Event()
@@ -122,7 +123,7 @@ def test_an_agent_says_it_does_not_serve_a_distributed_plan_and_holds_nothing():
     distributed = NodePlan("ml/c", "gpu-1", "1-abc", 2**30, 2**29, replicas=1)
     agent.observe("ADDED", distributed.body("stoker-system"))
     assert reported.wait(10)
-    assert reports[0]["phase"] == "Failed" and reports[0]["message"] == DISTRIBUTED_NOT_SERVED
+    assert reports[0]["phase"] == "Failed" and reports[0]["message"] == NO_PEER_PORT
     assert volumes.held == {}
     for worker in agent.workers.values():
         worker.stop()
