@@ -198,3 +198,29 @@ def test_every_stoker_container_command_is_one_the_cli_accepts(name):
             assert callable(parsed.func), container["name"]
             seen += 1
     assert seen >= 2  # the node plugin and the mounter, in every value set
+
+
+def test_the_peer_port_is_open_to_this_release_s_mounters_only():
+    """Distributed DatasetCaches: the node plugin listens on node.peerPort at its pod IP, and the NetworkPolicy
+    admits that port from this release's mounter pods (where the asking mounts run) and from nobody else;
+    its health and metrics ports stay open. Without the warm agent or with peerPort 0 there is neither."""
+    docs = render({})
+    node = next(d for d in by_kind(docs, "DaemonSet") if d["metadata"]["name"] == "stoker-node")
+    container = node["spec"]["template"]["spec"]["containers"][0]
+    assert "--peer-port=7470" in container["args"]
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
+    assert {"name": "peer", "containerPort": 7470, "protocol": "TCP"} in container["ports"]
+    mounter = next(d for d in by_kind(docs, "DaemonSet") if d["metadata"]["name"] == "stoker-mounter")
+    (policy,) = by_kind(docs, "NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"] == node["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    peer_rule, open_rule = policy["spec"]["ingress"]
+    assert peer_rule["ports"] == [{"port": 7470, "protocol": "TCP"}]
+    assert [f["podSelector"]["matchLabels"] for f in peer_rule["from"]] == [
+        mounter["spec"]["selector"]["matchLabels"]]
+    assert "from" not in open_rule and {p["port"] for p in open_rule["ports"]} == {9808, 9810}
+    for values in ({"node": {"peerPort": 0}}, {"node": {"warmAgent": False}}, {"networkPolicy": {"enabled": False}}):
+        assert not by_kind(render(values), "NetworkPolicy"), values
+    assert "--peer-port=0" in next(d for d in by_kind(render({"node": {"peerPort": 0}}), "DaemonSet")
+                                   if d["metadata"]["name"] == "stoker-node")["spec"]["template"]["spec"][
+        "containers"][0]["args"]
