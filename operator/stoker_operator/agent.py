@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 REPORT_EVERY = 10.0  # seconds between progress reports while warming (phase changes are reported at once)
 RECHECK_EVERY = 30.0  # seconds between KeepWarm checks of a warm cache
 PEER_PORT = 7470  # the node plugin's peer port (chart value node.peerPort)
+SPREAD_FROM = 100  # members of a distributed cache from which progress reports are spread out (CacheWorker._spread)
 JOIN_WAIT = 60.0  # seconds a node waits for every planned node to publish its peer address before it warms
 NO_PEER_PORT = ("this node serves no peer port (the node plugin runs with --peer-port 0, or without its pod's "
                 "address): a distributed DatasetCache needs node.peerPort")
@@ -143,6 +144,9 @@ class CacheWorker:
         goal = plan.warmable_bytes
         if self.held is not None and self.held != handover.volume_id:
             self.agent.volumes.release(self.held, self.key)
+        if not plan.replicas and self.membership is not None:  # no longer distributed: stop watching its members
+            self.membership.stopped.set()
+            self.membership = None
         if plan.replicas and not handover.peer_key:
             raise RuntimeError("the operator has not handed over this DatasetCache's peer key yet")
         sock = self.agent.volumes.hold(handover.volume_id, handover.attributes, handover.secrets, self.key,
@@ -187,6 +191,14 @@ class CacheWorker:
                                   else f"{final.errors} files could not be read{skipped}")}, force=True)
         log.info("%s: warmed %d bytes on %s", self.key, final.bytes_done, self.agent.node)
 
+    def _spread(self) -> float:
+        """How much less often progress is reported: every member of a distributed cache watches every other's
+        reports, so a cache of N > 100 nodes reports N/100 times less often (the API server's fan-out stays
+        that of 100 nodes; phase changes are reported at once whatever N)."""
+        if self.membership is None:
+            return 1.0
+        return max(1.0, self.membership.current()[1] / SPREAD_FROM)
+
     def _join(self, sock: str, volume_id: str, key: bytes) -> tuple | None:
         """Publish this node's peer address, and once every planned node published its own (or JOIN_WAIT
         passed), tell the mount its members; None while waiting. Returns the membership the mount has."""
@@ -224,7 +236,7 @@ class CacheWorker:
 
     def _report(self, entry: dict, *, force: bool = False) -> None:
         now = time.monotonic()
-        if not force and now - self._last_report < self.agent.report_every:
+        if not force and now - self._last_report < self.agent.report_every * self._spread():
             return
         self._last_report = now
         report = {"warmedBytes": 0, "cachedBytes": 0, "filesWarmed": 0, **entry, "updated": timestamp(),
