@@ -115,8 +115,8 @@ class JoinRequest:
             raise ValueError(f"join: missing or malformed field ({type(exc).__name__})") from None
         if not isinstance(members, list):
             raise ValueError("join: members must be a list of HOST:PORT")
-        if not (name.isalnum() and name.isascii() and 8 <= len(name) <= 64):
-            raise ValueError("join: name must be the cache's id (8-64 letters and digits)")
+        if not (8 <= len(name) <= 64 and all(c in "0123456789abcdef" for c in name)):
+            raise ValueError("join: name must be the cache's id (8-64 lowercase hex digits, as peer paths carry it)")
         if len(key) < 16:
             raise ValueError("join: the key must be at least 16 bytes")
         if not handoff.startswith("/"):

@@ -23,6 +23,7 @@ from fusecore.peer_router import PeerRouter
 
 from .handover import handover_name, read_handover
 from .kube import Kube, NotFoundInCluster, load_config
+from .members import Membership, PeerPort
 from .nodes import FINALIZER, NodePlan, NotANodePlan, cache_id, cache_selector, node_selector, plan_of, release_patch
 from .plan import READY_AT, node_should_warm, timestamp
 
@@ -30,58 +31,9 @@ log = logging.getLogger(__name__)
 REPORT_EVERY = 10.0  # seconds between progress reports while warming (phase changes are reported at once)
 RECHECK_EVERY = 30.0  # seconds between KeepWarm checks of a warm cache
 PEER_PORT = 7470  # the node plugin's peer port (chart value node.peerPort)
-SPREAD_FROM = 100  # members of a distributed cache from which progress reports are spread out (CacheWorker._spread)
 JOIN_WAIT = 60.0  # seconds a node waits for every planned node to publish its peer address before it warms
 NO_PEER_PORT = ("this node serves no peer port (the node plugin runs with --peer-port 0, or without its pod's "
                 "address): a distributed DatasetCache needs node.peerPort")
-
-
-class Membership:
-    """Who serves one distributed cache: its DatasetCacheNodes' `status.peer`, listed and watched by the
-    cache's label (an agent's traffic grows with the cache's members, not with the cluster). `on_change`
-    is called when the peers or the number of planned nodes change (progress reports do not)."""
-
-    def __init__(self, kube: Kube, namespace: str, selector: str, on_change):
-        self.kube, self.namespace, self.selector, self.on_change = kube, namespace, selector, on_change
-        self._objects: dict[str, str] = {}  # DatasetCacheNode name -> its peer ("" before the node published it)
-        self._lock = threading.Lock()
-        self.listed = threading.Event()
-        self.stopped = threading.Event()
-
-    def current(self) -> tuple[list[str], int]:
-        """(the peers published, the nodes planned)."""
-        with self._lock:
-            return sorted({p for p in self._objects.values() if p}), len(self._objects)
-
-    def _apply(self, update) -> None:
-        before = self.current()
-        with self._lock:
-            update(self._objects)
-        if self.current() != before:
-            self.on_change()
-
-    def _observe(self, event_type: str, obj: dict) -> None:
-        name = obj["metadata"]["name"]
-        gone = event_type == "DELETED" or bool(obj["metadata"].get("deletionTimestamp"))
-        peer = str((obj.get("status") or {}).get("peer") or "")
-        self._apply(lambda objects: objects.pop(name, None) if gone else objects.__setitem__(name, peer))
-
-    def run(self) -> None:
-        while not self.stopped.is_set():
-            try:
-                items, version = self.kube.node_objects(self.namespace, self.selector)
-                live = {o["metadata"]["name"]: str((o.get("status") or {}).get("peer") or "") for o in items
-                        if not o["metadata"].get("deletionTimestamp")}
-                self._apply(lambda objects: (objects.clear(), objects.update(live)))
-                self.listed.set()
-                for event in self.kube.watch_node_objects(self.namespace, self.selector, version, timeout=60):
-                    if self.stopped.is_set():
-                        return
-                    if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
-                        self._observe(event["type"], event["object"])
-            except Exception as exc:  # noqa: BLE001 - the API may be briefly away; list and watch again
-                log.warning("watching the members of %s: %s", self.selector, exc)
-                self.stopped.wait(2)
 
 
 class CacheWorker:
@@ -104,6 +56,7 @@ class CacheWorker:
         self.owned_bytes = 0  # what this node owns of the dataset, as its last warm counted it
         self._waiting_since: float | None = None
         self.share = 0.0  # the part of the dataset's blocks this node owns (the mount's answer to join)
+        self.retry_in: float | None = None  # seconds to the next pass when sooner than the recheck
 
     def update(self, obj: dict, plan: NodePlan) -> None:
         self.report = dict(obj.get("status") or {})
@@ -120,12 +73,13 @@ class CacheWorker:
     def _run(self) -> None:
         while not self.stopped.is_set():
             self.changed.clear()
+            self.retry_in = None
             try:
                 self._keep_warm()
             except Exception as exc:  # noqa: BLE001 - report, then retry after a pause
                 log.warning("%s: %s", self.key, exc)
                 self._report({"phase": "Failed", "message": str(exc)}, force=True)
-            self.changed.wait(self.agent.recheck)
+            self.changed.wait(self.retry_in or self.agent.recheck)
 
     def _current(self) -> dict | None:
         """This node's last report, if it is about the plan now asked for."""
@@ -191,14 +145,6 @@ class CacheWorker:
                                   else f"{final.errors} files could not be read{skipped}")}, force=True)
         log.info("%s: warmed %d bytes on %s", self.key, final.bytes_done, self.agent.node)
 
-    def _spread(self) -> float:
-        """How much less often progress is reported: every member of a distributed cache watches every other's
-        reports, so a cache of N > 100 nodes reports N/100 times less often (the API server's fan-out stays
-        that of 100 nodes; phase changes are reported at once whatever N)."""
-        if self.membership is None:
-            return 1.0
-        return max(1.0, self.membership.current()[1] / SPREAD_FROM)
-
     def _join(self, sock: str, volume_id: str, key: bytes) -> tuple | None:
         """Publish this node's peer address, and once every planned node published its own (or JOIN_WAIT
         passed), tell the mount its members; None while waiting. Returns the membership the mount has."""
@@ -218,11 +164,12 @@ class CacheWorker:
         if len(members) < planned:
             self._waiting_since = self._waiting_since or now
             if now - self._waiting_since < self.agent.join_wait:
-                message = (f"{len(members)} of {planned} nodes joined; waiting for the others before warming "
-                           f"this node's share")
-                self._report({"phase": "Pending", "message": message}, force=message != self.report.get("message"))
-                self.changed.wait(min(5.0, self.agent.join_wait))  # a member's arrival ends the wait early
-                self.changed.set()  # come straight back (the loop clears it)
+                if self.joined is None:  # a member already serves with the members it has while a newcomer joins
+                    message = (f"{len(members)} of {planned} nodes joined; waiting for the others before warming "
+                               f"this node's share")
+                    self._report({"phase": "Pending", "message": message},
+                                 force=message != self.report.get("message"))
+                self.retry_in = min(5.0, self.agent.join_wait)  # a member's arrival ends the wait earlier
                 return None
         self._waiting_since = None
         replicas = min(self.plan.replicas, len(members))
@@ -236,7 +183,8 @@ class CacheWorker:
 
     def _report(self, entry: dict, *, force: bool = False) -> None:
         now = time.monotonic()
-        if not force and now - self._last_report < self.agent.report_every * self._spread():
+        if not force and now - self._last_report < self.agent.report_every * (
+                self.membership.spread() if self.membership else 1.0):
             return
         self._last_report = now
         report = {"warmedBytes": 0, "cachedBytes": 0, "filesWarmed": 0, **entry, "updated": timestamp(),
@@ -256,20 +204,6 @@ class CacheWorker:
             self.agent.peers.unroute(cache_id(self.plan.cache_namespace, self.plan.cache_name))
         self.agent.volumes.release_holder(self.key)
         self.held = None
-
-
-class PeerPort:
-    """This node's one peer address (HOST:PORT, the node plugin pod's), and the router behind it that hands
-    each distributed cache's connections to the mount serving it."""
-
-    def __init__(self, address: str, router: PeerRouter):
-        self.address, self.router = address, router
-
-    def route(self, cache: str, handoff: str) -> None:
-        self.router.route(cache, handoff)
-
-    def unroute(self, cache: str) -> None:
-        self.router.unroute(cache)
 
 
 class WarmAgent:

@@ -28,3 +28,19 @@ def test_warm_progress_round_trips_and_ignores_fields_it_does_not_know():
     progress = WarmProgress(files_total=3, bytes_total=30, files_done=1, bytes_done=10)
     assert WarmProgress.from_wire(progress.wire()) == progress
     assert WarmProgress.from_wire(dict(progress.wire(), phase="x", done=True)).done
+
+
+def test_a_join_request_round_trips_and_refuses_what_a_peer_path_cannot_carry():
+    import pytest
+
+    from fusecore.messages import JoinRequest
+
+    request = JoinRequest("ab" * 16, "10.0.0.1:7470", ("10.0.0.1:7470", "10.0.0.2:7470"), 1, b"k" * 32, "/run/x.peer")
+    assert JoinRequest.from_wire(request.wire()) == request
+    assert "k" * 32 not in repr(request)  # the key is never in a log line made of the request
+    for change in ({"name": "AB" * 16}, {"name": "c1"}, {"name": "../../x"}, {"key": "00" * 8}, {"key": "zz"},
+                   {"handoff": "relative.peer"}, {"members": "10.0.0.1:7470"}, {"replicas": "x"}):
+        with pytest.raises(ValueError):
+            JoinRequest.from_wire({**request.wire(), **change})
+    with pytest.raises(ValueError):
+        JoinRequest.from_wire({k: v for k, v in request.wire().items() if k != "key"})

@@ -127,3 +127,46 @@ def test_an_agent_without_a_peer_port_says_it_cannot_serve_a_distributed_plan_an
     assert volumes.held == {}
     for worker in agent.workers.values():
         worker.stop()
+
+
+def test_membership_follows_peers_and_planned_nodes_not_progress_reports():
+    """A distributed cache's members as one agent sees them (members.Membership): a node that publishes or
+    changes its address, or leaves the plan, is a change; a progress report is not (it would re-join and
+    re-warm every member at every report of every other)."""
+    import threading
+
+    from stoker_operator.members import Membership
+
+    def dcn(name, peer=None, deleting=False, cached=0):
+        meta = {"name": name, **({"deletionTimestamp": "2026-12-03T00:00:00Z"} if deleting else {})}
+        return {"metadata": meta, "status": {"cachedBytes": cached, **({"peer": peer} if peer else {})}}
+
+    events = [("MODIFIED", dcn("b", cached=5)),  # b is planned, has not published an address yet
+              ("MODIFIED", dcn("a", "10.0.0.1:7470", cached=10)),  # progress only: no change
+              ("MODIFIED", dcn("b", "10.0.0.2:7470")),  # b published: a change
+              ("MODIFIED", dcn("a", "10.0.0.9:7470")),  # a's node plugin restarted with another pod IP: a change
+              ("MODIFIED", dcn("b", "10.0.0.2:7470", deleting=True))]  # b leaves the plan: a change
+    seen, done = [], threading.Event()
+
+    class Kube:
+        def node_objects(self, namespace, selector):
+            assert selector == "stoker.dev/cache=c1"  # this cache's objects only
+            return [dcn("a", "10.0.0.1:7470"), dcn("b")], "7"
+
+        def watch_node_objects(self, namespace, selector, version, timeout=60):
+            assert version == "7"
+            for kind, obj in events:
+                yield {"type": kind, "object": obj}
+                seen.append(membership.current())
+            membership.stopped.set()
+            done.set()
+            yield {"type": "BOOKMARK", "object": {}}
+
+    changes = []
+    membership = Membership(Kube(), "stoker-system", "stoker.dev/cache=c1", lambda: changes.append(1))
+    threading.Thread(target=membership.run, daemon=True).start()
+    assert done.wait(10)
+    assert seen == [(["10.0.0.1:7470"], 2), (["10.0.0.1:7470"], 2), (["10.0.0.1:7470", "10.0.0.2:7470"], 2),
+                    (["10.0.0.2:7470", "10.0.0.9:7470"], 2), (["10.0.0.9:7470"], 1)]
+    assert len(changes) == 1 + 3  # the first list, then three changes
+    assert membership.spread() == 1.0
