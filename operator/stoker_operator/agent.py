@@ -316,9 +316,13 @@ class WarmAgentExtension:
         load_config()
         peers = None
         if args.peer_port and args.peer_address:
-            router = PeerRouter((args.peer_address, args.peer_port)).start()
-            peers = PeerPort(_member(args.peer_address, args.peer_port), router)
-            log.info("serving distributed caches' blocks on %s", peers.address)
+            address = _member(args.peer_address, args.peer_port)
+            try:
+                peers = PeerPort(address, PeerRouter((args.peer_address, args.peer_port)).start())
+                log.info("serving distributed caches' blocks on %s", address)
+            except OSError as exc:  # the node plugin still serves volumes; distributed caches say why they cannot
+                log.error("cannot serve distributed caches' blocks on %s (%s): they fail on this node", address,
+                          exc.strerror or exc)
         agent = WarmAgent(volumes, args.node_id, Kube(), recheck=args.warm_recheck,
                           handover_namespace=args.handover_namespace, report_every=args.warm_report_interval,
                           peers=peers, join_wait=args.join_wait)
