@@ -70,6 +70,7 @@ class Cluster:
         if (owners.members, owners.replicas) != (self.owners.members, self.owners.replicas):
             self.owners = owners
             self.changes += 1
+            self.client.close()  # idle connections to members that left
             self._show_owners()
         return {"members": len(owners.members), "replicas": owners.replicas, "share": round(owners.share(self.me), 4)}
 
@@ -127,6 +128,7 @@ class Cluster:
             self.server = PeerServer(None, self.key, held, metrics=self.metrics, prefix=self.prefix).receive(handoff)
 
     def close(self) -> None:
+        self.client.close()
         if self.server is not None:
             self.server.close()
 

@@ -32,6 +32,7 @@ import http.server
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import urllib.parse
@@ -45,7 +46,10 @@ SCHEME = "Stoker-Peer"
 MAX_SKEW = 60.0  # seconds a signed request stays valid (clocks of a cluster's nodes agree within that)
 CHUNK = 256 * 1024
 MAX_CLIENTS = 64  # requests a node answers at once; more are told 503 (threads and memory stay bounded)
-IDLE_TIMEOUT = 30.0  # seconds a peer connection may stay silent (or not take its answer) before it is closed
+IDLE_TIMEOUT = 10.0  # seconds a peer connection may stay silent (or not take its answer) before it is closed
+POOLED = 2  # idle connections an asker keeps to each peer (a connection and a server thread per block cost
+# about as much CPU as the block's bytes: keep-alive halves the CPU of a 100 KB peer read)
+POOL_IDLE = 5.0  # seconds an idle connection is kept; less than IDLE_TIMEOUT, so a peer rarely closes one first
 
 Lookup = Callable[[str, str, int], "bytes | memoryview | None"]  # (key, etag, index) -> the block, if held
 
@@ -86,12 +90,13 @@ class PeerServer:
 
     def __init__(self, address: tuple[str, int] | None, key: bytes, lookup: Lookup,
                  clock: Callable[[], float] = time.time, metrics=None, max_clients: int = MAX_CLIENTS,
-                 prefix: str = ""):
+                 prefix: str = "", idle_timeout: float = IDLE_TIMEOUT):
         if not key:
             raise ValueError("a peer key is required: nothing is served unauthenticated")
         self.key, self.lookup, self.clock, self.metrics = key, lookup, clock, metrics
         self.path = prefix + PATH
-        self.served = self.refused = self.missed = self.busy = self.served_bytes = 0
+        self.served = self.refused = self.missed = self.busy = self.served_bytes = self.connections = 0
+        self.idle_timeout = idle_timeout
         self._slots = threading.BoundedSemaphore(max_clients)
         self._listening = address is not None
         self._server = _Server(address or ("127.0.0.1", 0), self._handler(), bind_and_activate=self._listening)
@@ -149,8 +154,12 @@ class PeerServer:
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            timeout = IDLE_TIMEOUT  # a connection that sends nothing for this long is closed
+            protocol_version = "HTTP/1.1"  # keep-alive: an asker sends its next requests on the same connection
+            timeout = server.idle_timeout  # a connection that sends nothing for this long is closed
+
+            def setup(self) -> None:
+                server.connections += 1
+                super().setup()
 
             def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
                 log.debug("peer %s: " + format, self.client_address[0], *args)
@@ -202,6 +211,13 @@ class _Server(http.server.ThreadingHTTPServer):
     request_queue_size = 256
     daemon_threads = True
 
+    def handle_error(self, request, client_address) -> None:
+        """An asker that went away (closed a kept-alive connection, timed out) is no error worth a traceback."""
+        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            log.debug("peer %s: connection ended", client_address[0])
+        else:
+            log.warning("peer request from %s failed", client_address[0], exc_info=True)
+
 
 def _send(h: http.server.BaseHTTPRequestHandler, status: int) -> None:
     h.send_response(status)
@@ -227,6 +243,8 @@ class PeerClient:
         self.clock, self.wall = clock, wall
         self._avoid_until: dict[str, float] = {}
         self.failures: dict[str, int] = {}
+        self._pool: dict[str, list[tuple[float, http.client.HTTPConnection]]] = {}  # idle connections by peer
+        self._pool_lock = threading.Lock()
 
     def avoided(self, peer: str) -> bool:
         return self._avoid_until.get(peer, 0.0) > self.clock()
@@ -254,17 +272,31 @@ class PeerClient:
         log.info("peer %s failed (%s); avoided for %gs", peer, why, self.avoid)
 
     def _get(self, peer: str, key: str, etag: str, index: int, size: int) -> bytearray | None:
+        conn = self._take(peer)
+        if conn is not None:
+            try:
+                return self._exchange(peer, conn, key, etag, index, size)
+            except ConnectionError:
+                pass  # the peer closed the idle connection meanwhile: ask again on a new one (no failure)
         host, _, port = peer.rpartition(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=self.timeouts.connect)
+        conn.connect()
+        return self._exchange(peer, conn, key, etag, index, size)
+
+    def _exchange(self, peer: str, conn: http.client.HTTPConnection, key: str, etag: str, index: int,
+                  size: int) -> bytearray | None:
+        """One request on `conn`; the connection goes back to the pool after a complete answer, else is closed."""
         target = block_target(key, etag, index, self.prefix)
         started = self.clock()
-        conn = http.client.HTTPConnection(host, int(port), timeout=self.timeouts.connect)
+        reusable = False
         try:
-            conn.connect()
             assert conn.sock is not None
             conn.sock.settimeout(self.timeouts.first_byte)
             conn.request("GET", target, headers={"Authorization": sign(self.key, target, self.wall())})
             resp = conn.getresponse()
             if resp.status in (404, 503):  # not held, or busy: no failure, the store answers this one
+                resp.read()
+                reusable = True
                 return None
             if resp.status != 200:
                 raise ValueError(f"answered {resp.status}")
@@ -284,6 +316,38 @@ class PeerClient:
                 got += n
             if not hmac.compare_digest(hashlib.sha256(body).hexdigest(), digest):
                 raise ValueError("checksum mismatch")
+            reusable = resp.isclosed()  # the whole answer was read: the connection can carry the next request
             return body
         finally:
-            conn.close()
+            if reusable:
+                self._give(peer, conn)
+            else:
+                conn.close()
+
+    def _take(self, peer: str) -> http.client.HTTPConnection | None:
+        """An idle connection to `peer` used less than POOL_IDLE seconds ago, if there is one."""
+        now = self.clock()
+        with self._pool_lock:
+            idle = self._pool.get(peer) or []
+            while idle:
+                since, conn = idle.pop()
+                if now - since < POOL_IDLE:
+                    return conn
+                conn.close()
+        return None
+
+    def _give(self, peer: str, conn: http.client.HTTPConnection) -> None:
+        with self._pool_lock:
+            idle = self._pool.setdefault(peer, [])
+            if len(idle) < POOLED:
+                idle.append((self.clock(), conn))
+                return
+        conn.close()
+
+    def close(self) -> None:
+        """Close the idle connections."""
+        with self._pool_lock:
+            pools, self._pool = self._pool, {}
+        for idle in pools.values():
+            for _, conn in idle:
+                conn.close()

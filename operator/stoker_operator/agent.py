@@ -158,8 +158,9 @@ class CacheWorker:
         if self.report.get("peer") != peers.address:
             self._report({"phase": "Pending", "message": "joining the distributed cache"}, force=True)
         self.membership.listed.wait(10)
-        members, planned = self.membership.current()
+        members, objects = self.membership.current()
         members = sorted(set(members) | {peers.address})
+        planned = max(objects, self.plan.nodes)  # the operator may not have made every node's object yet
         now = time.monotonic()
         if len(members) < planned:
             self._waiting_since = self._waiting_since or now

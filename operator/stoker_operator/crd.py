@@ -157,7 +157,9 @@ NODE_SPEC_SCHEMA = {
         "paths": {"type": "array", "items": {"type": "string"}},
         "policy": {"type": "string", "enum": ["Once", "KeepWarm"]},
         "distributed": {"type": "object", "description": "a distributed cache: this node warms the blocks it owns",
-                        "properties": {"replicas": {"type": "integer", "minimum": 1, "maximum": 3}}},
+                        "properties": {"replicas": {"type": "integer", "minimum": 1, "maximum": 3},
+                                       "nodes": {"type": "integer", "minimum": 0,
+                                                 "description": "the nodes of the plan: each waits for all to join"}}},
     },
 }
 

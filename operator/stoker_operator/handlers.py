@@ -226,7 +226,8 @@ def assign(ctx: Context, namespace: str, name: str, spec: dict, plan_name: str, 
     cache a node that joins or leaves changes every node's share: each is re-specced (cacheBytes,
     warmableBytes) and its agent warms what it now owns."""
     wanted = {node: NodePlan(_key(namespace, name), node, plan_name, cache_bytes, warmable_bytes,
-                             tuple(spec.get("paths") or ()), str(spec.get("policy") or "Once"), replicas)
+                             tuple(spec.get("paths") or ()), str(spec.get("policy") or "Once"), replicas,
+                             len(nodes) if replicas else 0)
               for node in nodes}
     kube, release_ns = ctx.kube, ctx.handover_namespace
     items, _ = kube.node_objects(release_ns, cache_selector(namespace, name))

@@ -64,6 +64,7 @@ class NodePlan:
     paths: tuple[str, ...] = ()
     policy: str = "Once"
     replicas: int = 0  # a distributed cache: the node warms the blocks it owns among the cache's nodes (R copies)
+    nodes: int = 0  # a distributed cache: how many nodes the plan has (an agent waits for them all to join)
 
     @property
     def cache_namespace(self) -> str:
@@ -77,7 +78,7 @@ class NodePlan:
         spec = {"cache": self.cache, "node": self.node, "plan": self.plan, "cacheBytes": self.cache_bytes,
                 "warmableBytes": self.warmable_bytes, "paths": list(self.paths), "policy": self.policy}
         if self.replicas:
-            spec["distributed"] = {"replicas": self.replicas}
+            spec["distributed"] = {"replicas": self.replicas, "nodes": self.nodes}
         return spec
 
     def body(self, namespace: str) -> dict:
@@ -103,9 +104,11 @@ def plan_of(obj: dict) -> NodePlan:
         cache, node, plan = str(spec["cache"]), str(spec["node"]), str(spec["plan"])
         if cache.count("/") != 1 or not all(cache.split("/")):
             raise ValueError(cache)
-        replicas = int((spec.get("distributed") or {}).get("replicas", 0))
+        distributed = spec.get("distributed") or {}
+        replicas, nodes = int(distributed.get("replicas", 0)), int(distributed.get("nodes", 0))
         return NodePlan(cache, node, plan, int(spec["cacheBytes"]), int(spec.get("warmableBytes") or 0),
-                        tuple(str(p) for p in spec.get("paths") or ()), str(spec.get("policy") or "Once"), replicas)
+                        tuple(str(p) for p in spec.get("paths") or ()), str(spec.get("policy") or "Once"), replicas,
+                        nodes)
     except (KeyError, TypeError, ValueError):
         raise NotANodePlan(f"DatasetCacheNode {obj.get('metadata', {}).get('name')!r} has no valid spec") from None
 

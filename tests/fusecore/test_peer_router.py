@@ -107,3 +107,12 @@ def test_silent_and_slow_connections_do_not_stall_the_router(tmp_path):
     finally:
         router.close()
         a.close()
+
+
+def test_a_kept_alive_connection_is_handed_over_once_and_carries_the_next_requests(node):
+    router, a, b = node
+    client = PeerClient(KEY_A, SLACK, prefix=cache_prefix(A))
+    for _ in range(4):
+        assert client.ask(here(router), "x", "e1", 0, len(BLOCK_A)) == ("hit", BLOCK_A)
+    assert (router.handed, a.connections, a.served) == (1, 1, 4)
+    client.close()

@@ -173,3 +173,26 @@ def test_a_busy_peer_answers_503_at_once_and_is_not_avoided():
     finally:
         gate.set()
         s.close()
+
+
+def test_an_asker_keeps_its_connection_and_a_closed_idle_one_costs_no_failure():
+    """Keep-alive: several blocks ride one connection (a connection and a server thread per block cost about as
+    much CPU as a 100 KB block). A peer that closed the idle connection meanwhile is asked again on a new one,
+    which is neither a failure nor a miss."""
+    s = PeerServer(("127.0.0.1", 0), KEY, Held(), idle_timeout=0.3).start()
+    try:
+        client = PeerClient(KEY, SLACK)
+        for _ in range(3):
+            assert client.ask(addr(s), "train/shard-0.tar", "etag-1", 2, len(BLOCK)) == ("hit", BLOCK)
+        assert client.ask(addr(s), "train/shard-0.tar", "etag-1", 3, len(BLOCK)) == ("miss", None)  # a 404 keeps it
+        assert (s.served, s.connections) == (3, 1)
+        time.sleep(0.8)  # the server closes the idle connection
+        assert client.ask(addr(s), "train/shard-0.tar", "etag-1", 2, len(BLOCK)) == ("hit", BLOCK)
+        assert s.connections == 2 and not client.failures and not client.avoided(addr(s))
+        # A wrong answer closes the connection (it is never reused after a failure).
+        other = PeerClient(KEY, SLACK)
+        assert other.ask(addr(s), "train/shard-0.tar", "etag-1", 2, len(BLOCK) + 1) == ("failed", None)
+        assert other._take(addr(s)) is None
+        client.close()
+    finally:
+        s.close()

@@ -220,7 +220,7 @@ def test_a_distributed_cache_plans_shares_and_hands_over_one_peer_key_it_keeps(k
     assert st["cacheBytesPerNode"] == max(64 * 1024**2, distributed_cache_size(400_000, 4, 2, 0.1))
     for n in ("n1", "n2", "n3", "n4"):
         spec = node_object(kube, "d", n)["spec"]
-        assert spec["distributed"] == {"replicas": 2} and spec["warmableBytes"] == 200_000
+        assert spec["distributed"] == {"replicas": 2, "nodes": 4} and spec["warmableBytes"] == 200_000
 
     def peer_key() -> str:
         secret = kube.get("v1", "secrets", handover_name(NAMESPACE, "d"), RELEASE_NS)

@@ -270,12 +270,12 @@ def test_a_node_leaving_a_distributed_cache_re_homes_its_share_on_the_others():
 
     def objects(sizing, nodes):
         return {n.name: NodePlan("ml/c", n.name, "1-abc", sizing.cache_bytes_per_node, sizing.warmable_bytes,
-                                 replicas=sizing.replicas) for n in nodes}
+                                 replicas=sizing.replicas, nodes=len(nodes)) for n in nodes}
 
     current = {node: dict(plan.body("stoker-system"), status={}) for node, plan in objects(before, four).items()}
     create, update, delete = changes(current, objects(after, four[:3]))
     assert not create and sorted(p.node for p in update) == ["n0", "n1", "n2"]
-    assert all(p.spec()["distributed"] == {"replicas": 1} and p.warmable_bytes == 4 * GiB for p in update)
+    assert all(p.spec()["distributed"] == {"replicas": 1, "nodes": 3} and p.warmable_bytes == 4 * GiB for p in update)
     assert delete == [current["n3"]["metadata"]["name"]]
 
 
