@@ -160,6 +160,10 @@ class PeerServer:
             def setup(self) -> None:
                 server.connections += 1
                 super().setup()
+                # Headers and body are separate writes: without NODELAY, Nagle holds the body back until the
+                # asker's delayed ACK of the headers (up to 40 ms) once a kept-alive connection left quick-ack.
+                with contextlib.suppress(OSError):
+                    self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
             def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
                 log.debug("peer %s: " + format, self.client_address[0], *args)
@@ -281,6 +285,8 @@ class PeerClient:
         host, _, port = peer.rpartition(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=self.timeouts.connect)
         conn.connect()
+        assert conn.sock is not None
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # (see the server's setup)
         return self._exchange(peer, conn, key, etag, index, size)
 
     def _exchange(self, peer: str, conn: http.client.HTTPConnection, key: str, etag: str, index: int,
