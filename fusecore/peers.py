@@ -268,6 +268,10 @@ class PeerClient:
         except (OSError, http.client.HTTPException, ValueError) as exc:
             self._failed(peer, f"{type(exc).__name__}: {exc}")
             return "failed", None
+        except Exception as exc:  # noqa: BLE001 - whatever else goes wrong with a peer, the store answers the read
+            log.warning("asking peer %s failed unexpectedly", peer, exc_info=True)
+            self._failed(peer, f"unexpected {type(exc).__name__}")
+            return "failed", None
         return ("miss", None) if data is None else ("hit", data)
 
     def _failed(self, peer: str, why: str) -> None:
@@ -325,7 +329,9 @@ class PeerClient:
             reusable = resp.isclosed()  # the whole answer was read: the connection can carry the next request
             return body
         finally:
-            if reusable:
+            # An answer that closes the connection (`Connection: close`, as the peer router's 404 and 503 do)
+            # leaves http.client without a socket: such a connection is never pooled.
+            if reusable and conn.sock is not None:
                 self._give(peer, conn)
             else:
                 conn.close()

@@ -196,3 +196,16 @@ def test_an_asker_keeps_its_connection_and_a_closed_idle_one_costs_no_failure():
         client.close()
     finally:
         s.close()
+
+
+def test_anything_unexpected_while_asking_a_peer_is_a_failure_never_an_error_for_the_read(server, monkeypatch):
+    """Whatever goes wrong inside the asking (a bug of ours included), the caller gets a failure and reads the
+    store: an exception escaping here would reach the reader as EIO."""
+    client = PeerClient(KEY, SLACK)
+
+    def broken(*args):
+        raise RuntimeError("a bug in the asking")
+
+    monkeypatch.setattr(client, "_get", broken)
+    assert client.ask(addr(server), "train/shard-0.tar", "etag-1", 2, len(BLOCK)) == ("failed", None)
+    assert client.avoided(addr(server))
