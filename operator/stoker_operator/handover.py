@@ -81,6 +81,12 @@ def read_handover(cache_namespace: str, cache_name: str, data: dict[str, str], a
     except AttributeProblem as exc:
         raise HandoverProblem(f"the handover Secret: {exc}") from None
     peer_key = data.get(PEER_KEY) or None
-    if peer_key is not None and len(peer_key) < 32:
-        raise HandoverProblem("the handover Secret's peer key is too short")
+    if peer_key is not None:
+        if len(peer_key) < 32:
+            raise HandoverProblem("the handover Secret's peer key is too short")
+        try:
+            bytes.fromhex(peer_key)  # as the agent decodes it
+        except ValueError:
+            raise HandoverProblem("the handover Secret's peer key is not hexadecimal (the operator writes 64 hex "
+                                  "digits)") from None
     return Handover(volume_id, attributes, secrets, peer_key)

@@ -222,6 +222,9 @@ def test_a_handover_of_another_cache_or_malformed_is_refused():
     assert handover.peer_key is None
     with pytest.raises(HandoverProblem, match="peer key is too short") as info:
         read_handover("ml", "a", dict(good, peerKey="short"), {"stoker.dev/datasetcache": "ml/a"})
+    for bad in ("zz" * 32, "ab" * 32 + "c"):  # the agent decodes it as hex: refused here with a clear reason
+        with pytest.raises(HandoverProblem, match="not hexadecimal"):
+            read_handover("ml", "a", dict(good, peerKey=bad), {"stoker.dev/datasetcache": "ml/a"})
 
 
 def test_a_cache_size_no_node_can_hold_is_refused_not_left_pending():
