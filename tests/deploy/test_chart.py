@@ -173,6 +173,9 @@ def test_every_deployment_container_runs_hardened_and_probed(name):
     {"storageClass": {"reclaimPolicy": "Shred"}},
     {"image": {"pullPolicy": "Sometimes"}},
     {"node": {"mounterResources": {"requests": {"memory": "1Gi"}}}},
+    {"node": {"peerPort": 70000}},
+    {"node": {"peerPort": "7470"}},
+    {"networkPolicy": {"enabled": True, "allowFrom": "anywhere"}},
     {"unknownTopLevel": True},
 ])
 def test_values_schema_rejects_bad_values(bad):

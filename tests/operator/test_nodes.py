@@ -170,3 +170,26 @@ def test_membership_follows_peers_and_planned_nodes_not_progress_reports():
                     (["10.0.0.2:7470", "10.0.0.9:7470"], 2), (["10.0.0.9:7470"], 1)]
     assert len(changes) == 1 + 3  # the first list, then three changes
     assert membership.spread() == 1.0
+
+
+def test_the_node_plugin_refuses_a_bad_peer_port_or_wait_before_it_starts():
+    import pytest
+
+    from stoker.cli import build_parser
+
+    parser = build_parser()
+    base = ["csi", "--mode=node", "--node-id", "n1", "--warm-agent"]
+    assert parser.parse_args([*base, "--peer-port", "7470", "--join-wait", "5"]).peer_port == 7470
+    for bad in (["--peer-port", "70000"], ["--peer-port", "http"], ["--peer-port", "-1"], ["--join-wait", "0"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*base, *bad])
+
+
+def test_a_large_distributed_cache_spreads_its_progress_reports():
+    from stoker_operator.members import SPREAD_FROM, Membership
+
+    membership = Membership(None, "stoker-system", "stoker.dev/cache=c1", lambda: None)
+    membership._apply(lambda objects: objects.update({f"n{i}": "" for i in range(SPREAD_FROM // 2)}))
+    assert membership.spread() == 1.0
+    membership._apply(lambda objects: objects.update({f"n{i}": "" for i in range(SPREAD_FROM * 5 // 2)}))
+    assert membership.spread() == 2.5
