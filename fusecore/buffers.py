@@ -3,7 +3,8 @@
 Large buffers are anonymous mmaps populated up front (MAP_POPULATE, inside mmap(2), which CPython
 calls without the GIL): receiving a body into never-touched pages costs a page fault per 4 KiB
 inside the kernel's socket copy, which measured 2-3x more system time per GiB than populating the
-mapping in one call. A dropped block's buffer is either kept for the next GET
+mapping in one call; the fetcher maps a block's buffer in the thread that receives its
+body, never on the event loop's thread. A dropped block's buffer is either kept for the next GET
 (BlockCache.take_buffer, a few at most) or unmapped at once, so freed memory goes back to the system.
 
 Not on transparent huge pages: asking for them (madvise MADV_HUGEPAGE, then MADV_POPULATE_WRITE)

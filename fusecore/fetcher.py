@@ -5,75 +5,37 @@ in-flight bytes, demand reads ahead of prefetches, body-level retries, and a rea
 from __future__ import annotations
 
 import logging
+from collections import deque
 import time
 from typing import Awaitable, Callable, Hashable
 
 import trio
 
+from .admission import ByteBudget
 from .blocks import BlockKey, block_extent
 from .cache import BlockCache, Buffer
 from .cluster import Cluster
 from .metrics import MountMetrics
 from .buffers import allocate
-from .objects import ObjectInfo, ObjectStore, Progress
+from .objects import ObjectInfo, ObjectStore, Parts, Progress
 from .store_errors import PreconditionFailed, StoreError, TransientError, Unavailable, backoff
 
 log = logging.getLogger(__name__)
 
-
-class ByteBudget:
-    """An async semaphore over bytes, demand first: a prefetch waits while a demand read waits, and
-    prefetches together hold at most `prefetch_share` of the limit, so a demand read always finds room
-    at once or after the GET that frees it. A request larger than the limit waits for an empty budget.
-
-    Taking room that is free costs no scheduling round (a trio Condition cost four per GET); waiters
-    park and are all woken at each release, to look again."""
-
-    def __init__(self, limit: int, prefetch_share: float = 0.75):
-        self.limit = limit
-        self.prefetch_share = prefetch_share
-        self.used = 0
-        self.prefetch_used = 0
-        self._demand_waiting = 0
-        self._waiters = trio.lowlevel.ParkingLot()
-
-    def _prefetch_fits(self, nbytes: int) -> bool:
-        cap = max(nbytes, int(self.limit * self.prefetch_share))
-        return self._demand_waiting == 0 and self.prefetch_used + nbytes <= cap
-
-    async def acquire(self, nbytes: int, *, demand: bool = True) -> int:
-        """Take `nbytes` (at most the whole limit); returns what was taken, for `release`."""
-        nbytes = min(nbytes, self.limit)
-        if demand:
-            if self.used + nbytes > self.limit:
-                self._demand_waiting += 1
-                try:
-                    while self.used + nbytes > self.limit:
-                        await self._waiters.park()
-                finally:
-                    self._demand_waiting -= 1
-                    self._waiters.unpark_all()  # prefetches held back by this demand may go on
-        else:
-            while self.used + nbytes > self.limit or not self._prefetch_fits(nbytes):
-                await self._waiters.park()
-            self.prefetch_used += nbytes
-        self.used += nbytes
-        return nbytes
-
-    def release(self, nbytes: int, *, demand: bool = True) -> None:
-        self.used -= nbytes
-        if not demand:
-            self.prefetch_used -= nbytes
-        self._waiters.unpark_all()
+DEMAND_RESERVE = 16  # demand reads keep 1/16 of the connections and in-flight bytes that prefetches cannot take
+MIN_PART = 256 * 1024  # a block fetched in parts (`block(parts=)`) is cut into pieces of at least this
 
 
 class _Pending:
     """The shared future of one block GET; readers may take bytes as soon as they arrive."""
 
     __slots__ = ("done", "data", "error", "demanded", "visit", "buffer", "progress", "queued", "attempts", "logged",
-                 "arrived")
+                 "arrived", "started", "prefetch_bytes", "parts")
 
     def __init__(self, demanded: bool, visit: Hashable | None, queued: int = 0):
+        self.started = False  # its task runs (a prefetch may wait in the fetcher's queue until then)
+        self.prefetch_bytes = 0  # the in-flight room it was admitted with as a prefetch (else a demand read's)
+        self.parts = 1  # GETs the block is fetched in at once
         self.attempts = 0
         self.logged = False  # its failure was logged (once, however many readers waited for it)
         self.done = trio.Event()
@@ -130,8 +92,13 @@ class Fetcher:
         self.block_size = block_size
         self.read_deadline = read_deadline
         self._threads = trio.CapacityLimiter(max_concurrency)
-        # Prefetches may use at most 3/4 of the connections, so demand reads always find one.
-        self._prefetch_slots = trio.CapacityLimiter(max(1, (max_concurrency * 3) // 4))
+        # Prefetches leave demand reads a sixteenth of the connections (at least one), so a demand read
+        # always finds one, and a sequential reader's whole window (64 blocks) can be in flight at once.
+        self._prefetch_slots = max(1, max_concurrency - max(1, max_concurrency // DEMAND_RESERVE))
+        self._prefetching = 0  # prefetch tasks running
+        # Prefetches not started yet, in the order they were asked for: they start in that order (trio runs
+        # a batch of new tasks forwards or backwards at random, so tasks racing for room would not).
+        self._queue: deque[tuple[BlockKey, ObjectInfo, _Pending, Callable[[], bool]]] = deque()
         self._bytes = ByteBudget(inflight_limit, self._prefetch_share(inflight_limit))
         self._pending: dict[BlockKey, _Pending] = {}
         self._queued = 0  # bytes of prefetches launched but not yet reserved in the cache
@@ -141,10 +108,14 @@ class Fetcher:
         """Bound in-flight GET bytes anew (after a cache resize); GETs already running finish."""
         self._bytes.limit = nbytes
         self._bytes.prefetch_share = self._prefetch_share(nbytes)
+        self._admit()
 
     def _prefetch_share(self, limit: int) -> float:
-        """Prefetches leave a quarter of the in-flight bytes to demand reads, where that is a block or more."""
-        return 0.75 if limit >= 4 * self.block_size else 1.0
+        """Prefetches leave demand reads a sixteenth of the in-flight bytes, and at least a block where the
+        limit holds two or more."""
+        if limit < 2 * self.block_size:
+            return 1.0
+        return 1 - max(limit // DEMAND_RESERVE, self.block_size) / limit
 
     def start(self, nursery: trio.Nursery) -> None:
         """Background GETs run in `nursery`, so a cancelled reader never cancels a shared GET."""
@@ -155,12 +126,14 @@ class Fetcher:
         return len(self._pending)
 
     async def block(self, obj: ObjectInfo, index: int, visit: Hashable | None = None,
-                    unit: int = 0, need: int | None = None) -> tuple[Buffer, bool]:
+                    unit: int = 0, need: int | None = None, parts: int = 1) -> tuple[Buffer, bool]:
         """The bytes of one block (or page of size `unit`) and whether the cache had them.
 
         With `need`, return as soon as the block's first `need` bytes have arrived (the buffer is
         then only valid up to there): a reader does not wait for the rest of a block it does not
-        read yet, which is what makes the first byte of a cold file quick.
+        read yet, which is what makes the first byte of a cold file quick. With `parts`, a block not
+        cached or coming yet is fetched in that many GETs at once (pieces of at least MIN_PART): its
+        reader gets all of it sooner, at the cost of more requests.
         """
         key = BlockKey(obj.key, obj.etag, index, unit)
         data = self.cache.get(key, visit)
@@ -170,10 +143,12 @@ class Fetcher:
             return data, True
         pending = self._pending.get(key)
         if pending is None:
-            pending = self._launch(key, obj, demanded=True, visit=visit)
+            pending = self._launch(key, obj, demanded=True, visit=visit, parts=parts)
         else:
             pending.demanded = True
             pending.visit = visit
+            if not pending.started:  # a prefetch still queued: it goes now, as a demand read
+                self._start(key, obj, pending)
         with trio.move_on_after(self.read_deadline):
             start, end = block_extent(index, obj.size, unit or self.block_size)
             if need is None or need >= end - start:  # the whole block: its end is the one wake-up
@@ -209,37 +184,62 @@ class Fetcher:
         if self.cache.transient_room - self._queued < nbytes:
             return False
         self._queued += nbytes  # promised until its GET reserves the bytes in the cache
-        self._launch(key, obj, demanded=False, visit=None, wanted=wanted, queued=nbytes)
+        pending = self._pending[key] = _Pending(False, None, nbytes)
+        self._queue.append((key, obj, pending, wanted))
+        self._admit()
         return True
 
     def _launch(self, key: BlockKey, obj: ObjectInfo, *, demanded: bool, visit: Hashable | None,
-                wanted: Callable[[], bool] = lambda: True, queued: int = 0) -> _Pending:
+                parts: int = 1) -> _Pending:
+        pending = self._pending[key] = _Pending(demanded, visit)
+        start, end = block_extent(key.index, obj.size, key.unit or self.block_size)
+        pending.parts = max(1, min(parts, (end - start) // MIN_PART))
+        self._start(key, obj, pending)
+        return pending
+
+    def _start(self, key: BlockKey, obj: ObjectInfo, pending: _Pending) -> None:
         if self._nursery is None:
             raise RuntimeError("Fetcher.start() was not called")
-        pending = _Pending(demanded, visit, queued)
-        self._pending[key] = pending
-        self._nursery.start_soon(self._run, key, obj, pending, wanted)
-        return pending
+        pending.started = True
+        self._nursery.start_soon(self._run, key, obj, pending)
+
+    def _admit(self) -> None:
+        """Start queued prefetches, first asked first, while a prefetch slot is free and their bytes fit."""
+        while self._queue and self._prefetching < self._prefetch_slots:
+            key, obj, pending, wanted = self._queue[0]
+            if pending.started:  # a reader came for it: it went as a demand read
+                self._queue.popleft()
+                continue
+            if not wanted():  # its reader seeked or closed the file meanwhile
+                self._queue.popleft()
+                self._end(key, pending)
+                continue
+            start, end = block_extent(key.index, obj.size, self.block_size)
+            taken = self._bytes.try_prefetch(end - start)
+            if not taken:
+                return
+            self._queue.popleft()
+            pending.prefetch_bytes = taken
+            self._prefetching += 1
+            self._start(key, obj, pending)
+
+    def _end(self, key: BlockKey, pending: _Pending) -> None:
+        """The GET is over (or will never run): wake its readers, forget it."""
+        self._settle(pending)
+        del self._pending[key]
+        pending.finish()
 
     def _settle(self, pending: _Pending) -> None:
         """A prefetch's promised bytes are now reserved in the cache (or never will be)."""
         self._queued -= pending.queued
         pending.queued = 0
 
-    async def _run(self, key: BlockKey, obj: ObjectInfo, pending: _Pending, wanted: Callable[[], bool]) -> None:
+    async def _run(self, key: BlockKey, obj: ObjectInfo, pending: _Pending) -> None:
+        prefetch = pending.prefetch_bytes > 0
         try:
-            if pending.demanded:
-                pending.data = await self._fetch(key, obj, pending)
-            else:
-                async with self._prefetch_slots:
-                    if pending.demanded or wanted():
-                        pending.data = await self._fetch(key, obj, pending)
-            if pending.data is not None:
-                self.cache.put(key, pending.data, prefetched=not pending.demanded, visit=pending.visit,
-                               keep=self._keeps(key, obj))
-            elif pending.demanded:  # a reader joined a prefetch that was abandoned
-                pending.data = await self._fetch(key, obj, pending)
-                self.cache.put(key, pending.data, visit=pending.visit, keep=self._keeps(key, obj))
+            pending.data = await self._fetch(key, obj, pending)
+            self.cache.put(key, pending.data, prefetched=not pending.demanded, visit=pending.visit,
+                           keep=self._keeps(key, obj))
         except Exception as exc:  # noqa: BLE001 - one request never ends the mount: its readers get EIO
             if not isinstance(exc, StoreError):
                 log.exception("unexpected error fetching %s block %d", obj.key, key.index)
@@ -256,9 +256,10 @@ class Fetcher:
                     "%s of %s bytes %d-%d failed after %d attempt(s): %s", "read" if pending.demanded else "prefetch",
                     obj.key, start, end - 1, pending.attempts, exc)
         finally:
-            self._settle(pending)
-            del self._pending[key]
-            pending.finish()
+            self._end(key, pending)
+            if prefetch:
+                self._prefetching -= 1
+            self._admit()
 
     def _keeps(self, key: BlockKey, obj: ObjectInfo) -> bool:
         """Does the cache keep this block past its readers? In a distributed cache only the blocks this node
@@ -274,48 +275,90 @@ class Fetcher:
         return await trio.to_thread.run_sync(self.cluster.fetch, peers, obj.key, obj.etag, key.index, nbytes,
                                              limiter=self._threads)
 
+    def _receive(self, obj: ObjectInfo, start: int, lo: int, hi: int, pending: _Pending, progress: Progress) -> None:
+        """In a worker thread: the rest of bytes [lo, hi) of the block (which begins at `start`) into its
+        buffer, mapped here first if it has none (populating 4 MiB held the event loop's thread ~2 ms per
+        GET, while readers waited)."""
+        if pending.buffer is None:
+            pending.buffer = allocate(hi - lo)  # before any progress: readers look at it once bytes arrived
+        done = progress.received  # a retry resumes where the broken body stopped
+        self.store.read_range(obj.key, start + lo + done, start + hi, obj.etag,
+                              memoryview(pending.buffer)[lo + done:hi], progress)
+
+    async def _get(self, obj: ObjectInfo, start: int, lo: int, hi: int, pending: _Pending, progress: Progress,
+                   deadline: float) -> None:
+        """Bytes [lo, hi) of the block, retried from the last byte received until the read's deadline."""
+        attempts = 0
+        while True:
+            began = time.monotonic()
+            attempts += 1
+            pending.attempts += 1
+            self.metrics.get_requests.labels(kind="demand" if pending.demanded else "prefetch").inc()
+            done = progress.received  # counted in get_bytes when this attempt ends
+            try:
+                await trio.to_thread.run_sync(self._receive, obj, start, lo, hi, pending, progress,
+                                              limiter=self._threads)
+            except TransientError as exc:
+                if exc.throttled:
+                    self.metrics.throttled.inc()
+                pause = backoff(attempts, exc.retry_after)
+                if self._clock() + pause >= deadline:
+                    raise  # retried until the read's deadline: now it fails
+                self.metrics.retries.inc()
+                await self._sleep(pause)
+                continue
+            finally:
+                self.metrics.get_bytes.inc(progress.received - done)
+            self.metrics.get_latency.observe(time.monotonic() - began)
+            return
+
+    async def _get_parts(self, obj: ObjectInfo, start: int, nbytes: int, pending: _Pending, deadline: float) -> None:
+        """The block in `pending.parts` GETs at once; its progress counts the bytes before the first gap."""
+        if pending.buffer is None:
+            pending.buffer = await trio.to_thread.run_sync(allocate, nbytes, limiter=self._threads)
+        parts = Parts(pending.progress, nbytes, pending.parts)
+        errors: list[StoreError] = []
+
+        async def one(lo: int, hi: int, progress: Progress) -> None:
+            try:
+                await self._get(obj, start, lo, hi, pending, progress, deadline)
+            except StoreError as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for (lo, hi), progress in zip(parts.extents, parts.progress):
+                nursery.start_soon(one, lo, hi, progress)
+        if errors:
+            raise errors[0]
+
     async def _fetch(self, key: BlockKey, obj: ObjectInfo, pending: _Pending) -> Buffer:
         start, end = block_extent(key.index, obj.size, key.unit or self.block_size)
         nbytes = end - start
-        demand = pending.demanded  # a prefetch a reader joined while it waited still holds prefetch room
-        held = await self._bytes.acquire(nbytes, demand=demand)
+        demand = not pending.prefetch_bytes  # a prefetch a reader joined later still holds prefetch room
+        if demand:
+            held = await self._bytes.acquire(nbytes)
+            self._admit()  # prefetches held back while this demand read waited may fit now
+        else:
+            held = pending.prefetch_bytes
         self.cache.reserve(nbytes)
         self._settle(pending)  # promised until here: waiting for the byte budget must not free room
         self.metrics.inflight_requests.inc()
         self.metrics.inflight_bytes.inc(nbytes)
         try:
-            progress = pending.progress
             if self.cluster is not None and not key.unit:
                 peer_copy = await self._from_peer(key, obj, nbytes)
                 if peer_copy is not None:
                     pending.buffer = peer_copy
-                    progress.advance(nbytes)
+                    pending.progress.advance(nbytes)
                     return peer_copy
-            buffer = self.cache.take_buffer(nbytes) or allocate(nbytes)
-            view = memoryview(buffer)
-            pending.buffer = buffer
+            pending.buffer = self.cache.take_buffer(nbytes)  # else mapped by a receiving thread
             deadline = self._clock() + self.read_deadline
-            while True:
-                began = time.monotonic()
-                pending.attempts += 1
-                self.metrics.get_requests.labels(kind="demand" if pending.demanded else "prefetch").inc()
-                done = progress.received  # a retry resumes where the broken body stopped
-                try:
-                    await trio.to_thread.run_sync(self.store.read_range, obj.key, start + done, end, obj.etag,
-                                                  view[done:], progress, limiter=self._threads)
-                except TransientError as exc:
-                    if exc.throttled:
-                        self.metrics.throttled.inc()
-                    pause = backoff(pending.attempts, exc.retry_after)
-                    if self._clock() + pause >= deadline:
-                        raise  # retried until the read's deadline: now it fails
-                    self.metrics.retries.inc()
-                    await self._sleep(pause)
-                    continue
-                finally:
-                    self.metrics.get_bytes.inc(progress.received - done)
-                self.metrics.get_latency.observe(time.monotonic() - began)
-                return buffer
+            if pending.parts > 1:
+                await self._get_parts(obj, start, nbytes, pending, deadline)
+            else:
+                await self._get(obj, start, 0, nbytes, pending, pending.progress, deadline)
+            assert pending.buffer is not None
+            return pending.buffer
         finally:
             self.metrics.inflight_requests.dec()
             self.metrics.inflight_bytes.dec(nbytes)

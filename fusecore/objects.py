@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
@@ -55,6 +56,40 @@ class Progress:
         if wake is not None:
             self._wake = wake
         self._mark = min(self._mark, nbytes)
+
+
+class Parts:
+    """A block received in several GETs at once: each part has its own Progress, and the block's
+    Progress counts the bytes before the first part still missing some (readers read a prefix)."""
+
+    def __init__(self, whole: Progress, nbytes: int, count: int):
+        size = nbytes // count
+        self.extents = [(i * size, nbytes if i == count - 1 else (i + 1) * size) for i in range(count)]
+        self.progress = [_Part(self) for _ in self.extents]
+        self._whole = whole
+        self._lock = threading.Lock()  # parts advance from their own worker threads
+
+    def advanced(self) -> None:
+        with self._lock:
+            prefix = 0
+            for (lo, hi), part in zip(self.extents, self.progress):
+                prefix += part.received
+                if part.received < hi - lo:
+                    break
+            if prefix > self._whole.received:
+                self._whole.advance(prefix - self._whole.received)
+
+
+class _Part(Progress):
+    __slots__ = ("_parts",)
+
+    def __init__(self, parts: Parts):
+        super().__init__()
+        self._parts = parts
+
+    def advance(self, n: int) -> None:
+        super().advance(n)
+        self._parts.advanced()
 
 
 class ObjectStore(Protocol):

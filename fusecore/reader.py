@@ -14,6 +14,8 @@ from .prefetch import ReadAhead
 from .objects import ObjectInfo
 from .store_errors import StoreError
 
+FIRST_BLOCK_PARTS = 4  # a file read from offset 0 with the initial window gets its first block in this many GETs
+
 
 class OpenFile:
     """One open() of one object version; reads of it always use the version seen at open."""
@@ -83,7 +85,8 @@ class Reader:
             block_start, block_end = block_extent(span[0], info.size, unit or self.block_size)
             start = offset - block_start
             need = min(start + size, block_end - block_start)
-            data, hit = await self.fetcher.block(info, span[0], visit=fh, unit=unit, need=need)
+            parts = FIRST_BLOCK_PARTS if offset == 0 and f.readahead.initial_window > 1 else 1
+            data, hit = await self.fetcher.block(info, span[0], visit=fh, unit=unit, need=need, parts=parts)
             view = memoryview(data)[start:need]
             (self._served_cache if hit else self._served_network).inc(len(view))
             return view

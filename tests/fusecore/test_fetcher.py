@@ -10,7 +10,7 @@ from fusecore.blocks import BlockKey
 from fusecore.cache import BlockCache
 from fusecore.fetcher import Fetcher
 from fusecore.metrics import MountMetrics
-from fusecore.objects import Progress
+from fusecore.objects import Parts, Progress
 from fusecore.store_errors import AccessDenied, PreconditionFailed, Unavailable
 from tests.support.fakestore import FakeStore
 
@@ -391,3 +391,160 @@ def test_a_demand_read_goes_before_queued_prefetches():
     started_before, demand_position = order[0]
     assert started_before <= 3  # prefetches held at most 3 of the 4 blocks of budget
     assert demand_position == started_before  # no prefetch started between the demand's arrival and its GET
+
+
+def test_prefetches_start_in_the_order_they_were_asked_for():
+    """Twenty prefetches and three slots: the GETs go out block by block. trio runs a batch of new tasks
+    forwards or backwards at random, so prefetch tasks racing for slots started the last blocks first
+    about every other time (a reader then waited a whole GET for the block it needed next)."""
+    for attempt in range(8):
+        store = FakeStore()
+        info = store.put("k", b"z" * (20 * BLOCK))
+        store.faults.latency = 0.01
+        fetcher, _ = make(store, concurrency=4, inflight=64 * BLOCK, budget=64 * 1024 * KiB)  # 3 prefetch slots
+
+        async def body(nursery):
+            fetcher.start(nursery)
+            for index in range(20):
+                assert fetcher.prefetch(info, index)
+            while fetcher.inflight:
+                await trio.sleep(0.005)
+
+        run(body)
+        blocks = [start // BLOCK for _, start, _ in store.ranges]
+        assert sorted(blocks) == list(range(20))
+        # Three at a time, first asked first: when the n-th GET goes out, at most n finished, so it is
+        # one of blocks 0..n+2 (the three in flight start in any order among themselves).
+        assert all(block <= n + 2 for n, block in enumerate(blocks)), (attempt, blocks)
+        assert store.max_active <= 3
+
+
+def test_a_queued_prefetch_a_reader_waits_for_goes_at_once():
+    """A reader that needs a block whose prefetch still queues behind others does not wait for their GETs."""
+    store = FakeStore()
+    info = store.put("k", b"q" * (12 * BLOCK))
+    store.faults.latency = 0.3
+    fetcher, _ = make(store, concurrency=4, inflight=64 * BLOCK, budget=64 * 1024 * KiB)  # 3 prefetch slots
+    took = []
+
+    async def body(nursery):
+        fetcher.start(nursery)
+        for index in range(9):
+            assert fetcher.prefetch(info, index)
+        await trio.sleep(0.05)  # three are in flight, six queue
+        waiting = max(set(range(9)) - {start // BLOCK for _, start, _ in store.ranges})
+        began = time.monotonic()
+        data, hit = await fetcher.block(info, waiting)
+        took.append(time.monotonic() - began)
+        assert bytes(data) == b"q" * BLOCK and not hit
+        asked.append(waiting)
+
+    asked: list[int] = []
+    run(body)
+    assert took[0] < 0.45, took  # its own GET (0.3 s), not after a round of prefetches (0.55 s or more)
+    assert [start for _, start, _ in store.ranges].count(asked[0] * BLOCK) == 1  # and it was fetched once
+
+
+def test_a_block_in_parts_is_fetched_in_parallel_gets_and_read_as_a_prefix():
+    """`parts`: four GETs of a quarter each at once; a reader of the first bytes is woken when the first
+    part is in, however the others progress; the block in the cache is byte-exact."""
+    store = FakeStore()
+    payload = bytes(range(256)) * 4096  # 1 MiB block
+    info = store.put("k", payload * 2)
+    store.faults.chunk_delay = 0.02  # each 64 KiB piece; a quarter (4 pieces) takes ~0.08 s, the block ~0.32 s
+    fetcher, cache = make(store, block=1024 * KiB)
+    woken = []
+
+    async def body(nursery):
+        fetcher.start(nursery)
+        began = time.monotonic()
+        data, _ = await fetcher.block(info, 0, need=200_000, parts=4)
+        woken.append(time.monotonic() - began)
+        assert bytes(memoryview(data)[:200_000]) == payload[:200_000]
+        data, _ = await fetcher.block(info, 0, parts=4)
+        woken.append(time.monotonic() - began)
+        assert bytes(data) == payload
+
+    run(body)
+    quarter = 256 * KiB
+    assert sorted(store.ranges) == [("k", i * quarter, (i + 1) * quarter) for i in range(4)]
+    assert store.max_active == 4
+    assert woken[1] < 0.25, woken  # the four quarters came at once (one GET of the block: ~0.32 s)
+    assert BlockKey("k", info.etag, 0) in cache
+
+
+def test_a_part_that_breaks_off_is_resumed_and_the_block_is_exact():
+    store = FakeStore()
+    payload = bytes(range(251)) * 4200  # four parts of ~257 KiB
+    info = store.put("k", payload)
+    store.faults.transient = 1
+    store.faults.break_after = 10_000
+    fetcher, _ = make(store, block=len(payload))
+    out = []
+
+    async def body(nursery):
+        fetcher.start(nursery)
+        out.append(bytes((await fetcher.block(info, 0, parts=4))[0]))
+
+    run(body)
+    assert out[0] == payload
+    assert store.calls["get"] == 5  # four parts and one resumption, from where the broken one stopped
+    broken = [r for r in store.ranges if r[1] % (len(payload) // 4) != 0]
+    assert len(broken) == 1 and broken[0][1] % (len(payload) // 4) == 10_000
+
+
+def test_parts_smaller_than_the_minimum_are_not_made():
+    store = FakeStore()
+    info = store.put("k", b"s" * BLOCK)  # 64 KiB: below MIN_PART, one GET
+    fetcher, _ = make(store)
+
+    async def body(nursery):
+        fetcher.start(nursery)
+        data, _ = await fetcher.block(info, 0, parts=4)
+        assert bytes(data) == b"s" * BLOCK
+
+    run(body)
+    assert store.ranges == [("k", 0, BLOCK)]
+
+
+def test_parts_count_the_bytes_before_the_first_gap():
+    whole = Progress()
+    parts = Parts(whole, 1000, 4)
+    assert parts.extents == [(0, 250), (250, 500), (500, 750), (750, 1000)]
+    parts.progress[1].advance(250)  # the second quarter whole, the first not begun: nothing readable
+    parts.progress[3].advance(100)
+    assert whole.received == 0
+    parts.progress[0].advance(200)
+    assert whole.received == 200
+    parts.progress[0].advance(50)  # the first quarter whole: the second follows at once
+    assert whole.received == 500
+    parts.progress[2].advance(250)
+    assert whole.received == 850
+    parts.progress[3].advance(150)
+    assert whole.received == 1000
+
+
+def test_prefetches_leave_demand_reads_a_sixteenth_of_the_connections_and_bytes():
+    """64 connections and 64 blocks of in-flight room: 60 prefetches fly at once (a sequential reader's whole
+    window), and a demand read that comes then still starts at once on the four kept for it."""
+    store = FakeStore()
+    info = store.put("k", b"w" * (80 * BLOCK))
+    other = store.put("o", b"o" * BLOCK)
+    store.faults.latency = 0.3
+    fetcher, _ = make(store, concurrency=64, inflight=64 * BLOCK, budget=1024 * 1024 * KiB)
+    took = []
+
+    async def body(nursery):
+        fetcher.start(nursery)
+        for index in range(80):
+            assert fetcher.prefetch(info, index)
+        await trio.sleep(0.05)
+        took.append(store.active)
+        began = time.monotonic()
+        data, _ = await fetcher.block(other, 0)
+        took.append(time.monotonic() - began)
+        assert bytes(data) == b"o" * BLOCK
+
+    run(body)
+    assert took[0] == 60, took
+    assert took[1] < 0.45, took  # its own GET, not after the first round of prefetches
