@@ -35,7 +35,7 @@ class _Pending:
     def __init__(self, demanded: bool, visit: Hashable | None, queued: int = 0):
         self.started = False  # its task runs (a prefetch may wait in the fetcher's queue until then)
         self.prefetch_bytes = 0  # the in-flight room it was admitted with as a prefetch (else a demand read's)
-        self.parts = 1  # GETs the block is fetched in at once
+        self.parts = 1  # GETs asked to fetch the block in at once (fewer where a part would be under MIN_PART)
         self.attempts = 0
         self.logged = False  # its failure was logged (once, however many readers waited for it)
         self.done = trio.Event()
@@ -192,8 +192,7 @@ class Fetcher:
     def _launch(self, key: BlockKey, obj: ObjectInfo, *, demanded: bool, visit: Hashable | None,
                 parts: int = 1) -> _Pending:
         pending = self._pending[key] = _Pending(demanded, visit)
-        start, end = block_extent(key.index, obj.size, key.unit or self.block_size)
-        pending.parts = max(1, min(parts, (end - start) // MIN_PART))
+        pending.parts = parts
         self._start(key, obj, pending)
         return pending
 
@@ -214,8 +213,7 @@ class Fetcher:
                 self._queue.popleft()
                 self._end(key, pending)
                 continue
-            start, end = block_extent(key.index, obj.size, self.block_size)
-            taken = self._bytes.try_prefetch(end - start)
+            taken = self._bytes.try_prefetch(pending.queued)  # its size, promised until its GET starts
             if not taken:
                 return
             self._queue.popleft()
@@ -278,9 +276,10 @@ class Fetcher:
     def _receive(self, obj: ObjectInfo, start: int, lo: int, hi: int, pending: _Pending, progress: Progress) -> None:
         """In a worker thread: the rest of bytes [lo, hi) of the block (which begins at `start`) into its
         buffer, mapped here first if it has none (populating 4 MiB held the event loop's thread ~2 ms per
-        GET, while readers waited)."""
+        GET, while readers waited). Only a block received whole comes without a buffer (lo is 0, hi its
+        size): a block in parts is mapped before its parts start (_get_parts)."""
         if pending.buffer is None:
-            pending.buffer = allocate(hi - lo)  # before any progress: readers look at it once bytes arrived
+            pending.buffer = allocate(hi)  # before any progress: readers look at it once bytes arrived
         done = progress.received  # a retry resumes where the broken body stopped
         self.store.read_range(obj.key, start + lo + done, start + hi, obj.etag,
                               memoryview(pending.buffer)[lo + done:hi], progress)
@@ -312,11 +311,12 @@ class Fetcher:
             self.metrics.get_latency.observe(time.monotonic() - began)
             return
 
-    async def _get_parts(self, obj: ObjectInfo, start: int, nbytes: int, pending: _Pending, deadline: float) -> None:
-        """The block in `pending.parts` GETs at once; its progress counts the bytes before the first gap."""
+    async def _get_parts(self, obj: ObjectInfo, start: int, nbytes: int, count: int, pending: _Pending,
+                         deadline: float) -> None:
+        """The block in `count` GETs at once; its progress counts the bytes before the first gap."""
         if pending.buffer is None:
             pending.buffer = await trio.to_thread.run_sync(allocate, nbytes, limiter=self._threads)
-        parts = Parts(pending.progress, nbytes, pending.parts)
+        parts = Parts(pending.progress, nbytes, count)
         errors: list[StoreError] = []
 
         async def one(lo: int, hi: int, progress: Progress) -> None:
@@ -353,8 +353,9 @@ class Fetcher:
                     return peer_copy
             pending.buffer = self.cache.take_buffer(nbytes)  # else mapped by a receiving thread
             deadline = self._clock() + self.read_deadline
-            if pending.parts > 1:
-                await self._get_parts(obj, start, nbytes, pending, deadline)
+            parts = min(pending.parts, nbytes // MIN_PART)
+            if parts > 1:
+                await self._get_parts(obj, start, nbytes, parts, pending, deadline)
             else:
                 await self._get(obj, start, 0, nbytes, pending, pending.progress, deadline)
             assert pending.buffer is not None

@@ -60,6 +60,11 @@ class ReadAhead:
             return True
         return not self._from_zero and index * self.block_size < self._run_start + LONG_RUN_BLOCKS * self.block_size
 
+    def opens_wide(self, offset: int) -> bool:
+        """Is a read at `offset` the start of a file that gets the initial window (the reader then also
+        gets its first block in parts: reader.FIRST_BLOCK_PARTS)?"""
+        return offset == 0 and self.initial_window > 1
+
     def _new_run(self, offset: int) -> None:
         self._run_start = offset
         self._run_end = offset

@@ -85,7 +85,7 @@ class Reader:
             block_start, block_end = block_extent(span[0], info.size, unit or self.block_size)
             start = offset - block_start
             need = min(start + size, block_end - block_start)
-            parts = FIRST_BLOCK_PARTS if offset == 0 and f.readahead.initial_window > 1 else 1
+            parts = FIRST_BLOCK_PARTS if f.readahead.opens_wide(offset) else 1
             data, hit = await self.fetcher.block(info, span[0], visit=fh, unit=unit, need=need, parts=parts)
             view = memoryview(data)[start:need]
             (self._served_cache if hit else self._served_network).inc(len(view))
