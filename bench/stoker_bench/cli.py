@@ -10,6 +10,7 @@ import sys
 
 from fusecore.config import parse_size
 
+from . import hostmem
 from .fixture import scratch_dir
 from .report import write, write_operator, write_table
 from .runner import run_all
@@ -38,6 +39,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                         "alternating, and print both sides' throughput, CPU per GiB and RSS per cell")
     p.add_argument("--rounds", type=int, default=2, help="--compare: rounds of each side (at least 2; default 2)")
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs of every system)")
+    p.add_argument("--keep-page-reporting", action="store_true",
+                   help="leave a VM's free page reporting on (by default a root run pauses it and touches memory "
+                        "first: see bench/README.md, 'Fresh memory on a VM')")
     p.add_argument("--operator", action="store_true",
                    help="instead: the DatasetCache operator at cluster scale (simulated nodes, faked API server)")
     p.add_argument("--nodes", default="100,1000,5000", help="--operator: node counts (default 100,1000,5000)")
@@ -116,10 +120,6 @@ def run_cluster(args: argparse.Namespace) -> int:
     from . import cluster
 
     n = args.cluster
-    if not 2 <= n <= 32 or args.epochs < 2 or not 1 <= args.replicas <= n:
-        print("stoker bench: --cluster takes 2-32 nodes, --epochs at least 2, --replicas 1 to the nodes",
-              file=sys.stderr)
-        return 2
     workdir = scratch_dir("stoker-bench-cluster-")
     try:
         result = cluster.run(n=n, replicas=args.replicas, epochs=args.epochs, kill=not args.no_kill,
@@ -137,14 +137,10 @@ def run_cluster(args: argparse.Namespace) -> int:
     return 1 if any(r.wrong for r in result.rows) else 0
 
 
-def run_compare(args: argparse.Namespace, systems: list[str], workloads: list[str]) -> int:
+def run_compare(args: argparse.Namespace, systems: list[str], workloads: list[str], memory_note: str = "") -> int:
     """Base (REF) and change (the working tree) alternating, `--rounds` each; one table of both."""
     from . import compare
 
-    if args.rounds < 2:
-        print("stoker bench: --rounds must be at least 2 (one round cannot tell a change from noise)",
-              file=sys.stderr)
-        return 2
     bench_args = ["--scale", str(args.scale), "--latency-ms", str(args.latency_ms), "--bandwidth-mbps", str(args.bandwidth_mbps),
                   "--cache-size", args.cache_size]
     try:
@@ -154,7 +150,7 @@ def run_compare(args: argparse.Namespace, systems: list[str], workloads: list[st
     except compare.CompareError as exc:
         print(f"stoker bench: {exc}", file=sys.stderr)
         return 2
-    text = compare.table(base, change)
+    text = compare.table(base, change) + (f"\n{memory_note}\n" if memory_note else "")
     paths = write_table(args.out, "compare", text, [{"side": s.name, "label": s.label, "runs": s.runs}
                                                     for s in (base, change)])
     print()
@@ -174,10 +170,34 @@ def _no_fuse() -> bool:
 def run(args: argparse.Namespace) -> int:
     if args.operator:
         return run_operator(args)
-    if args.engines:
-        return run_engines(args)
-    if args.cluster is not None:
-        return 2 if _no_fuse() else run_cluster(args)
+    plan: tuple[list[str], list[str]] | None = None
+    if args.cluster is not None and not args.engines and (_bad_cluster(args) or _no_fuse()):
+        return 2
+    if args.cluster is None and not args.engines and (plan := _plan(args)) is None:
+        return 2  # refused before memory is primed (that takes ~25 s on a fresh VM)
+    with hostmem.reporting_paused(keep=args.keep_page_reporting) as memory:
+        if note := memory.describe():
+            print(note, flush=True)
+        if args.engines:
+            return run_engines(args)
+        if plan is None:
+            return run_cluster(args)
+        if args.compare:
+            return run_compare(args, *plan, note)
+        return run_cells(args, *plan, note)
+
+
+def _bad_cluster(args: argparse.Namespace) -> bool:
+    """Are the --cluster arguments out of range? Says so."""
+    if not 2 <= args.cluster <= 32 or args.epochs < 2 or not 1 <= args.replicas <= args.cluster:
+        print("stoker bench: --cluster takes 2-32 nodes, --epochs at least 2, --replicas 1 to the nodes",
+              file=sys.stderr)
+        return True
+    return False
+
+
+def _plan(args: argparse.Namespace) -> tuple[list[str], list[str]] | None:
+    """The systems and workloads asked for, or None after saying why they cannot run."""
     default_systems = "stoker" if args.compare else ",".join(SYSTEMS)
     default_workloads = COMPARE_WORKLOADS if args.compare else ",".join(WORKLOADS)
     systems = [s for s in (args.systems or default_systems).split(",") if s]
@@ -185,17 +205,23 @@ def run(args: argparse.Namespace) -> int:
     unknown = [s for s in systems if s not in SYSTEMS] + [w for w in workloads if w not in WORKLOADS]
     if unknown:
         print(f"stoker bench: unknown system or workload: {', '.join(unknown)}", file=sys.stderr)
-        return 2
-    if _no_fuse():
-        return 2
-    if args.compare:
-        return run_compare(args, systems, workloads)
+        return None
+    if args.compare and args.rounds < 2:
+        print("stoker bench: --rounds must be at least 2 (one round cannot tell a change from noise)",
+              file=sys.stderr)
+        return None
+    return None if _no_fuse() else (systems, workloads)
+
+
+def run_cells(args: argparse.Namespace, systems: list[str], workloads: list[str], memory_note: str) -> int:
+    """One run of every workload on every system: the table, its JSON and chart."""
     workdir = scratch_dir()
     try:
         cells, info = run_all(scale=args.scale, systems=systems, workloads=workloads, workdir=workdir,
                               latency=args.latency_ms / 1000, bandwidth=args.bandwidth_mbps * 1e6,
                               cache_bytes=parse_size(args.cache_size, name="cache-size"),
                               log=lambda line: print(line, flush=True))
+        info["host_memory"] = memory_note
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)

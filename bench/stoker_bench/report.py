@@ -28,7 +28,7 @@ def markdown(cells: list[Cell], info: dict, targets: list[str]) -> str:
         f"Stoker cache {info['cache_bytes'] / 2**20:.0f} MiB (epochs: {info['epoch_cache_bytes'] / 2**20:.0f} MiB). "
         f"Fixture ceiling without the cap: {info['store_ceiling_MBps']} MB/s. A bare Python client (48 "
         f"threads of urllib3 range GETs into reused buffers, no FUSE) reaches {info.get('python_client_ceiling_MBps', '-')} "
-        f"MB/s against the capped store on this machine.",
+        f"MB/s against the capped store on this machine." + (f" {info['host_memory']}" if info.get("host_memory") else ""),
         "",
         "| workload | run | " + " | ".join(systems) + " | " + " | ".join(f"{s} vs s3fs" for s in systems if s != "s3fs")
         + " |",

@@ -38,7 +38,7 @@ def test_targets_name_each_figure_met_or_missed():
 def test_a_two_node_run_reads_right_bytes_and_the_distributed_store_sends_the_dataset_once(tmp_path):
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, "-m", "stoker", "bench", "--cluster", "2", "--scale", "0.02",
-                             "--epochs", "2", "--peer-timeout", "10", "--out", str(out)],
+                             "--epochs", "2", "--peer-timeout", "10", "--out", str(out), "--keep-page-reporting"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = json.loads((out / "cluster-2.json").read_text())

@@ -37,7 +37,7 @@ def test_an_ab_against_head_runs_both_sides_alternating(tmp_path):
     out = tmp_path / "ab"
     relative = os.path.relpath(out, ROOT)  # as a user gives it (the default is ./bench-results)
     result = subprocess.run([sys.executable, "-m", "stoker", "bench", "--compare", "HEAD", "--scale", "0.02",
-                             "--workloads", "seq1,partial", "--rounds", "2", "--out", relative],
+                             "--workloads", "seq1,partial", "--rounds", "2", "--out", relative, "--keep-page-reporting"],
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     sides = {s["side"]: s for s in json.loads((out / "compare.json").read_text())}
@@ -54,6 +54,6 @@ def test_an_ab_against_head_runs_both_sides_alternating(tmp_path):
 def test_an_ab_refuses_one_round_and_an_unknown_ref(tmp_path):
     for args, expected in ((["--compare", "HEAD", "--rounds", "1"], "--rounds"),
                            (["--compare", "no-such-ref-zz"], "not a commit")):
-        result = subprocess.run([sys.executable, "-m", "stoker", "bench", *args, "--out", str(tmp_path)], cwd=ROOT,
+        result = subprocess.run([sys.executable, "-m", "stoker", "bench", *args, "--out", str(tmp_path), "--keep-page-reporting"], cwd=ROOT,
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and expected in result.stderr, result.stderr

@@ -30,7 +30,26 @@ def test_report_marks_missing_peers_and_ratios():
             "epoch_cache_bytes": 2**29, "store_ceiling_MBps": 1000}
     text = markdown(cells, info, evaluate(cells, info))
     assert "3.00×" in text and "cannot run: rclone is not installed" in text
-    assert "large sequential, 1 reader >= 3x s3fs: met" in text
+
+
+def test_targets_are_the_data_path_issue_s():
+    """One reader against the bare client of the same run (not s3fs), shards against s3fs, CPU per GiB
+    against s3fs; each said met or MISSED with its figures."""
+    def cells(seq: float, seq_cpu: float, shards: float) -> list[Cell]:
+        return [Cell("seq1", "stoker", "cold", value=seq, unit="MB/s", cpu_s_per_gib=seq_cpu),
+                Cell("seq1", "s3fs", "cold", value=300.0, unit="MB/s", cpu_s_per_gib=1.6),
+                Cell("shards", "stoker", "cold", value=shards, unit="MB/s"),
+                Cell("shards", "s3fs", "cold", value=140.0, unit="MB/s")]
+    info = {"cache_bytes": 2**30, "epoch_cache_bytes": 2**29, "python_client_ceiling_MBps": 470.0}
+    met = evaluate(cells(430.0, 1.5, 430.0), info)
+    assert "large sequential, 1 reader >= 90% of the bare Python client: met (91% of 470 MB/s)" in met
+    assert "large sequential CPU-s per GiB <= s3fs: met (1.50 vs 1.60)" in met
+    assert "64 MiB shards, 4 readers >= 3x s3fs: met (3.07x)" in met
+    missed = evaluate(cells(400.0, 1.7, 400.0), info)
+    assert "large sequential, 1 reader >= 90% of the bare Python client: MISSED (85% of 470 MB/s)" in missed
+    assert "large sequential CPU-s per GiB <= s3fs: MISSED (1.70 vs 1.60)" in missed
+    assert "64 MiB shards, 4 readers >= 3x s3fs: MISSED (2.86x)" in missed
+    assert not any("bare Python client" in t for t in evaluate(cells(430.0, 1.5, 430.0), {**info, "python_client_ceiling_MBps": None}))
 
 
 def test_zero_measurements_make_no_ratio_not_a_crash():
