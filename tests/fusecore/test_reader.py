@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from fusecore.config import MountConfig, StoreConfig
 from fusecore.datapath import DataPath
+from fusecore.reader import FIRST_BLOCK_PARTS
 from tests.support.fakestore import FakeStore
 
 KiB = 1024
@@ -229,16 +230,16 @@ def test_a_loader_going_through_a_directory_keeps_the_walk_ahead():
 
 
 @pytest.mark.parametrize("initial, size, first_block_gets", [
-    (4 * MiB, 8 * MiB, 4),  # read from 0 with the initial window: the first block in four parts
-    (0, 8 * MiB, 1),  # --initial-prefetch 0: one GET, as before
-    (4 * MiB, 3 * MiB, 1),  # a file smaller than the initial window
+    (8 * MiB, 16 * MiB, FIRST_BLOCK_PARTS),  # read from 0 with the initial window: the first block in parts
+    (0, 16 * MiB, 1),  # --initial-prefetch 0: one GET, as before
+    (8 * MiB, 6 * MiB, 1),  # a file smaller than the initial window
 ])
 def test_a_file_read_from_its_start_gets_its_first_block_in_parts(initial, size, first_block_gets):
     store = FakeStore()
     payload = random.Random(5).randbytes(size)
     info = store.put("shard.tar", payload)
     cfg = MountConfig(store=StoreConfig(bucket="b", max_concurrency=16), cache_size=256 * MiB,
-                      block_size=1 * MiB, max_prefetch=8 * MiB, initial_prefetch=initial)
+                      block_size=2 * MiB, max_prefetch=16 * MiB, initial_prefetch=initial)
     dp = DataPath(cfg, store)
     out = []
 
@@ -247,8 +248,8 @@ def test_a_file_read_from_its_start_gets_its_first_block_in_parts(initial, size,
 
     run(dp, go)
     assert out[0] == payload
-    first = [r for r in store.ranges if r[1] < 1 * MiB]
-    assert len(first) == first_block_gets and sum(end - start for _, start, end in first) == 1 * MiB, first
+    first = [r for r in store.ranges if r[1] < 2 * MiB]
+    assert len(first) == first_block_gets and sum(end - start for _, start, end in first) == 2 * MiB, first
 
 
 def test_a_reader_that_starts_past_zero_gets_no_parts():
