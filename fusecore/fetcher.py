@@ -359,8 +359,8 @@ class Fetcher:
                     return peer_copy
             pending.buffer = self.cache.take_buffer(nbytes)  # else mapped by a receiving thread
             deadline = self._clock() + self.read_deadline
-            parts = min(pending.parts, nbytes // MIN_PART) if self._alone(key) else 1
-            if parts > 1:
+            parts = min(pending.parts, nbytes // MIN_PART)
+            if parts > 1 and self._alone(key):
                 await self._get_parts(obj, start, nbytes, parts, pending, deadline)
             else:
                 await self._get(obj, start, 0, nbytes, pending, pending.progress, deadline)

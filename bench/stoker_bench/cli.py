@@ -41,7 +41,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs of every system)")
     p.add_argument("--keep-page-reporting", action="store_true",
                    help="leave a VM's free page reporting on (by default a root run pauses it and touches memory "
-                        "first: see bench/README.md, 'Fresh memory on a VM')")
+                        "first: see README.md, 'Fresh memory on a VM')")
     p.add_argument("--operator", action="store_true",
                    help="instead: the DatasetCache operator at cluster scale (simulated nodes, faked API server)")
     p.add_argument("--nodes", default="100,1000,5000", help="--operator: node counts (default 100,1000,5000)")
@@ -137,7 +137,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     return 1 if any(r.wrong for r in result.rows) else 0
 
 
-def run_compare(args: argparse.Namespace, systems: list[str], workloads: list[str], memory_note: str = "") -> int:
+def run_compare(args: argparse.Namespace, systems: list[str], workloads: list[str], memory_note: str) -> int:
     """Base (REF) and change (the working tree) alternating, `--rounds` each; one table of both."""
     from . import compare
 
@@ -170,18 +170,23 @@ def _no_fuse() -> bool:
 def run(args: argparse.Namespace) -> int:
     if args.operator:
         return run_operator(args)
+    # Arguments are refused before memory is primed (that takes ~25 s on a fresh VM).
     plan: tuple[list[str], list[str]] | None = None
-    if args.cluster is not None and not args.engines and (_bad_cluster(args) or _no_fuse()):
+    if args.engines:
+        pass
+    elif args.cluster is not None:
+        if _bad_cluster(args) or _no_fuse():
+            return 2
+    elif (plan := _plan(args)) is None:
         return 2
-    if args.cluster is None and not args.engines and (plan := _plan(args)) is None:
-        return 2  # refused before memory is primed (that takes ~25 s on a fresh VM)
     with hostmem.reporting_paused(keep=args.keep_page_reporting) as memory:
         if note := memory.describe():
             print(note, flush=True)
         if args.engines:
             return run_engines(args)
-        if plan is None:
+        if args.cluster is not None:
             return run_cluster(args)
+        assert plan is not None
         if args.compare:
             return run_compare(args, *plan, note)
         return run_cells(args, *plan, note)

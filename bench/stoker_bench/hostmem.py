@@ -16,11 +16,12 @@ import mmap
 from dataclasses import dataclass
 from typing import Iterator
 
+from fusecore.buffers import allocate
+
 REPORTING_ORDER = "/sys/module/page_reporting/parameters/page_reporting_order"
 NEVER = "11"  # above the largest buddy order (10): no free block qualifies for reporting
 PRIME_LIMIT = 8 << 30
 _CHUNK = 256 << 20
-_MAP = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0x8000)
 
 
 @dataclass
@@ -52,15 +53,17 @@ def available_bytes(meminfo: str = "/proc/meminfo") -> int:
 
 
 def prime(nbytes: int) -> int:
-    """Touch `nbytes` of anonymous memory at once, then free it: the pages stay backed by the host."""
-    held: list[mmap.mmap] = []
+    """Touch `nbytes` of anonymous memory at once, then free it: the pages stay backed by the host.
+    Returns what was touched (the mount's populated buffers; a chunk the kernel refused to map is not)."""
+    held: list[bytearray | mmap.mmap] = []
     try:
         while len(held) * _CHUNK < nbytes:
-            held.append(mmap.mmap(-1, min(_CHUNK, nbytes - len(held) * _CHUNK), flags=_MAP))
-        return sum(len(m) for m in held)
+            held.append(allocate(min(_CHUNK, nbytes - len(held) * _CHUNK)))
+        return sum(len(m) for m in held if isinstance(m, mmap.mmap))
     finally:
         for m in held:
-            m.close()
+            if isinstance(m, mmap.mmap):
+                m.close()
 
 
 @contextlib.contextmanager

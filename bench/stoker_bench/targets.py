@@ -5,16 +5,10 @@ from __future__ import annotations
 from .runner import Cell
 
 
-def _value(cells: list[Cell], workload: str, system: str, run: str) -> float | None:
-    """The headline figure of one cell, or None if it did not run."""
-    return next((c.value for c in cells if (c.workload, c.system, c.run) == (workload, system, run)
-                 and c.value is not None), None)
-
-
-def _cpu(cells: list[Cell], workload: str, system: str) -> float | None:
-    """CPU-seconds per GiB of a cold cell, or None if it did not run."""
-    return next((c.cpu_s_per_gib for c in cells if (c.workload, c.system, c.run) == (workload, system, "cold")
-                 and c.cpu_s_per_gib is not None), None)
+def _value(cells: list[Cell], workload: str, system: str, run: str, figure: str = "value") -> float | None:
+    """A figure of one cell (its headline by default), or None if it did not run."""
+    return next((getattr(c, figure) for c in cells if (c.workload, c.system, c.run) == (workload, system, run)
+                 and getattr(c, figure) is not None), None)
 
 
 def evaluate(cells: list[Cell], info: dict) -> list[str]:
@@ -31,7 +25,7 @@ def evaluate(cells: list[Cell], info: dict) -> list[str]:
               f"{st / bare:.0%} of {bare:.0f} MB/s")
     if st is not None and bo is not None:
         check("large sequential, 1 reader >= 20x boto3 single stream", st >= 20 * bo, _times(st, bo))
-    st_cpu, s3_cpu = (_cpu(cells, "seq1", s) for s in ("stoker", "s3fs"))
+    st_cpu, s3_cpu = (_value(cells, "seq1", s, "cold", "cpu_s_per_gib") for s in ("stoker", "s3fs"))
     if st_cpu is not None and s3_cpu is not None:
         check("large sequential CPU-s per GiB <= s3fs", st_cpu <= s3_cpu, f"{st_cpu:.2f} vs {s3_cpu:.2f}")
     st, s3 = _value(cells, "shards", "stoker", "cold"), _value(cells, "shards", "s3fs", "cold")
