@@ -177,6 +177,9 @@ class CacheWorker:
         name = cache_id(self.plan.cache_namespace, self.plan.cache_name)
         handoff = self.agent.volumes.peer_socket(volume_id)
         answer = control.join(sock, JoinRequest(name, peers.address, tuple(members), replicas, key, handoff))
+        if (tuple(members), replicas) != self.joined:
+            log.info("%s: joined with %d member(s) %s, %d replica(s), of %d planned; this node's share %s",
+                     self.key, len(members), ", ".join(members), replicas, planned, answer.get("share"))
         peers.route(name, handoff)
         self.joined = (tuple(members), replicas)
         self.share = float(answer.get("share", 0.0))
