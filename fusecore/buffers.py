@@ -7,25 +7,68 @@ mapping in one call; the fetcher maps a block's buffer in the thread that receiv
 body, never on the event loop's thread. A dropped block's buffer is either kept for the next GET
 (BlockCache.take_buffer, a few at most) or unmapped at once, so freed memory goes back to the system.
 
-Not on transparent huge pages: asking for them (madvise MADV_HUGEPAGE, then MADV_POPULATE_WRITE)
-saved 10-15% of CPU per GiB on a machine whose free memory is backed, but cost a third of a cold
-sequential read's throughput on VMs that hand free memory back to the host (virtio-balloon free
-page reporting, as on our Firecracker machines): a huge page is always carved from a free 2 MiB
-block, which is exactly what such a VM has returned to the host, so each fault waits for the host
-to back 2 MiB again; and CPython's mmap.madvise holds the GIL while it populates, stalling every
-receiving thread. Measured A/B in docs/operations.md ("Data-path A/B").
+On transparent huge pages where the mount chose them (pages.py): the mapping is asked for 2 MiB pages
+(MADV_HUGEPAGE) and populated by madvise(MADV_POPULATE_WRITE) called through ctypes, which releases
+the GIL (CPython's mmap.madvise holds it while the kernel populates, stalling every receiving
+thread). Populating on 2 MiB pages costs about a quarter of populating on 4 KiB pages, where the
+host backs free memory; on a VM reporting free memory to its host it costs far more, hence the
+choice per machine. Measured A/B in docs/operations.md ("Data-path A/B").
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 
 MMAP_MIN = 256 * 1024
-_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0x8000)
+HUGE_PAGE = 2 * 1024 * 1024
+_ANONYMOUS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+_FLAGS = _ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0x8000)
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+_MADV_POPULATE_WRITE = 23  # Linux 5.14; mmap does not name it before Python 3.13
 
 
-def allocate(nbytes: int) -> bytearray | mmap.mmap:
-    """A writable buffer of exactly `nbytes`."""
+def _libc_madvise():
+    """libc's madvise, called without the GIL (ctypes releases it around foreign calls); None where absent."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _libc_madvise()
+
+
+def _huge(nbytes: int) -> mmap.mmap | None:
+    """A mapping on 2 MiB pages, populated; None if the kernel refuses (the caller maps 4 KiB pages)."""
+    if _MADV_HUGEPAGE is None or _madvise is None:
+        return None
+    try:
+        m = mmap.mmap(-1, nbytes, flags=_ANONYMOUS)
+    except OSError:
+        return None
+    try:
+        m.madvise(_MADV_HUGEPAGE)
+    except OSError:
+        m.close()
+        return None
+    view = ctypes.c_char.from_buffer(m)
+    address = ctypes.addressof(view)
+    del view  # the mapping may be closed (evicted) only once nothing exports it
+    # Where populating fails (a kernel before 5.14), the pages come on the first write: two faults a block.
+    _madvise(address, nbytes, _MADV_POPULATE_WRITE)
+    return m
+
+
+def allocate(nbytes: int, huge: bool = False) -> bytearray | mmap.mmap:
+    """A writable buffer of exactly `nbytes`; on 2 MiB pages if `huge` and it holds one."""
+    if huge and nbytes >= HUGE_PAGE:
+        m = _huge(nbytes)
+        if m is not None:
+            return m
     if nbytes >= MMAP_MIN:
         try:
             return mmap.mmap(-1, nbytes, flags=_FLAGS)

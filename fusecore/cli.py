@@ -10,7 +10,7 @@ import stat
 import sys
 
 from . import control, logs
-from .config import (ConfigError, MountConfig, StoreConfig, config_from_document, format_size, identity_from_document,
+from .config import (HUGE_PAGES, ConfigError, MountConfig, StoreConfig, config_from_document, format_size, identity_from_document,
                      parse_s3_url, parse_size, parse_ttl)
 from .launch import MAX_DOCUMENT, LaunchFailed, NotReady, launch, ready_line
 from .mounts import NOT_READY_STATUS, is_mounted, unmount
@@ -60,6 +60,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--read-deadline", type=float, default=_default("read_deadline"),
                    help=f"a read waiting longer than this fails with EIO (default {_default('read_deadline'):g})")
     m.add_argument("--no-kernel-cache", action="store_true", help="do not keep the kernel page cache across opens")
+    m.add_argument("--huge-pages", default=_default("huge_pages"),
+                   help=f"block buffers on 2 MiB pages: {', '.join(HUGE_PAGES)} (default auto: where the kernel "
+                        "offers them and the machine does not report free memory to a VM host)")
     m.add_argument("--read-ahead-kb", type=int, default=_default("read_ahead_kb"),
                    help="kernel readahead of the mount (root only)")
     m.add_argument("--peers", default="", help="a distributed cache: every member's HOST:PORT, comma-separated "
@@ -139,6 +142,7 @@ def config_from_args(args: argparse.Namespace) -> MountConfig:
         peer_key_file=os.path.abspath(args.peer_key_file) if args.peer_key_file else "",
         metadata_ttl=parse_ttl(args.metadata_ttl),
         kernel_cache=not args.no_kernel_cache,
+        huge_pages=args.huge_pages,
         read_ahead_kb=args.read_ahead_kb,
         metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr,
@@ -264,7 +268,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     c, r = stats["cache"], stats["requests"]
     print(f"mount        s3://{stats['bucket']}/{stats['prefix']} at {stats['mountpoint']}")
     print(f"cache        {format_size(c['bytes'])} of {format_size(c['budget'])}, {c['entries']} blocks, "
-          f"hit ratio {c['hit_ratio']:.1%}, {c['evictions']} evictions")
+          f"hit ratio {c['hit_ratio']:.1%}, {c['evictions']} evictions, on {c['pages']} pages")
     print(f"fetched      {format_size(stats['bytes_fetched'])} in {r['get']} GETs ({r['get_prefetch']} prefetch), "
           f"{r['list']} LIST, {r['head']} HEAD")
     print(f"served       {format_size(stats['bytes_served']['cache'])} from cache, "

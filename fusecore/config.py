@@ -24,6 +24,7 @@ WARM_FRACTION = 0.9  # `warm` fills at most this share of a cache budget (the re
 INFLIGHT_DIVISOR = 8  # in-flight GET bytes take at most budget / this
 WINDOW_FRACTION = 0.1  # of a cache budget: new blocks, and blocks kept for their readers only (cache.py)
 STAGED_FRACTION = 0.125  # of a cache budget: prefetched blocks not read yet (cache.py)
+HUGE_PAGES = ("auto", "on", "off")  # block buffers on 2 MiB pages: where cheap, always, never (pages.py)
 
 
 def kept_fraction() -> float:
@@ -162,6 +163,7 @@ class MountConfig:
     max_inflight_bytes: int = 256 * 1024**2  # all GETs of the mount together
     metadata_ttl: float = 60.0
     kernel_cache: bool = True  # keep_cache while the ETag is unchanged
+    huge_pages: str = "auto"  # one of HUGE_PAGES
     read_ahead_kb: int = 1024  # kernel readahead for the mount's bdi (one FUSE read: see README "Reads")
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
@@ -196,6 +198,8 @@ class MountConfig:
                 "must hold at least one block")
         if not self.metadata_ttl >= 0:
             raise ConfigError("metadata-ttl", "must be >= 0 seconds")
+        if self.huge_pages not in HUGE_PAGES:
+            raise ConfigError("huge-pages", f"must be one of {', '.join(HUGE_PAGES)} (got {self.huge_pages!r})")
         _within("read-ahead-kb", self.read_ahead_kb, 0, 1024 * 1024, "must be between 0 and 1048576")
         if self.metrics_port is not None:
             _within("metrics-port", self.metrics_port, 1, 65535)

@@ -57,6 +57,7 @@ def run_mount(cfg: MountConfig, ready: ReadyCallback) -> int:
         store = S3Store(cfg.store)
         store.check()
         datapath = DataPath(cfg, store)
+        log.info("block buffers on %s pages: %s", datapath.pages.size, datapath.pages.why)
     except (MountError, StoreError, ConfigError) as exc:
         ready(exc)
         return 1

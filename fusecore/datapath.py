@@ -22,6 +22,7 @@ from .metrics import MountMetrics
 from .namespace import Namespace
 from .reader import Reader
 from .objects import ObjectStore
+from .pages import choose as choose_pages
 from .store_errors import StoreError
 from .walk import DirectoryPrefetcher
 
@@ -35,9 +36,10 @@ class DataPath:
         self.cache = BlockCache(cfg.cache_size)
         self.metrics.bind_cache(self.cache.stats)
         self.cluster = Cluster.from_config(cfg, read_key(cfg.peer_key_file), self.metrics) if cfg.peers else None
+        self.pages = choose_pages(cfg.huge_pages)
         self.fetcher = Fetcher(store, self.cache, self.metrics, block_size=cfg.block_size,
                                max_concurrency=cfg.store.max_concurrency, inflight_limit=cfg.inflight_limit,
-                               read_deadline=cfg.read_deadline, cluster=self.cluster)
+                               read_deadline=cfg.read_deadline, cluster=self.cluster, huge_pages=self.pages.huge)
         self.namespace = Namespace(store, cfg.store.prefix, cfg.metadata_ttl, self.metrics)
         self.reader = Reader(self.fetcher, self.metrics, block_size=cfg.block_size,
                              prefetch_limit=cfg.prefetch_limit, initial_prefetch=cfg.initial_prefetch)
@@ -81,6 +83,7 @@ class DataPath:
                 "hits": c.hits, "misses": c.misses, "hit_ratio": round(c.hit_ratio, 4),
                 "evictions": c.evictions, "prefetch_dropped": c.prefetch_dropped,
                 "recycled_buffers": self.cache.recycled,
+                "pages": self.pages.size, "pages_why": self.pages.why,
             },
             "requests": {
                 "get": int(gets),

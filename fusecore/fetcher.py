@@ -83,8 +83,9 @@ class Fetcher:
     def __init__(self, store: ObjectStore, cache: BlockCache, metrics: MountMetrics, *, block_size: int,
                  max_concurrency: int, inflight_limit: int, read_deadline: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], Awaitable[None]] = trio.sleep,
-                 cluster: Cluster | None = None):
+                 cluster: Cluster | None = None, huge_pages: bool = False):
         self.store = store
+        self.huge_pages = huge_pages  # block buffers on 2 MiB pages (pages.py chose for this machine)
         self.cluster = cluster  # a distributed cache: blocks this node does not own are asked of their owner first
         self._clock, self._sleep = clock, sleep  # the retry schedule's time (a fake one in tests)
         self.cache = cache
@@ -280,7 +281,7 @@ class Fetcher:
         GET, while readers waited). Only a block received whole comes without a buffer (lo is 0, hi its
         size): a block in parts is mapped before its parts start (_get_parts)."""
         if pending.buffer is None:
-            pending.buffer = allocate(hi)  # before any progress: readers look at it once bytes arrived
+            pending.buffer = allocate(hi, self.huge_pages)  # before any progress: readers look at it once bytes arrived
         done = progress.received  # a retry resumes where the broken body stopped
         self.store.read_range(obj.key, start + lo + done, start + hi, obj.etag,
                               memoryview(pending.buffer)[lo + done:hi], progress)
@@ -316,7 +317,7 @@ class Fetcher:
                          deadline: float) -> None:
         """The block in `count` GETs at once; its progress counts the bytes before the first gap."""
         if pending.buffer is None:
-            pending.buffer = await trio.to_thread.run_sync(allocate, nbytes, limiter=self._threads)
+            pending.buffer = await trio.to_thread.run_sync(allocate, nbytes, self.huge_pages, limiter=self._threads)
         parts = Parts(pending.progress, nbytes, count)
         errors: list[StoreError] = []
 

@@ -16,10 +16,13 @@ import mmap
 from dataclasses import dataclass
 from typing import Iterator
 
+import os
+
+from fusecore import pages
 from fusecore.buffers import allocate
 
-REPORTING_ORDER = "/sys/module/page_reporting/parameters/page_reporting_order"
-NEVER = "11"  # above the largest buddy order (10): no free block qualifies for reporting
+REPORTING_ORDER = os.path.join(pages.SYS, pages.REPORTING_ORDER)
+NEVER = str(pages.largest_order() + 1)  # above the largest buddy order: no free block qualifies for reporting
 PRIME_LIMIT = 8 << 30
 _CHUNK = 256 << 20
 
@@ -38,7 +41,8 @@ class HostMemory:
         if self.reporting == "paused":
             primed = f" and {self.primed_bytes / 2**30:.1f} GiB touched first" if self.primed_bytes else ""
             return (f"This VM returns freed memory to its host (free page reporting): paused for the run{primed}, "
-                    "so fresh pages cost what they cost on a node (`--keep-page-reporting` measures with it).")
+                    "so fresh pages cost what they cost on a node, and Stoker's mounts put block buffers on 2 MiB "
+                    "pages as they do on one (`--keep-page-reporting` measures with it, and 4 KiB pages).")
         return (f"This VM returns freed memory to its host (free page reporting, order {self.order}), "
                 f"{self.reporting}: every fresh page costs a host fault, which weighs on systems that allocate "
                 "while they read (cold figures about halved on the CI VM).")

@@ -60,6 +60,42 @@ def test_sequential_random_and_concurrent_reads_match_the_objects(s3, bucket, mo
     assert set(digests) == {hashlib.sha256(big).digest()}
 
 
+def _huge_page_mappings(pid: int) -> list[int]:
+    """Sizes (kB) of the process's mappings marked for huge pages (MADV_HUGEPAGE: `hg` in VmFlags)."""
+    sizes, size = [], 0
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            if line.startswith("Size:"):
+                size = int(line.split()[1])
+            elif line.startswith("VmFlags:") and "hg" in line.split()[1:]:
+                sizes.append(size)
+    return sizes
+
+
+@pytest.mark.parametrize("setting", ["on", "off"])
+def test_block_buffers_on_the_pages_chosen_serve_exact_bytes(s3, bucket, mounts, setting):
+    """--huge-pages on: the mount's 4 MiB block buffers are mapped for 2 MiB pages (where the kernel has
+    them) and every byte read through them is the object's; off: none is."""
+    from fusecore import pages
+
+    data = put(s3, bucket, "big/x.bin", random.Random(7).randbytes(24 * MiB + 777))
+    mp = mounts.mount(f"s3://{bucket}", "--huge-pages", setting, "--no-kernel-cache")
+    path = os.path.join(mp, "big/x.bin")
+    assert read_whole(path) == data
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for off in random.Random(8).sample(range(len(data)), 50):
+            assert os.pread(fd, 200_000, off) == data[off:off + 200_000]
+    finally:
+        os.close(fd)
+    stats = mounts.stats(mp)
+    offered = pages.thp_mode() not in ("", "never")
+    huge = setting == "on" and offered
+    assert stats["cache"]["pages"] == ("2 MiB" if huge else "4 KiB"), stats["cache"]
+    marked = sum(_huge_page_mappings(stats["pid"]))  # adjacent buffers' mappings may show as one
+    assert marked >= 24 * 1024 if huge else marked == 0, marked  # the six whole 4 MiB blocks
+
+
 def test_many_small_files_read_concurrently_and_listing_sends_no_head(s3, bucket, mounts):
     files = {f"imgs/{i:04d}.jpg": random.Random(i).randbytes(random.Random(i).randint(50_000, 150_000))
              for i in range(300)}
@@ -281,7 +317,7 @@ def test_stats_warm_drop_and_metrics(s3, bucket, mounts):
     assert mounts.stats(mp)["requests"]["get"] == gets, "warmed files need no GET"
 
     text = subprocess.run([*stoker, "stats", mp], capture_output=True, text=True).stdout
-    assert "hit ratio" in text
+    assert "hit ratio" in text and f"on {mounts.stats(mp)['cache']['pages']} pages" in text
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     for name in ("stoker_bytes_served_total", "stoker_get_latency_seconds_bucket", "stoker_cache_bytes",
                  "stoker_cache_budget_bytes", "stoker_inflight_requests", "stoker_cache_hit_ratio"):
@@ -355,6 +391,7 @@ def test_serve_mount_refuses_a_document_it_does_not_know(tmp_path, entry):
     ("--max-prefetch", "lots", "max-prefetch"),
     ("--initial-prefetch", "lots", "initial-prefetch"),
     ("--peer-timeout", "0", "peer-timeout"),
+    ("--huge-pages", "yes", "huge-pages"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag(tmp_path, capsys, flag, value, named):
     """Refused before anything mounts: status 2, one line on stderr naming the setting and its range."""
