@@ -36,7 +36,7 @@ class DataPath:
         self.cache = BlockCache(cfg.cache_size)
         self.metrics.bind_cache(self.cache.stats)
         self.cluster = Cluster.from_config(cfg, read_key(cfg.peer_key_file), self.metrics) if cfg.peers else None
-        self.pages = choose_pages(cfg.huge_pages)
+        self.pages = choose_pages(cfg.huge_pages, cfg.block_size)
         self.fetcher = Fetcher(store, self.cache, self.metrics, block_size=cfg.block_size,
                                max_concurrency=cfg.store.max_concurrency, inflight_limit=cfg.inflight_limit,
                                read_deadline=cfg.read_deadline, cluster=self.cluster, huge_pages=self.pages.huge)

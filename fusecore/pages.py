@@ -7,13 +7,16 @@ or Hyper-V free page reporting, as on Firecracker): each free 2 MiB block is han
 and a huge page is always carved from one, so every fault would wait for the host (2.4 CPU-s per GiB
 measured, and a third of a cold read's throughput). "auto" therefore takes huge pages only where the kernel
 offers them (transparent_hugepage not "never") and no free page reporting is active; "on" and "off" decide
-regardless of the reporting. Pure reading of /sys: no I/O beyond it, nothing changed.
+regardless of the reporting; blocks smaller than a huge page stay on 4 KiB pages whatever the setting.
+Reads /sys and /proc only, and changes nothing.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+from .buffers import HUGE_PAGE
 
 SYS = "/sys"
 THP_ENABLED = "kernel/mm/transparent_hugepage/enabled"
@@ -68,10 +71,12 @@ def reporting_order(sys_root: str = SYS, buddyinfo: str = BUDDY_INFO) -> int | N
     return order if order <= largest_order(buddyinfo) else None
 
 
-def choose(setting: str, sys_root: str = SYS, buddyinfo: str = BUDDY_INFO) -> Pages:
+def choose(setting: str, block_size: int, sys_root: str = SYS, buddyinfo: str = BUDDY_INFO) -> Pages:
     """The pages of this mount's block buffers for `setting` (auto, on, off: MountConfig checked it)."""
     if setting == "off":
         return Pages(False, "--huge-pages off")
+    if block_size < HUGE_PAGE:
+        return Pages(False, f"blocks of {block_size // 1024} KiB are smaller than a 2 MiB page")
     mode = thp_mode(sys_root)
     if mode in ("", "never"):
         return Pages(False, "the kernel offers no transparent huge pages"

@@ -32,8 +32,8 @@ def machine(tmp_path, thp: str | None = "always [madvise] never", order: str | N
     return str(root), str(buddy)
 
 
-def choose(tmp_path, setting: str, **kw) -> pages.Pages:
-    return pages.choose(setting, *machine(tmp_path, **kw))
+def choose(tmp_path, setting: str, block_size: int = 4 * 1024 * 1024, **kw) -> pages.Pages:
+    return pages.choose(setting, block_size, *machine(tmp_path, **kw))
 
 
 @pytest.mark.parametrize("order", [None, "4294967295", "11"])
@@ -61,6 +61,13 @@ def test_on_and_off_decide_regardless_of_the_reporting(tmp_path):
     assert choose(tmp_path / "b", "off", order=None) == pages.Pages(False, "--huge-pages off")
 
 
+@pytest.mark.parametrize("setting", ["auto", "on"])
+def test_blocks_smaller_than_a_huge_page_stay_on_4k_pages(tmp_path, setting):
+    chosen = choose(tmp_path, setting, block_size=1024 * 1024)
+    assert not chosen.huge and "blocks of 1024 KiB are smaller than a 2 MiB page" in chosen.why
+    assert choose(tmp_path / "two", setting, block_size=2 * 1024 * 1024).huge
+
+
 def test_the_largest_order_is_read_from_buddyinfo(tmp_path):
     _, buddy = machine(tmp_path)
     assert pages.largest_order(buddy) == 10
@@ -73,7 +80,7 @@ def test_the_largest_order_is_read_from_buddyinfo(tmp_path):
 
 
 def test_this_machine_reads_without_error():
-    chosen = pages.choose("auto")
+    chosen = pages.choose("auto", 4 * 1024 * 1024)
     assert chosen.huge == (pages.thp_mode() not in ("", "never") and pages.reporting_order() is None)
     assert os.path.exists("/proc/buddyinfo") and pages.largest_order() >= 9
 
