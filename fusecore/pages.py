@@ -64,8 +64,12 @@ def reporting_order(sys_root: str = SYS, buddyinfo: str = BUDDY_INFO) -> int | N
 
     The parameter reads 4294967295 until a balloon driver registers; a value above the largest order means
     no free block qualifies (how `stoker bench` pauses the reporting for a run)."""
-    text = _read(os.path.join(sys_root, REPORTING_ORDER))
-    if text is None or not text.isdigit():
+    return active_order(_read(os.path.join(sys_root, REPORTING_ORDER)), buddyinfo)
+
+
+def active_order(text: str | None, buddyinfo: str = BUDDY_INFO) -> int | None:
+    """page_reporting_order's text as the order reported, or None where no free block qualifies."""
+    if text is None or not text.strip().isdigit():
         return None
     order = int(text)
     return order if order <= largest_order(buddyinfo) else None

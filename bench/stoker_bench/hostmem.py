@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 from dataclasses import dataclass
 from typing import Iterator
-
-import os
 
 from fusecore import pages
 from fusecore.buffers import allocate
@@ -31,7 +30,7 @@ _CHUNK = 256 << 20
 class HostMemory:
     """What the run found and did, for the report."""
 
-    reporting: str  # "absent", "paused" (from `order`), "kept" (--keep-page-reporting), "cannot pause: why"
+    reporting: str  # "absent" (or not active), "paused" (from `order`), "kept" (--keep-page-reporting), "cannot pause: why"
     order: str = ""
     primed_bytes: int = 0
 
@@ -82,6 +81,9 @@ def reporting_paused(keep: bool = False, path: str = REPORTING_ORDER,
         return
     if order == NEVER:  # an enclosing run (the A/B's parent) paused it and primed
         yield HostMemory("paused")
+        return
+    if pages.active_order(order) is None:  # built in, but no balloon driver registered: nothing is reported
+        yield HostMemory("absent")
         return
     if keep:
         yield HostMemory("kept", order)

@@ -27,6 +27,15 @@ def test_reporting_is_paused_for_the_run_memory_touched_and_the_order_put_back(o
     assert order.read_text() == "9"
 
 
+def test_a_kernel_whose_reporting_no_driver_registered_is_left_alone(order):
+    """The parameter reads 4294967295 until a balloon driver registers: nothing is reported, so nothing is
+    paused or primed, and the report says nothing (a bare-metal node with the feature built in)."""
+    order.write_text("4294967295\n")
+    with hostmem.reporting_paused(path=str(order), prime_limit=24 * MiB) as memory:
+        assert order.read_text() == "4294967295\n"
+    assert memory.reporting == "absent" and memory.primed_bytes == 0 and memory.describe() == ""
+
+
 def test_the_order_is_put_back_when_the_run_fails(order):
     with pytest.raises(RuntimeError):
         with hostmem.reporting_paused(path=str(order), prime_limit=MiB):
