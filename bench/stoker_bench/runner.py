@@ -83,8 +83,11 @@ class RssSampler(threading.Thread):
         return self.peak / 1024
 
 
+UNTHROTTLED = {"ceiling"}  # workloads run against a store of their own, with no latency and no cap
+
+
 def headline(workload: str, o: Outcome) -> tuple[float, str]:
-    if workload == "small":
+    if workload in ("small", "ceiling"):
         return o.files / o.seconds, "files/s"
     if workload == "metadata":
         return o.files / o.seconds, "entries/s"
@@ -119,6 +122,9 @@ def measure(system, store: StoreProcess, workload: str, d: Dataset, run_index: i
     cell.store_bytes = after["bytes_sent"] - before["bytes_sent"]
     if outcome.bytes:
         cell.read_amplification = round(cell.store_bytes / outcome.bytes, 3)
+    if workload in ("small", "ceiling") and outcome.files and outcome.seconds:
+        cell.extra["cpu_ms_per_file"] = round(cell.cpu_seconds / outcome.files * 1000, 3)
+        cell.extra["cores_busy"] = round(cell.cpu_seconds / outcome.seconds, 2)
     return cell
 
 
@@ -135,37 +141,50 @@ def run_all(*, scale: float, systems: list[str], workloads: list[str], workdir: 
             f"{bandwidth / 1e6:.0f} MB/s per connection; unthrottled ceiling {info['store_ceiling_MBps']} MB/s; "
             f"a bare Python client with 48 connections reaches {info['python_client_ceiling_MBps']} MB/s")
         for workload in workloads:
-            for name in systems:
-                cache = d.epoch_cache if workload == "epochs" else cache_bytes
-                # The multi-epoch cell measures the budgeted cache itself: with the kernel page cache
-                # on, this 24 GiB machine would serve every epoch from memory whatever the budget.
-                system = SYSTEMS[name](store.endpoint, "bench", workdir, cache, kernel_cache=workload != "epochs")
-                system.store_stats = store.stats
-                runs = 1 if name == "boto3" else 2
-                try:
-                    system.start()
-                except Unavailable as exc:
-                    for r in range(runs):
-                        cells.append(Cell(workload, name, ("cold", "warm")[r], note=f"cannot run: {exc}"))
-                    log(f"{workload:>8} {name:>7}: cannot run: {exc}")
-                    continue
-                try:
-                    for r in range(runs):
-                        try:
-                            cell = measure(system, store, workload, d, r)
-                        except Exception as exc:  # noqa: BLE001 - a failing peer becomes a note
-                            cell = Cell(workload, name, ("cold", "warm")[r], note=f"failed: {type(exc).__name__}: {exc}")
-                            traceback.print_exc()
-                        cells.append(cell)
-                        log(f"{workload:>8} {name:>7} {cell.run}: "
-                            + (f"{cell.value:.1f} {cell.unit}" if cell.value is not None else cell.note)
-                            + (f", rss {cell.idle_rss_mib} idle / {cell.peak_rss_mib} peak MiB" if cell.peak_rss_mib else "")
-                            + (f", {cell.requests} req, amp {cell.read_amplification}" if cell.value is not None else "")
-                            + (f" WRONG BYTES x{cell.wrong}" if cell.wrong else "")
-                            + (f" {cell.extra}" if cell.extra else ""))
-                finally:
-                    system.stop()
+            if workload in UNTHROTTLED:
+                fast_dir = os.path.join(workdir, f"unthrottled-{workload}")
+                os.makedirs(fast_dir, exist_ok=True)
+                with StoreProcess({"bench": dict(d.small)}, latency=0, bandwidth=0, workdir=fast_dir) as fast:
+                    _run_workload(fast, workload, systems, d, workdir, cache_bytes, cells, log, kernel_cache=False)
+                continue
+            _run_workload(store, workload, systems, d, workdir, cache_bytes, cells, log,
+                          kernel_cache=workload != "epochs")
     return cells, info
+
+
+def _run_workload(store: StoreProcess, workload: str, systems: list[str], d: Dataset, workdir: str, cache_bytes: int,
+                  cells: list[Cell], log, *, kernel_cache: bool) -> None:
+    """One workload through every system, cold then warm (boto3 once)."""
+    for name in systems:
+        cache = d.epoch_cache if workload == "epochs" else cache_bytes
+        # The multi-epoch cell measures the budgeted cache itself: with the kernel page cache
+        # on, this 24 GiB machine would serve every epoch from memory whatever the budget.
+        system = SYSTEMS[name](store.endpoint, "bench", workdir, cache, kernel_cache=kernel_cache)
+        system.store_stats = store.stats
+        runs = 1 if name == "boto3" else 2
+        try:
+            system.start()
+        except Unavailable as exc:
+            for r in range(runs):
+                cells.append(Cell(workload, name, ("cold", "warm")[r], note=f"cannot run: {exc}"))
+            log(f"{workload:>8} {name:>7}: cannot run: {exc}")
+            continue
+        try:
+            for r in range(runs):
+                try:
+                    cell = measure(system, store, workload, d, r)
+                except Exception as exc:  # noqa: BLE001 - a failing peer becomes a note
+                    cell = Cell(workload, name, ("cold", "warm")[r], note=f"failed: {type(exc).__name__}: {exc}")
+                    traceback.print_exc()
+                cells.append(cell)
+                log(f"{workload:>8} {name:>7} {cell.run}: "
+                    + (f"{cell.value:.1f} {cell.unit}" if cell.value is not None else cell.note)
+                    + (f", rss {cell.idle_rss_mib} idle / {cell.peak_rss_mib} peak MiB" if cell.peak_rss_mib else "")
+                    + (f", {cell.requests} req, amp {cell.read_amplification}" if cell.value is not None else "")
+                    + (f" WRONG BYTES x{cell.wrong}" if cell.wrong else "")
+                    + (f" {cell.extra}" if cell.extra else ""))
+        finally:
+            system.stop()
 
 
 def store_ceiling(d: Dataset, workdir: str, latency: float) -> float:

@@ -33,7 +33,16 @@ def evaluate(cells: list[Cell], info: dict) -> list[str]:
         check("64 MiB shards, 4 readers >= 3x s3fs", st >= 3 * s3, _times(st, s3))
     st, s3 = _value(cells, "small", "stoker", "cold"), _value(cells, "small", "s3fs", "cold")
     if st is not None and s3 is not None:
-        check("small files cold >= 5x s3fs", st >= 5 * s3, _times(st, s3))
+        check("small files cold >= 10x s3fs", st >= 10 * s3, _times(st, s3))
+    _random_targets(cells, check)
+    st, s3 = _value(cells, "ceiling", "stoker", "cold"), _value(cells, "ceiling", "s3fs", "cold")
+    if st is not None and s3 is not None:
+        busy = _extra(cells, "ceiling", "stoker", "cores_busy")
+        check("small-file ceiling (no latency, no page cache) >= s3fs", st >= s3,
+              f"{_times(st, s3)}, {busy} cores busy")
+    st_ms, s3_ms = (_extra(cells, w, s, "cpu_ms_per_file") for w, s in (("ceiling", "stoker"), ("ceiling", "s3fs")))
+    if st_ms is not None and s3_ms is not None:
+        check("mount CPU per small file <= s3fs", st_ms <= s3_ms, f"{st_ms:.2f} vs {s3_ms:.2f} ms")
     st, rc = _value(cells, "small", "stoker", "warm"), _value(cells, "small", "rclone", "warm")
     if st is not None and rc is not None:
         check("small files warm >= rclone full cache", st >= rc, _times(st, rc))
@@ -59,6 +68,22 @@ def evaluate(cells: list[Cell], info: dict) -> list[str]:
     if idle:
         check("Stoker idle RSS <= 60 MiB", max(idle) <= 60, f"largest fresh mount: {max(idle):.0f} MiB")
     return out
+
+
+def _random_targets(cells: list[Cell], check) -> None:
+    """Random reads at 4 KiB-aligned offsets cost the store at most 1.1x what they read; 256 KiB ones >= 3x s3fs."""
+    for workload in ("rand4k", "rand256k", "rand1m"):
+        amp = _value(cells, workload, "stoker", "cold", "read_amplification")
+        if amp is not None:
+            check(f"{workload} store bytes per byte read <= 1.1", amp <= 1.1, f"{amp:.3f}")
+    st, s3 = _value(cells, "rand256k", "stoker", "cold"), _value(cells, "rand256k", "s3fs", "cold")
+    if st is not None and s3 is not None:
+        check("random 256 KiB reads >= 3x s3fs", st >= 3 * s3, _times(st, s3))
+
+
+def _extra(cells: list[Cell], workload: str, system: str, name: str, run: str = "cold") -> float | None:
+    return next((c.extra[name] for c in cells if (c.workload, c.system, c.run) == (workload, system, run)
+                 and name in c.extra), None)
 
 
 def _times(value: float, base: float) -> str:

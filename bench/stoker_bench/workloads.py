@@ -190,6 +190,50 @@ def random_reads(system, d: Dataset, run: int) -> Outcome:
                    wrong=wrong)
 
 
+def aligned_random(size: int, count: int):
+    """Reads of `size` bytes at random 4 KiB-aligned offsets of the large object by 4 threads, each with the file
+    kept open (HDF5, LMDB, zarr, a shard's members read out of order): the figure to watch beside MB/s is the
+    read amplification (store bytes per byte read)."""
+
+    def workload(system, d: Dataset, run: int) -> Outcome:
+        key, total = d.seq[0]
+        rng = random.Random(400 + run + size)
+        reads = max(16, int(count * min(1.0, d.scale * 4)))
+        plan = [[rng.randrange(0, (total - size) // (4 * KiB)) * 4 * KiB for _ in range(reads // 4)] for _ in range(4)]
+
+        def reader(offsets: list[int]) -> tuple[int, int]:
+            done = wrong = 0
+            if system.is_mount:
+                fd = os.open(os.path.join(system.mountpoint, key), os.O_RDONLY)
+                try:
+                    for off in offsets:
+                        data = os.pread(fd, size, off)
+                        wrong += len(data) != size or not _verify(key, off, data)
+                        done += len(data)
+                finally:
+                    os.close(fd)
+                return done, wrong
+            for off in offsets:
+                data = read_range(system, key, off, size)
+                wrong += len(data) != size or not _verify(key, off, data)
+                done += len(data)
+            return done, wrong
+
+        started = time.monotonic()
+        results = _parallel(4, plan, reader)
+        return Outcome(bytes=sum(b for b, _ in results), ops=reads, seconds=time.monotonic() - started,
+                       wrong=sum(w for _, w in results))
+
+    return workload
+
+
+def ceiling(system, d: Dataset, run: int) -> Outcome:
+    """Small files as `small`, through a store with no latency and no bandwidth cap and without the kernel's page
+    cache (the runner sets both up): what limits is the mount's own CPU per file (files/s; CPU ms per file and
+    cores busy are reported beside)."""
+    return small_files(system, d, run)
+
+
 def metadata(system, d: Dataset, run: int) -> Outcome:
     started = time.monotonic()
     if system.is_mount:
@@ -281,6 +325,10 @@ WORKLOADS = {
     "small": ("small files, 8 readers (files/s)", small_files),
     "partial": ("a quarter of each 16 MiB object, 4 readers (MB/s)", partial),
     "random": ("random 256 KiB reads, 8 threads (MB/s)", random_reads),
+    "rand4k": ("random 4 KiB preads, 4 KiB-aligned, 4 threads (MB/s)", aligned_random(4 * KiB, 512)),
+    "rand256k": ("random 256 KiB preads, 4 KiB-aligned, 4 threads (MB/s)", aligned_random(256 * KiB, 256)),
+    "rand1m": ("random 1 MiB preads, 4 KiB-aligned, 4 threads (MB/s)", aligned_random(MiB, 96)),
+    "ceiling": ("small files, no store latency, no page cache: the mount's own ceiling (files/s)", ceiling),
     "metadata": ("scandir + stat, big directory (entries/s)", metadata),
     "epochs": ("3 epochs, dataset 1.5x cache (MB/s)", multi_epoch),
     "ttfb": ("time to first byte (ms, lower is better)", ttfb),
