@@ -1,21 +1,30 @@
-"""Block planning: which aligned blocks a byte range touches, and each block's extent."""
+"""Block planning: which aligned blocks a byte range touches, each block's extent, and the keys the cache
+holds: whole blocks, and the exact ranges young random runs ask for."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Union
 
 
 class BlockKey(NamedTuple):
-    """Identifies one block of one version of one object.
-
-    `unit` is the extent size when it differs from the mount's block size (0): random readers
-    fetch smaller pages so that a 256 KiB read does not pull a whole 4 MiB block.
-    """
+    """Identifies one whole block of one version of one object (the unit of read-ahead, warming and peers)."""
 
     key: str
     etag: str
     index: int  # type: ignore[assignment]  # (tuple.index: a NamedTuple field named as the block's role)
-    unit: int = 0
+
+
+class RangeKey(NamedTuple):
+    """Exactly bytes [start, stop) of one version of one object: what a young random run asked for, fetched
+    to the byte so that a reader of records at random offsets costs the store what it reads."""
+
+    key: str
+    etag: str
+    start: int
+    stop: int
+
+
+CacheKey = Union[BlockKey, RangeKey]
 
 
 def block_span(offset: int, size: int, file_size: int, block_size: int) -> range:
@@ -30,6 +39,13 @@ def block_extent(index: int, file_size: int, block_size: int) -> tuple[int, int]
     """[start, end) byte range of block `index` (the last block may be short)."""
     start = index * block_size
     return start, min(start + block_size, file_size)
+
+
+def extent(key: CacheKey, file_size: int, block_size: int) -> tuple[int, int]:
+    """[start, end) byte range a cache key stands for."""
+    if isinstance(key, RangeKey):
+        return key.start, key.stop
+    return block_extent(key.index, file_size, block_size)
 
 
 def block_count(file_size: int, block_size: int) -> int:

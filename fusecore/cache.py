@@ -14,18 +14,22 @@ be evicted by the policy before its reader arrives), counted in the budget, and 
 first if staging grows past its cap. Bytes of GETs still in flight are *reserved* in the budget,
 so the cache plus in-flight data never exceed the configured size.
 
+Exact ranges (RangeKey: what a young random run asked for) are entries like blocks, under the same policy;
+a per-object index of the ranges held answers a read inside one of them (`cover`).
+
 Pure logic, single-threaded: the caller (the trio thread) serialises access.
 """
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import AbstractSet, Hashable
 
-from .blocks import BlockKey
+from .blocks import CacheKey, RangeKey
 from .config import STAGED_FRACTION, WINDOW_FRACTION
 
 Buffer = bytes | bytearray | memoryview | mmap.mmap
@@ -95,12 +99,13 @@ class BlockCache:
                  min_sample: int = 10_000):
         self._window_fraction, self._staged_fraction = window_fraction, staged_fraction
         self._set_budget(budget)
-        self._window: OrderedDict[BlockKey, _Entry] = OrderedDict()
-        self._main: OrderedDict[BlockKey, _Entry] = OrderedDict()
-        self._staged: OrderedDict[BlockKey, _Entry] = OrderedDict()
+        self._window: OrderedDict[CacheKey, _Entry] = OrderedDict()
+        self._main: OrderedDict[CacheKey, _Entry] = OrderedDict()
+        self._staged: OrderedDict[CacheKey, _Entry] = OrderedDict()
         self._window_bytes = self._main_bytes = self._staged_bytes = 0
         self._reserved = 0
-        self._by_object: dict[str, set[BlockKey]] = {}
+        self._by_object: dict[str, set[CacheKey]] = {}
+        self._ranges: dict[tuple[str, str], list[tuple[int, int]]] = {}  # (key, etag) -> held ranges, sorted
         self._freq = FrequencySketch(min_sample)
         self._free: list[Buffer] = []  # evicted block buffers nobody references, for reuse
         self.recycled = 0
@@ -140,7 +145,7 @@ class BlockCache:
     def __len__(self) -> int:
         return len(self._window) + len(self._main) + len(self._staged)
 
-    def __contains__(self, key: BlockKey) -> bool:
+    def __contains__(self, key: CacheKey) -> bool:
         return key in self._window or key in self._main or key in self._staged
 
     def stats(self) -> CacheStats:
@@ -148,7 +153,7 @@ class BlockCache:
                           self.hits, self.misses, self.evictions, self.rejections, self.prefetch_dropped)
 
     # ---- reads ---------------------------------------------------------------------------
-    def get(self, key: BlockKey, visit: Hashable | None = None) -> Buffer | None:
+    def get(self, key: CacheKey, visit: Hashable | None = None) -> Buffer | None:
         """Return the cached block or None; `visit` (e.g. a file handle) counts once per pass."""
         entry = self._window.get(key)
         if entry is not None:
@@ -173,24 +178,41 @@ class BlockCache:
         self._count_visit(key, entry, visit)
         return entry.data
 
-    def transient(self, key: BlockKey) -> bool:
+    COVER_PROBES = 4  # held ranges starting at or before a read that are looked at (random runs rarely overlap)
+
+    def cover(self, key: str, etag: str, start: int, stop: int,
+              visit: Hashable | None = None) -> tuple[RangeKey, Buffer] | None:
+        """A held range of `key`'s version `etag` that holds all of [start, stop), with its bytes (a hit), or None."""
+        spans = self._ranges.get((key, etag))
+        if not spans:
+            return None
+        end = bisect.bisect_right(spans, (start, sys.maxsize))  # every held range that starts at or before `start`
+        for held_start, held_stop in reversed(spans[max(0, end - self.COVER_PROBES):end]):
+            if held_stop >= stop:
+                found = RangeKey(key, etag, held_start, held_stop)
+                data = self.get(found, visit)
+                if data is not None:
+                    return found, data
+        return None
+
+    def transient(self, key: CacheKey) -> bool:
         """Is the block held for its readers only (put with keep=False, still in the window)?"""
         entry = self._window.get(key)
         return entry is not None and not entry.keep
 
-    def keep(self, key: BlockKey) -> None:
+    def keep(self, key: CacheKey) -> None:
         """Keep a transient block like any other (it became this node's to hold: ownership moved)."""
         entry = self._window.get(key)
         if entry is not None:
             entry.keep = True
 
-    def _count_visit(self, key: BlockKey, entry: _Entry, visit: Hashable | None) -> None:
+    def _count_visit(self, key: CacheKey, entry: _Entry, visit: Hashable | None) -> None:
         if visit is None or entry.visit != visit:
             entry.visit = visit
             self._freq.increment(key, len(self))
 
     # ---- writes --------------------------------------------------------------------------
-    def put(self, key: BlockKey, data: Buffer, *, prefetched: bool = False,
+    def put(self, key: CacheKey, data: Buffer, *, prefetched: bool = False,
             visit: Hashable | None = None, keep: bool = True) -> None:
         """Insert a fetched block (demand read, or `prefetched` and not read yet); `keep=False`: for
         its readers only, never admitted to main."""
@@ -201,6 +223,8 @@ class BlockCache:
             self.rejections += 1
             return
         self._by_object.setdefault(key.key, set()).add(key)
+        if isinstance(key, RangeKey):
+            bisect.insort(self._ranges.setdefault((key.key, key.etag), []), (key.start, key.stop))
         if prefetched:
             self._staged[key] = entry
             self._staged_bytes += entry.size
@@ -222,6 +246,8 @@ class BlockCache:
         """Drop every cached block of an object (any version); returns how many."""
         keys = self._by_object.pop(object_key, set())
         for key in keys:
+            if isinstance(key, RangeKey):
+                self._ranges.pop((key.key, key.etag), None)
             for segment in (self._window, self._main, self._staged):
                 entry = segment.pop(key, None)
                 if entry is not None:
@@ -234,6 +260,7 @@ class BlockCache:
             segment.clear()
         self._window_bytes = self._main_bytes = self._staged_bytes = 0
         self._by_object.clear()
+        self._ranges.clear()
 
     # ---- policy --------------------------------------------------------------------------
     def _account(self, segment: OrderedDict, delta: int) -> None:
@@ -244,12 +271,20 @@ class BlockCache:
         else:
             self._staged_bytes += delta
 
-    def _forget(self, key: BlockKey) -> None:
+    def _forget(self, key: CacheKey) -> None:
         keys = self._by_object.get(key.key)
         if keys is not None:
             keys.discard(key)
             if not keys:
                 del self._by_object[key.key]
+        if isinstance(key, RangeKey):
+            spans = self._ranges.get((key.key, key.etag))
+            if spans is not None:
+                i = bisect.bisect_left(spans, (key.start, key.stop))
+                if i < len(spans) and spans[i] == (key.start, key.stop):
+                    del spans[i]
+                if not spans:
+                    del self._ranges[(key.key, key.etag)]
 
     def take_buffer(self, nbytes: int) -> Buffer | None:
         """A buffer of an evicted block of exactly `nbytes`, to receive the next GET.
@@ -303,7 +338,7 @@ class BlockCache:
             else:
                 break  # only reservations left; the fetcher bounds those below the budget
 
-    def _admit(self, key: BlockKey, entry: _Entry) -> None:
+    def _admit(self, key: CacheKey, entry: _Entry) -> None:
         """A block leaves the window: keep it in main only if it is worth more than main's LRU."""
         if not entry.keep:
             self._forget(key)

@@ -12,7 +12,7 @@ from typing import Awaitable, Callable, Hashable
 import trio
 
 from .admission import ByteBudget
-from .blocks import BlockKey, block_extent
+from .blocks import BlockKey, CacheKey, RangeKey, extent
 from .cache import BlockCache, Buffer
 from .cluster import Cluster
 from .metrics import MountMetrics
@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 DEMAND_RESERVE = 16  # demand reads keep 1/16 of the connections and in-flight bytes that prefetches cannot take
 MIN_PART = 256 * 1024  # a block fetched in parts (`block(parts=)`) is cut into pieces of at least this
+RANGE_PART = 128 * 1024  # an exact range (a random read) of 256 KiB or more comes in parts of at least this ...
+RANGE_PARTS = 4  # ... and at most this many: a 256 KiB read in two GETs at once, a 1 MiB read in four
 
 
 class _Pending:
@@ -101,7 +103,7 @@ class Fetcher:
         # a batch of new tasks forwards or backwards at random, so tasks racing for room would not).
         self._queue: deque[tuple[BlockKey, ObjectInfo, _Pending, Callable[[], bool]]] = deque()
         self._bytes = ByteBudget(inflight_limit, self._prefetch_share(inflight_limit))
-        self._pending: dict[BlockKey, _Pending] = {}
+        self._pending: dict[CacheKey, _Pending] = {}
         self._queued = 0  # bytes of prefetches launched but not yet reserved in the cache
         self._nursery: trio.Nursery | None = None
 
@@ -127,8 +129,8 @@ class Fetcher:
         return len(self._pending)
 
     async def block(self, obj: ObjectInfo, index: int, visit: Hashable | None = None,
-                    unit: int = 0, need: int | None = None, parts: int = 1) -> tuple[Buffer, bool]:
-        """The bytes of one block (or page of size `unit`) and whether the cache had them.
+                    need: int | None = None, parts: int = 1) -> tuple[Buffer, bool]:
+        """The bytes of one whole block and whether the cache had them.
 
         With `need`, return as soon as the block's first `need` bytes have arrived (the buffer is
         then only valid up to there): a reader does not wait for the rest of a block it does not
@@ -137,12 +139,31 @@ class Fetcher:
         other file is in flight when its GET starts: its reader gets all of it sooner, at the cost of
         more requests.
         """
-        key = BlockKey(obj.key, obj.etag, index, unit)
+        key = BlockKey(obj.key, obj.etag, index)
         data = self.cache.get(key, visit)
         if data is not None:
             if self.cluster is not None and self.cache.transient(key) and self._keeps(key, obj):
                 self.cache.keep(key)  # read for another owner, and this node's own since the members changed
             return data, True
+        return await self._obtain(key, obj, visit, need, parts), False
+
+    async def range(self, obj: ObjectInfo, start: int, stop: int, visit: Hashable | None = None) -> tuple[Buffer, bool, int]:
+        """Exactly bytes [start, stop) (a young random run's read), whether the cache had them, and the offset in the
+        object where the returned buffer begins (a held range may hold more than was asked). Not cached, they come
+        in one GET, or in up to RANGE_PARTS GETs of at least RANGE_PART at once (the store's bandwidth is per
+        connection: a 256 KiB read in two GETs waits 20 ms + 128 KiB at one connection's rate, not 256 KiB)."""
+        found = self.cache.cover(obj.key, obj.etag, start, stop, visit)
+        if found is not None:
+            return found[1], True, found[0].start
+        key = RangeKey(obj.key, obj.etag, start, stop)
+        data = self.cache.get(key, visit)  # (never there when cover found nothing: counts the miss)
+        if data is None:
+            data = await self._obtain(key, obj, visit, None, min(RANGE_PARTS, max(1, (stop - start) // RANGE_PART)))
+        return data, False, start
+
+    async def _obtain(self, key: CacheKey, obj: ObjectInfo, visit: Hashable | None, need: int | None,
+                      parts: int) -> Buffer:
+        """Bytes of `key` not in the cache: join its GET, or start one; wait within the read's deadline."""
         pending = self._pending.get(key)
         if pending is None:
             pending = self._launch(key, obj, demanded=True, visit=visit, parts=parts)
@@ -152,26 +173,26 @@ class Fetcher:
             if not pending.started:  # a prefetch still queued: it goes now, as a demand read
                 self._start(key, obj, pending)
         with trio.move_on_after(self.read_deadline):
-            start, end = block_extent(index, obj.size, unit or self.block_size)
+            start, end = extent(key, obj.size, self.block_size)
             if need is None or need >= end - start:  # the whole block: its end is the one wake-up
                 await pending.done.wait()
             else:
                 while not pending.done.is_set():
                     if pending.buffer is not None and pending.progress.received >= need:
-                        return pending.buffer, False
+                        return pending.buffer
                     await pending.wait_for(need)
         if not pending.done.is_set():
             self.metrics.errors.labels(kind="deadline").inc()
             if not pending.logged:
                 pending.logged = True
-                log.warning("read of %s block %d failed: no answer within %gs (%d attempts so far)", obj.key,
-                            index, self.read_deadline, pending.attempts)
+                log.warning("read of %s bytes %d-%d failed: no answer within %gs (%d attempts so far)", obj.key,
+                            start, end - 1, self.read_deadline, pending.attempts)
             raise Unavailable(f"get {obj.key!r}: no answer within {self.read_deadline:g}s")
         if pending.error is not None:
             raise pending.error
         if pending.data is None:
             raise Unavailable(f"get {obj.key!r}: fetch abandoned")
-        return pending.data, False
+        return pending.data
 
     def prefetch(self, obj: ObjectInfo, index: int, wanted: Callable[[], bool] = lambda: True) -> bool:
         """Start fetching a block ahead of the reader unless it is cached or already coming.
@@ -191,14 +212,14 @@ class Fetcher:
         self._admit()
         return True
 
-    def _launch(self, key: BlockKey, obj: ObjectInfo, *, demanded: bool, visit: Hashable | None,
+    def _launch(self, key: CacheKey, obj: ObjectInfo, *, demanded: bool, visit: Hashable | None,
                 parts: int = 1) -> _Pending:
         pending = self._pending[key] = _Pending(demanded, visit)
         pending.parts = parts
         self._start(key, obj, pending)
         return pending
 
-    def _start(self, key: BlockKey, obj: ObjectInfo, pending: _Pending) -> None:
+    def _start(self, key: CacheKey, obj: ObjectInfo, pending: _Pending) -> None:
         if self._nursery is None:
             raise RuntimeError("Fetcher.start() was not called")
         pending.started = True
@@ -223,7 +244,7 @@ class Fetcher:
             self._prefetching += 1
             self._start(key, obj, pending)
 
-    def _end(self, key: BlockKey, pending: _Pending) -> None:
+    def _end(self, key: CacheKey, pending: _Pending) -> None:
         """The GET is over (or will never run): wake its readers, forget it."""
         self._settle(pending)
         del self._pending[key]
@@ -234,7 +255,7 @@ class Fetcher:
         self._queued -= pending.queued
         pending.queued = 0
 
-    async def _run(self, key: BlockKey, obj: ObjectInfo, pending: _Pending) -> None:
+    async def _run(self, key: CacheKey, obj: ObjectInfo, pending: _Pending) -> None:
         prefetch = pending.prefetch_bytes > 0
         try:
             pending.data = await self._fetch(key, obj, pending)
@@ -251,7 +272,7 @@ class Fetcher:
                 log.warning("%s changed during reads; dropped %d cached blocks", obj.key, dropped)
             elif not pending.logged:
                 pending.logged = True
-                start, end = block_extent(key.index, obj.size, key.unit or self.block_size)
+                start, end = extent(key, obj.size, self.block_size)
                 (log.warning if pending.demanded else log.info)(
                     "%s of %s bytes %d-%d failed after %d attempt(s): %s", "read" if pending.demanded else "prefetch",
                     obj.key, start, end - 1, pending.attempts, exc)
@@ -261,10 +282,10 @@ class Fetcher:
                 self._prefetching -= 1
             self._admit()
 
-    def _keeps(self, key: BlockKey, obj: ObjectInfo) -> bool:
+    def _keeps(self, key: CacheKey, obj: ObjectInfo) -> bool:
         """Does the cache keep this block past its readers? In a distributed cache only the blocks this node
-        owns (and pages, which are never shared): the others belong to other nodes' shares."""
-        return self.cluster is None or bool(key.unit) or self.cluster.owns(obj.key, obj.etag, key.index)
+        owns (and ranges, which are never shared): the others belong to other nodes' shares."""
+        return self.cluster is None or isinstance(key, RangeKey) or self.cluster.owns(obj.key, obj.etag, key.index)
 
     async def _from_peer(self, key: BlockKey, obj: ObjectInfo, nbytes: int) -> Buffer | None:
         """The block from another of its owners that answers with exactly it (else the store)."""
@@ -333,13 +354,13 @@ class Fetcher:
         if errors:
             raise errors[0]
 
-    def _alone(self, key: BlockKey) -> bool:
+    def _alone(self, key: CacheKey) -> bool:
         """Is `key`'s file the only one with blocks in flight? Parts fill an idle pipe sooner; while other
         files stream, the pipe is full and more GETs only cost CPU (shards read by four readers)."""
         return all(other.key == key.key for other in self._pending)
 
-    async def _fetch(self, key: BlockKey, obj: ObjectInfo, pending: _Pending) -> Buffer:
-        start, end = block_extent(key.index, obj.size, key.unit or self.block_size)
+    async def _fetch(self, key: CacheKey, obj: ObjectInfo, pending: _Pending) -> Buffer:
+        start, end = extent(key, obj.size, self.block_size)
         nbytes = end - start
         demand = not pending.prefetch_bytes  # a prefetch a reader joined later still holds prefetch room
         if demand:
@@ -352,7 +373,7 @@ class Fetcher:
         self.metrics.inflight_requests.inc()
         self.metrics.inflight_bytes.inc(nbytes)
         try:
-            if self.cluster is not None and not key.unit:
+            if self.cluster is not None and isinstance(key, BlockKey):
                 peer_copy = await self._from_peer(key, obj, nbytes)
                 if peer_copy is not None:
                     pending.buffer = peer_copy
@@ -360,8 +381,8 @@ class Fetcher:
                     return peer_copy
             pending.buffer = self.cache.take_buffer(nbytes)  # else mapped by a receiving thread
             deadline = self._clock() + self.read_deadline
-            parts = min(pending.parts, nbytes // MIN_PART)
-            if parts > 1 and self._alone(key):
+            parts = min(pending.parts, nbytes // (RANGE_PART if isinstance(key, RangeKey) else MIN_PART))
+            if parts > 1 and (isinstance(key, RangeKey) or self._alone(key)):
                 await self._get_parts(obj, start, nbytes, parts, pending, deadline)
             else:
                 await self._get(obj, start, 0, nbytes, pending, pending.progress, deadline)

@@ -1,14 +1,14 @@
 """Per-open-file sequential detection and a prefetch window that grows on sequential reads.
 
-Pure logic: it answers "which blocks should be fetched ahead now", and in which unit a read is
-fetched (whole blocks or pages), nothing more.
+Pure logic: it answers "which blocks should be fetched ahead now", and whether a read is fetched in
+whole blocks or exactly as asked (`paged`), nothing more.
 """
 
 from __future__ import annotations
 
 from .blocks import block_count, block_span
 
-LONG_RUN_BLOCKS = 4  # a run that began past offset 0 is fetched in pages until it is this many blocks long
+LONG_RUN_BLOCKS = 4  # a run that began past offset 0 is fetched exactly as asked until it is this many blocks long
 AHEAD_SHARE = 4  # ... and then read ahead by at most 1/AHEAD_SHARE of what it has read
 
 
@@ -27,7 +27,7 @@ class ReadAhead:
     A file read from offset 0 that holds at least `initial_window` blocks starts with that window
     (the first GETs of a shard go out together, without waiting for the first block's bytes);
     smaller files start with one block. A run that began anywhere else (a reader of a split of a
-    file, or after a seek) is a reader that may stop soon: it is fetched in pages (`paged`) for its
+    file, or after a seek) is a reader that may stop soon: it is fetched exactly as asked (`paged`) for its
     first LONG_RUN_BLOCKS blocks, and after that read ahead by at most 1/AHEAD_SHARE of the bytes
     it has read, so what it costs the store stays close to what it reads.
     """
@@ -54,7 +54,7 @@ class ReadAhead:
         self._issued_until = min(self._issued_until, index - 1)
 
     def paged(self, index: int) -> bool:
-        """Fetch block `index` in pages rather than whole: a random reader, or inside the first
+        """Fetch a read in block `index` exactly as asked rather than whole blocks: a random reader, or inside the first
         LONG_RUN_BLOCKS blocks of a run that did not begin at offset 0."""
         if self.random:
             return True

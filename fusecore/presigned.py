@@ -29,6 +29,7 @@ from .bodies import read_body, socket_readinto
 from .config import StoreConfig
 from .native_http import MAX_BODY as MAX_NATIVE_BODY, Answer, NativeHttp, native_gets_possible
 from .objects import Listing, ObjectInfo, Progress
+from .signing import ObjectUrls
 from .store_errors import (PreconditionFailed, StoreError, TransientError, Unavailable, answer_error, backoff,
                            check_range, retry_after_seconds, retryable, translate)
 
@@ -74,6 +75,7 @@ class PresignedGets:
         self._bucket = cfg.bucket
         self._attempts = cfg.max_attempts  # for small requests (listings, HEAD), as botocore's retry mode
         self._urls: dict[str, tuple[float, str]] = {}
+        self._signer = ObjectUrls(client, cfg.bucket, self.URL_LIFETIME)
         self._lock = threading.Lock()
         ca = os.environ.get("AWS_CA_BUNDLE") or botocore.httpsession.get_cert_path(True)
         self._pool = urllib3.PoolManager(
@@ -197,6 +199,7 @@ class PresignedGets:
         """Sign again from now on (the credentials changed)."""
         with self._lock:
             self._urls.clear()
+        self._signer.forget()
 
     def _url(self, key: str, *, fresh: bool = False) -> str:
         now = time.monotonic()
@@ -204,8 +207,7 @@ class PresignedGets:
             cached = self._urls.get(key)
             if cached is not None and not fresh and now - cached[0] < self.URL_REUSE:
                 return cached[1]
-        url = self._client.generate_presigned_url(
-            "get_object", Params={"Bucket": self._bucket, "Key": key}, ExpiresIn=self.URL_LIFETIME)
+        url = self._signer.url(key, fresh=fresh)
         with self._lock:
             if len(self._urls) >= self.MAX_URLS:
                 self._urls.clear()

@@ -40,7 +40,6 @@ class Reader:
                  initial_prefetch: int = 0):
         self.fetcher = fetcher
         self.block_size = block_size
-        self.page_size = max(64 * 1024, block_size // 16)  # the unit random readers fetch
         self.max_window_blocks = max(1, prefetch_limit // block_size)
         self.initial_window_blocks = max(1, initial_prefetch // block_size)
         self._files: dict[int, OpenFile] = {}
@@ -79,26 +78,32 @@ class Reader:
             if not self.fetcher.prefetch(info, index, lambda: f.wants(seeks)):
                 f.readahead.unissue(index)
                 break
-        unit = 0
         if f.readahead.paged(span[0]) and not self._blocks_cached(info, span):
-            unit = self.page_size
-            span = block_span(offset, size, info.size, unit)
+            return await self._read_range(f, offset, size)
         if len(span) == 1:
-            block_start, block_end = block_extent(span[0], info.size, unit or self.block_size)
+            block_start, block_end = block_extent(span[0], info.size, self.block_size)
             start = offset - block_start
             need = min(start + size, block_end - block_start)
             parts = FIRST_BLOCK_PARTS if f.readahead.opens_wide(offset) else 1
-            data, hit = await self.fetcher.block(info, span[0], visit=fh, unit=unit, need=need, parts=parts)
+            data, hit = await self.fetcher.block(info, span[0], visit=fh, need=need, parts=parts)
             view = memoryview(data)[start:need]
             (self._served_cache if hit else self._served_network).inc(len(view))
             return view
-        return await self._read_many(f, span, offset, size, unit)
+        return await self._read_many(f, span, offset, size)
+
+    async def _read_range(self, f: OpenFile, offset: int, size: int) -> Buffer:
+        """A young random run's read: exactly the bytes asked for (or a held range that holds them)."""
+        stop = min(offset + size, f.info.size)
+        data, hit, base = await self.fetcher.range(f.info, offset, stop, visit=f.fh)
+        view = memoryview(data)[offset - base:stop - base]
+        (self._served_cache if hit else self._served_network).inc(len(view))
+        return view
 
     def _blocks_cached(self, info: ObjectInfo, span: range) -> bool:
         cache = self.fetcher.cache
         return all(BlockKey(info.key, info.etag, i) in cache for i in span)
 
-    async def _read_many(self, f: OpenFile, span: range, offset: int, size: int, unit: int) -> bytes:
+    async def _read_many(self, f: OpenFile, span: range, offset: int, size: int) -> bytes:
         """A read across blocks waits for all of them concurrently, then joins the slices."""
         blocks: dict[int, tuple[Buffer, bool]] = {}
         errors: list[StoreError] = []
@@ -106,10 +111,9 @@ class Reader:
         end = min(offset + size, f.info.size)
 
         async def one(index: int) -> None:
-            start, stop = block_extent(index, f.info.size, unit or self.block_size)
+            start, stop = block_extent(index, f.info.size, self.block_size)
             try:
-                blocks[index] = await self.fetcher.block(f.info, index, visit=f.fh, unit=unit,
-                                                         need=min(end, stop) - start)
+                blocks[index] = await self.fetcher.block(f.info, index, visit=f.fh, need=min(end, stop) - start)
             except StoreError as exc:
                 errors.append(exc)
 
@@ -121,7 +125,7 @@ class Reader:
         parts = []
         for index in span:
             data, hit = blocks[index]
-            start, stop = block_extent(index, f.info.size, unit or self.block_size)
+            start, stop = block_extent(index, f.info.size, self.block_size)
             part = memoryview(data)[max(offset, start) - start:min(end, stop) - start]
             (self._served_cache if hit else self._served_network).inc(len(part))
             parts.append(part)

@@ -3,7 +3,7 @@ from collections import OrderedDict
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from fusecore.blocks import BlockKey
+from fusecore.blocks import BlockKey, RangeKey
 from fusecore.cache import BlockCache
 
 KiB = 1024
@@ -171,13 +171,13 @@ def test_evicted_buffers_are_reused_only_when_nobody_holds_them():
 def test_resize_shrinks_by_eviction_and_grows_the_room():
     cache = BlockCache(10 * 100)
     for i in range(10):
-        cache.put(BlockKey("k", "e", i, 100), memoryview(bytearray(100)))
+        cache.put(BlockKey("k", "e", i), memoryview(bytearray(100)))
     assert cache.stats().bytes == 1000
     cache.resize(400)
     assert cache.budget == 400 and cache.stats().bytes <= 400
     cache.resize(2000)
     for i in range(10, 25):
-        cache.put(BlockKey("k", "e", i, 100), memoryview(bytearray(100)))
+        cache.put(BlockKey("k", "e", i), memoryview(bytearray(100)))
     assert 1000 < cache.stats().bytes <= 2000
 
 
@@ -215,3 +215,27 @@ def test_a_transient_block_kept_once_it_becomes_this_node_s_stays_past_the_windo
         cache.put(BlockKey("later", "e", i), bytes(100))
         cache.get(BlockKey("later", "e", i))
     assert moved in cache and other not in cache
+
+
+def test_a_held_range_answers_reads_inside_it_until_it_leaves():
+    cache = BlockCache(1000)
+    cache.put(RangeKey("k", "e", 100, 400), bytes(300))
+    cache.put(RangeKey("k", "e", 100, 150), bytes(50))  # same start, shorter: the longer one still covers more
+    found = cache.cover("k", "e", 120, 380)
+    assert found is not None and found[0] == RangeKey("k", "e", 100, 400)
+    assert cache.cover("k", "e", 100, 140)[0].stop in (150, 400)
+    assert cache.cover("k", "e", 50, 120) is None and cache.cover("k", "e", 390, 410) is None
+    assert cache.cover("k", "other-etag", 120, 130) is None, "another version is never an answer"
+    cache.invalidate("k")
+    assert cache.cover("k", "e", 120, 130) is None and len(cache) == 0
+
+
+def test_an_evicted_range_no_longer_answers():
+    cache = BlockCache(1000)
+    cache.put(RangeKey("k", "e", 0, 600), bytes(600))
+    for i in range(20):  # blocks read often: they win the range's place
+        cache.put(BlockKey("other", "e", i), bytes(300))
+        for _ in range(3):
+            cache.get(BlockKey("other", "e", i), visit=object())
+    assert RangeKey("k", "e", 0, 600) not in cache
+    assert cache.cover("k", "e", 0, 10) is None

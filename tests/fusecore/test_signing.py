@@ -1,0 +1,90 @@
+"""Object URLs signed without botocore's per-call pipeline are the URLs botocore's pipeline makes."""
+
+import datetime
+
+import botocore.auth
+import botocore.config
+import botocore.session
+import pytest
+
+from fusecore.signing import REFERENCE_KEY, ObjectUrls, learn_form
+
+KEYS = ["small/train/007/img-000123.jpg", "a b/c+d=e&f?g#h", "ünï/cødé~x.bin", "100%/x;y,z:@!$'()*", "k/"]
+NOW = datetime.datetime(2026, 12, 4, 12, 0, 0)
+
+
+def client(signature_version=None, endpoint="http://127.0.0.1:9000", region="us-east-1", token=None,
+           addressing="path"):
+    session = botocore.session.Session()
+    return session.create_client(
+        "s3", endpoint_url=endpoint, region_name=region, aws_access_key_id="AKIDEXAMPLE",
+        aws_secret_access_key="wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", aws_session_token=token,
+        config=botocore.config.Config(signature_version=signature_version, s3={"addressing_style": addressing}))
+
+
+@pytest.fixture
+def frozen(monkeypatch):
+    """Both ways of signing read one clock (SigV2 reads time.time, SigV4 botocore's current datetime)."""
+    monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda: NOW)
+    monkeypatch.setattr(botocore.auth.time, "time", lambda: 1_796_400_000.0)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: client(),  # a custom endpoint, botocore's default (SigV2 query auth there)
+    lambda: client("s3v4"),
+    lambda: client("s3v4", token="FwoGZXIvYXdzE//session+token="),  # temporary credentials carry their token
+    lambda: client(token="FwoGZXIvYXdzE//session+token="),
+    lambda: client(endpoint=None, region="eu-west-1", addressing="auto"),  # AWS itself, virtual-hosted
+    lambda: client("s3v4", endpoint=None, region="us-west-2", addressing="path"),
+], ids=["v2-endpoint", "v4-endpoint", "v4-token", "v2-token", "aws-virtual", "aws-path-v4"])
+def test_direct_urls_are_the_pipelines_urls(make, frozen):
+    c = make()
+    urls = ObjectUrls(c, "my-bucket", 3600)
+    assert urls.form is not None, "the form of these URLs is reproduced"
+    for key in KEYS:
+        assert urls.url(key) == c.generate_presigned_url(
+            "get_object", Params={"Bucket": "my-bucket", "Key": key}, ExpiresIn=3600), key
+
+
+def test_a_fresh_url_goes_through_the_whole_pipeline(frozen, monkeypatch):
+    c = client("s3v4")
+    urls = ObjectUrls(c, "b", 3600)
+    assert urls.form is not None
+    calls = []
+    original = c.generate_presigned_url
+    monkeypatch.setattr(c, "generate_presigned_url", lambda *a, **k: calls.append(a) or original(*a, **k))
+    urls.url("x")
+    assert calls == []
+    assert urls.url("x", fresh=True) == original("get_object", Params={"Bucket": "b", "Key": "x"}, ExpiresIn=3600)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("url", [
+    "https://b.s3.amazonaws.com/other-key?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=a%2F20261204%2Fus-east-1%2Fs3%2Faws4_request",
+    "https://b.s3.amazonaws.com/stoker/reference%20key%2B~%C3%A9.bin?X-Amz-Algorithm=AWS4-ECDSA-P256-SHA256&X-Amz-Credential=a",
+    "https://b.s3.amazonaws.com/stoker/reference%20key%2B~%C3%A9.bin?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=broken",
+    "https://b.s3.amazonaws.com/stoker/reference%20key%2B~%C3%A9.bin?x-s3session=1",
+], ids=["key-elsewhere", "sigv4a", "bad-scope", "unknown-auth"])
+def test_a_form_not_reproduced_stays_on_the_pipeline(url):
+    assert learn_form(url, "b") is None
+
+
+def test_an_unknown_form_signs_every_url_through_the_pipeline(frozen, monkeypatch):
+    c = client("s3v4")
+    monkeypatch.setattr("fusecore.signing.learn_form", lambda url, bucket, key=REFERENCE_KEY: None)
+    urls = ObjectUrls(c, "b", 3600)
+    assert urls.form is None
+    assert urls.url("k") == c.generate_presigned_url("get_object", Params={"Bucket": "b", "Key": "k"}, ExpiresIn=3600)
+
+
+def test_a_signer_that_differs_from_the_pipeline_is_not_used(monkeypatch):
+    """Checked at run time, signature and all: a form that signs differently keeps the pipeline."""
+    c = client("s3v4")
+    monkeypatch.setattr(ObjectUrls, "_sign", lambda self, form, key: self._full(key).replace("X-Amz-Signature=", "X-Amz-Signature=0"))
+    assert ObjectUrls(c, "b", 3600).form is None
+
+
+def test_signed_urls_are_what_the_real_pipeline_makes_unfrozen():
+    """Without a frozen clock: the run-time check itself accepts botocore's forms here."""
+    for make in (client, lambda: client("s3v4")):
+        assert ObjectUrls(make(), "b", 3600).form is not None
