@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 import time
-from typing import Awaitable, Callable, Hashable
+from typing import Awaitable, Callable, Hashable, cast
 
 import trio
 
@@ -17,7 +17,7 @@ from .cache import BlockCache, Buffer
 from .cluster import Cluster
 from .metrics import MountMetrics
 from .buffers import allocate
-from .objects import ObjectInfo, ObjectStore, Parts, Progress
+from .objects import LoopRangeReads, ObjectInfo, ObjectStore, Parts, Progress
 from .store_errors import PreconditionFailed, StoreError, TransientError, Unavailable, backoff
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,9 @@ class Fetcher:
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], Awaitable[None]] = trio.sleep,
                  cluster: Cluster | None = None, huge_pages: bool = False):
         self.store = store
+        # ranges up to this many bytes are read from the event loop, where the store can (LoopRangeReads)
+        self._loop_limit: int = getattr(store, "loop_range_limit", 0)
+        self._loop_reads = cast(LoopRangeReads, store)
         self.huge_pages = huge_pages  # block buffers on 2 MiB pages (pages.py chose for this machine)
         self.cluster = cluster  # a distributed cache: blocks this node does not own are asked of their owner first
         self._clock, self._sleep = clock, sleep  # the retry schedule's time (a fake one in tests)
@@ -307,6 +310,17 @@ class Fetcher:
         self.store.read_range(obj.key, start + lo + done, start + hi, obj.etag,
                               memoryview(pending.buffer)[lo + done:hi], progress)
 
+    async def _receive_on_loop(self, obj: ObjectInfo, start: int, lo: int, hi: int, pending: _Pending,
+                               progress: Progress) -> None:
+        """`_receive` for a small range the store reads from the event loop (S3Store.read_range_on_loop: the body
+        arrives on awscrt's thread and the loop is woken once; no worker thread waits for it)."""
+        if pending.buffer is None:
+            pending.buffer = allocate(hi, self.huge_pages)
+        done = progress.received
+        async with self._threads:  # the same bound on concurrent GETs as the receiving threads
+            await self._loop_reads.read_range_on_loop(obj.key, start + lo + done, start + hi, obj.etag,
+                                                      memoryview(pending.buffer)[lo + done:hi], progress)
+
     async def _get(self, obj: ObjectInfo, start: int, lo: int, hi: int, pending: _Pending, progress: Progress,
                    deadline: float) -> None:
         """Bytes [lo, hi) of the block, retried from the last byte received until the read's deadline."""
@@ -318,8 +332,11 @@ class Fetcher:
             self.metrics.get_requests.labels(kind="demand" if pending.demanded else "prefetch").inc()
             done = progress.received  # counted in get_bytes when this attempt ends
             try:
-                await trio.to_thread.run_sync(self._receive, obj, start, lo, hi, pending, progress,
-                                              limiter=self._threads)
+                if hi - lo <= self._loop_limit:
+                    await self._receive_on_loop(obj, start, lo, hi, pending, progress)
+                else:
+                    await trio.to_thread.run_sync(self._receive, obj, start, lo, hi, pending, progress,
+                                                  limiter=self._threads)
             except TransientError as exc:
                 if exc.throttled:
                     self.metrics.throttled.inc()

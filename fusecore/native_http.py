@@ -17,6 +17,8 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
+import trio
+
 from .objects import Progress
 from .store_errors import StoreError, TransientError, Unavailable
 
@@ -131,13 +133,33 @@ class NativeHttp:
         exchange = self._exchange(url, {}, _Exchange(None, Progress(), _accept_any, limit), what)
         return Answer(exchange.status, exchange.headers, bytes(exchange.body))
 
+    async def get_into_async(self, url: str, headers: Mapping[str, str], into: memoryview, progress: Progress,
+                             accept: Accept, what: str) -> Answer:
+        """`get_into` for a caller on a trio event loop: the request is written and its answer received on awscrt's
+        own thread, and the loop is woken once when it is complete (no worker thread waits for it: a thread
+        hand-off per GET was ~10% of a cold small file's Python time). Cancelled, the answer is abandoned and its
+        connection closed, so no byte reaches `into` afterwards."""
+        exchange = _Exchange(into, progress, accept)
+        endpoint, conn = await self._connection_async(url, what)
+        stream = self._send(conn, url, headers, exchange, what)
+        try:
+            await self._settled(stream.completion_future, exchange, what)
+        except BaseException:
+            self._abandon(conn, exchange)
+            raise
+        return self._finish(endpoint, conn, exchange, what)
+
     def _exchange(self, url: str, headers: Mapping[str, str], exchange: _Exchange, what: str) -> _Exchange:
-        """Send the GET and wait for its whole answer; the connection goes back to the pool only after a
-        complete answer whose body was taken whole (a 200 or 206 that filled less than its buffer is a
-        TransientError)."""
-        parts = urllib.parse.urlsplit(url)
-        endpoint = (parts.scheme, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
+        """Send the GET and wait for its whole answer (in this thread)."""
+        endpoint = _endpoint(url)
         conn = self._connection(endpoint, what)
+        stream = self._send(conn, url, headers, exchange, what)
+        self._wait(conn, stream.completion_future, exchange, what)
+        self._finish(endpoint, conn, exchange, what)
+        return exchange
+
+    def _send(self, conn: HttpClientConnection, url: str, headers: Mapping[str, str], exchange: _Exchange, what: str):
+        parts = urllib.parse.urlsplit(url)
         request = HttpRequest("GET", f"{parts.path}?{parts.query}" if parts.query else parts.path,
                               HttpHeaders([("Host", parts.netloc), *headers.items()]))
         try:
@@ -146,12 +168,50 @@ class NativeHttp:
         except Exception as exc:  # noqa: BLE001 - AwsCrtError: the pooled connection closed just now
             conn.close()
             raise TransientError(f"{what}: connection failed ({getattr(exc, 'name', type(exc).__name__)})") from None
-        self._wait(conn, stream.completion_future, exchange, what)
+        return stream
+
+    def _finish(self, endpoint: tuple[str, str, int], conn: HttpClientConnection, exchange: _Exchange,
+                what: str) -> Answer:
+        """The answer is complete: the connection goes back to the pool only after a complete answer whose body
+        was taken whole (a 200 or 206 that filled less than its buffer is a TransientError)."""
         if exchange.ok and exchange.into is not None and exchange.received != len(exchange.into):
             conn.close()
             raise TransientError(f"{what}: short body ({exchange.received} of {len(exchange.into)} bytes)")
         self._put_back(endpoint, conn)
-        return exchange
+        return Answer(exchange.status, exchange.headers, bytes(exchange.body))
+
+    @staticmethod
+    def _abandon(conn: HttpClientConnection, exchange: _Exchange) -> None:
+        with exchange.lock:
+            exchange.abandoned = True
+        conn.close()
+
+    async def _settled(self, done: concurrent.futures.Future, exchange: _Exchange, what: str) -> None:
+        """Until the answer is complete, on the event loop; a store silent for request-timeout fails it."""
+        complete = trio.Event()
+        token = trio.lowlevel.current_trio_token()
+
+        def wake(_: concurrent.futures.Future) -> None:
+            try:
+                token.run_sync_soon(complete.set)
+            except trio.RunFinishedError:
+                pass
+
+        done.add_done_callback(wake)
+        while not complete.is_set():
+            with trio.move_on_after(max(0.05, exchange.last + self._request_timeout - time.monotonic())):
+                await complete.wait()
+            if not complete.is_set() and time.monotonic() - exchange.last >= self._request_timeout:
+                raise Unavailable(f"{what}: store stopped sending")
+        _outcome(done, exchange, what)
+
+    async def _connection_async(self, url: str, what: str) -> tuple[tuple[str, str, int], HttpClientConnection]:
+        """An idle pooled connection at once, else a new one made in a worker thread (rare once the pool is warm)."""
+        endpoint = _endpoint(url)
+        conn = self._idle_connection(endpoint)
+        if conn is None:
+            conn = await trio.to_thread.run_sync(self._connection, endpoint, what)
+        return endpoint, conn
 
     def _wait(self, conn: HttpClientConnection, done: concurrent.futures.Future, exchange: _Exchange, what: str) -> None:
         """Until the answer is complete; a store silent for request-timeout fails it (closing the connection)."""
@@ -162,25 +222,25 @@ class NativeHttp:
             except concurrent.futures.TimeoutError:
                 if time.monotonic() - exchange.last < self._request_timeout:
                     continue
-                with exchange.lock:
-                    exchange.abandoned = True
-                conn.close()
+                self._abandon(conn, exchange)
                 raise Unavailable(f"{what}: store stopped sending") from None
-            except Exception as exc:  # noqa: BLE001 - awscrt's AwsCrtError: the connection broke or was refused
-                if exchange.error is not None:
-                    raise exchange.error from None
-                raise TransientError(f"{what}: connection failed ({getattr(exc, 'name', type(exc).__name__)})") \
-                    from None
-        if exchange.error is not None:
-            raise exchange.error
+            except Exception:  # noqa: BLE001 - awscrt's AwsCrtError: mapped by _outcome
+                break
+        _outcome(done, exchange, what)
 
-    def _connection(self, endpoint: tuple[str, str, int], what: str) -> HttpClientConnection:
+    def _idle_connection(self, endpoint: tuple[str, str, int]) -> HttpClientConnection | None:
         with self._lock:
             idle = self._idle.get(endpoint)
             while idle:
                 conn = idle.pop()
                 if conn.is_open():
                     return conn
+        return None
+
+    def _connection(self, endpoint: tuple[str, str, int], what: str) -> HttpClientConnection:
+        conn = self._idle_connection(endpoint)
+        if conn is not None:
+            return conn
         scheme, host, port = endpoint
         future = HttpClientConnection.new(host_name=host, port=port, bootstrap=self._bootstrap_once(),
                                           socket_options=self._socket_options(),
@@ -230,6 +290,20 @@ class NativeHttp:
         options = tls.new_connection_options()
         options.set_server_name(host)
         return options
+
+
+def _endpoint(url: str) -> tuple[str, str, int]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+
+
+def _outcome(done: concurrent.futures.Future, exchange: _Exchange, what: str) -> None:
+    """A completed request: the error a callback recorded, a broken connection as a TransientError, else nothing."""
+    failure = done.exception()
+    if exchange.error is not None:
+        raise exchange.error
+    if failure is not None:  # awscrt's AwsCrtError: the connection broke or was refused
+        raise TransientError(f"{what}: connection failed ({getattr(failure, 'name', type(failure).__name__)})")
 
 
 def _accept_any(status: int, headers: Mapping[str, str]) -> None:

@@ -101,3 +101,13 @@ class ObjectStore(Protocol):
     def probe(self, key: str) -> Listing: ...
     def read_range(self, key: str, start: int, end: int, etag: str, into: memoryview, progress: Progress) -> None: ...
     def rotate(self, identity: Identity) -> None: ...
+
+
+class LoopRangeReads(Protocol):
+    """A store that reads small ranges from the trio event loop itself, with no worker thread (S3Store on awscrt
+    connections: the body arrives on awscrt's own thread); `loop_range_limit` 0 means it cannot."""
+
+    loop_range_limit: int
+
+    async def read_range_on_loop(self, key: str, start: int, end: int, etag: str, into: memoryview,
+                                 progress: Progress) -> None: ...

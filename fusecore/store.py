@@ -165,6 +165,18 @@ class S3Store:
         else:
             self._read_range_botocore(key, start, end, etag, into, progress)
 
+    @property
+    def loop_range_limit(self) -> int:
+        """The largest range `read_range_on_loop` takes; 0 where GETs go through botocore or urllib3 only."""
+        return self._gets.loop_range_limit if self._gets is not None else 0
+
+    async def read_range_on_loop(self, key: str, start: int, end: int, etag: str, into: memoryview,
+                                 progress: Progress) -> None:
+        """`read_range` of a range up to `loop_range_limit` bytes, awaited on the event loop (no worker thread)."""
+        assert self._gets is not None
+        if end > start:
+            await self._gets.read_range_on_loop(key, start, end, etag, into, progress)
+
     def _read_range_botocore(self, key: str, start: int, end: int, etag: str, into: memoryview,
                              progress: Progress) -> None:
         what = f"get {key!r}"

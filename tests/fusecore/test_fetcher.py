@@ -117,9 +117,21 @@ def test_transient_failures_are_retried_then_succeed():
     assert store.calls["get"] == 3
 
 
-def test_persistent_failures_give_up_at_the_deadline_with_an_error_not_a_hang(caplog):
-    store = FakeStore()
-    info = store.put("k", b"abc" * 50_000)
+class LoopStore(FakeStore):
+    """A store that reads ranges up to 32 KiB from the event loop (as S3Store does on awscrt connections)."""
+
+    loop_range_limit = 32 * KiB
+
+    async def read_range_on_loop(self, key, start, end, etag, into, progress):
+        self.calls["on_loop"] += 1
+        assert end - start <= self.loop_range_limit
+        await trio.to_thread.run_sync(self.read_range, key, start, end, etag, into, progress)
+
+
+@pytest.mark.parametrize("kind", [FakeStore, LoopStore], ids=["thread", "event-loop"])
+def test_persistent_failures_give_up_at_the_deadline_with_an_error_not_a_hang(caplog, kind):
+    store = kind()
+    info = store.put("k", b"abc" * 5_000 if kind is LoopStore else b"abc" * 50_000)  # on the loop: up to 32 KiB
     store.faults.transient = 10_000
     time_ = FakeTime()
     fetcher, _ = make(store, deadline=1.0, fake_time=time_)
@@ -134,7 +146,9 @@ def test_persistent_failures_give_up_at_the_deadline_with_an_error_not_a_hang(ca
     assert store.calls["get"] > 3  # retried for as long as the read may wait, not a fixed count
     assert store.calls["get"] == len(time_.sleeps) + 1  # every retry waited its backoff first
     assert time_.now - 1000.0 < 1.0  # it gave up before the deadline: the next pause would have passed it
-    failures = [r for r in caplog.records if r.levelname == "WARNING" and "k bytes 0-65535" in r.getMessage()]
+    assert store.calls["on_loop"] == (store.calls["get"] if kind is LoopStore else 0)
+    last = min(info.size, BLOCK) - 1
+    failures = [r for r in caplog.records if r.levelname == "WARNING" and f"k bytes 0-{last}" in r.getMessage()]
     assert len(failures) == 1 and "attempt" in failures[0].getMessage()  # logged once, with range and attempts
 
 
@@ -578,4 +592,23 @@ def test_prefetches_leave_demand_reads_a_sixteenth_of_the_connections_and_bytes(
     run(body)
     assert took[0] == 60, took
     assert took[1] < 1.7, took  # its own GET (1 s), not after the first round of prefetches (2 s)
+
+
+def test_small_ranges_a_store_reads_on_the_loop_go_there_with_the_same_retries():
+    store = LoopStore()
+    small = store.put("small", b"s" * 20 * KiB)
+    large = store.put("large", bytes(range(256)) * 1024)
+    store.faults.transient = 2
+    fetcher, _ = make(store)
+    out = []
+
+    async def body(nursery):
+        fetcher.start(nursery)
+        out.append(await fetcher.block(small, 0))
+        out.append(await fetcher.block(large, 1))
+
+    run(body)
+    assert bytes(out[0][0]) == b"s" * 20 * KiB and bytes(out[1][0]) == (bytes(range(256)) * 1024)[BLOCK:2 * BLOCK]
+    assert store.calls["on_loop"] == 3, "the small file on the loop, twice refused and retried"
+    assert store.calls["get"] == 4, "the 64 KiB block through a worker thread"
 

@@ -13,6 +13,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import trio
 
 from fusecore.native_http import NativeHttp
 from fusecore.objects import Progress
@@ -204,3 +205,76 @@ def test_a_whole_answer_comes_back_with_its_body_and_one_too_large_is_refused(se
     with pytest.raises(TransientError, match="larger than"):
         http.get(f"{server.url}/ok", "list 'ok'", limit=len(BODY) - 1)
     assert http.get(f"{server.url}/ok", "list 'ok'", limit=len(BODY)).body == BODY
+
+
+# ---- the same GETs awaited on a trio event loop (get_into_async: no worker thread waits) ------------------------
+
+def on_loop(http: NativeHttp, path: str, buf: bytearray, progress: Progress, accept=accept_all, limit: float = 10):
+    async def main():
+        with trio.fail_after(limit):
+            return await http.get_into_async(path, {"Range": "bytes=0-102399"}, memoryview(buf), progress, accept,
+                                             "get 'x'")
+    return trio.run(main)
+
+
+def test_on_the_loop_bodies_arrive_exactly_on_one_reused_connection_with_the_thread_path(server):
+    http = client()
+    for _ in range(2):
+        buf, progress = bytearray(len(BODY)), Progress()
+        answer = on_loop(http, f"{server.url}/ok", buf, progress)
+        assert answer.status == 200 and bytes(buf) == BODY and progress.received == len(BODY)
+    buf = bytearray(len(BODY))
+    http.get_into(f"{server.url}/ok", {}, memoryview(buf), Progress(), accept_all, "get 'ok'")
+    assert bytes(buf) == BODY
+    assert server.connections == 1 and len(server.requests) == 3
+
+
+def test_on_the_loop_errors_refusals_and_long_bodies_are_as_on_a_thread(server):
+    buf = bytearray(len(BODY) + 64)
+    answer = on_loop(client(), f"{server.url}/error", buf, Progress())
+    assert answer.status == 503 and b"SlowDown" in answer.body and buf == bytearray(len(BODY) + 64)
+
+    def refuse(status, headers):
+        raise PreconditionFailed("changed")
+
+    progress = Progress()
+    with pytest.raises(PreconditionFailed):
+        on_loop(client(), f"{server.url}/ok", buf, progress, accept=refuse)
+    assert progress.received == 0 and buf == bytearray(len(BODY) + 64)
+    with pytest.raises(TransientError):
+        async def long():
+            return await client().get_into_async(f"{server.url}/long", {}, memoryview(buf)[:len(BODY)], Progress(),
+                                                 accept_all, "get 'long'")
+        trio.run(long)
+    assert buf[len(BODY):] == bytearray(64)
+
+
+def test_on_the_loop_a_silent_store_fails_in_bounded_time_and_writes_nothing_after(server):
+    buf, progress = bytearray(len(BODY)), Progress()
+    started = time.monotonic()
+    with pytest.raises(Unavailable, match="stopped sending"):
+        on_loop(client(request_timeout=0.5), f"{server.url}/stall", buf, progress)
+    assert time.monotonic() - started < 5
+    received = progress.received
+    assert 0 < received < len(BODY)
+    server.release.set()
+    time.sleep(0.3)
+    assert progress.received == received and buf[received:] == bytearray(len(BODY) - received)
+
+
+def test_on_the_loop_a_cancelled_get_writes_nothing_after_and_the_loop_goes_on(server):
+    buf, progress = bytearray(len(BODY)), Progress()
+    http = client(request_timeout=30)
+
+    async def main():
+        with trio.move_on_after(0.5):
+            await http.get_into_async(f"{server.url}/stall", {}, memoryview(buf), progress, accept_all, "get 's'")
+        return progress.received
+
+    received = trio.run(main)
+    assert 0 < received < len(BODY)
+    server.release.set()
+    time.sleep(0.3)
+    assert progress.received == received and buf[received:] == bytearray(len(BODY) - received)
+    buf2 = bytearray(len(BODY))
+    assert on_loop(http, f"{server.url}/ok", buf2, Progress()).status == 200 and bytes(buf2) == BODY
