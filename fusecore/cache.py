@@ -182,10 +182,9 @@ class BlockCache:
 
     def cover(self, key: str, etag: str, start: int, stop: int,
               visit: Hashable | None = None) -> tuple[RangeKey, Buffer] | None:
-        """A held range of `key`'s version `etag` that holds all of [start, stop), with its bytes (a hit), or None."""
-        spans = self._ranges.get((key, etag))
-        if not spans:
-            return None
+        """A held range of `key`'s version `etag` that holds all of [start, stop), with its bytes (a hit), or None
+        (a miss)."""
+        spans = self._ranges.get((key, etag), ())
         end = bisect.bisect_right(spans, (start, sys.maxsize))  # every held range that starts at or before `start`
         for held_start, held_stop in reversed(spans[max(0, end - self.COVER_PROBES):end]):
             if held_stop >= stop:
@@ -193,6 +192,7 @@ class BlockCache:
                 data = self.get(found, visit)
                 if data is not None:
                     return found, data
+        self.misses += 1
         return None
 
     def transient(self, key: CacheKey) -> bool:

@@ -158,11 +158,8 @@ class Fetcher:
         found = self.cache.cover(obj.key, obj.etag, start, stop, visit)
         if found is not None:
             return found[1], True, found[0].start
-        key = RangeKey(obj.key, obj.etag, start, stop)
-        data = self.cache.get(key, visit)  # (never there when cover found nothing: counts the miss)
-        if data is None:
-            data = await self._obtain(key, obj, visit, None, min(RANGE_PARTS, max(1, (stop - start) // RANGE_PART)))
-        return data, False, start
+        # _fetch cuts it into at most RANGE_PARTS parts of at least RANGE_PART
+        return await self._obtain(RangeKey(obj.key, obj.etag, start, stop), obj, visit, None, RANGE_PARTS), False, start
 
     async def _obtain(self, key: CacheKey, obj: ObjectInfo, visit: Hashable | None, need: int | None,
                       parts: int) -> Buffer:

@@ -124,14 +124,12 @@ class NativeHttp:
         """GET `url`. A 200 or 206 answer's headers go to `accept` (which raises a StoreError to refuse
         it), then its body fills `into` exactly, advancing `progress`; any other answer is returned
         with the start of its body. Connection failures and a silent store raise StoreErrors."""
-        exchange = self._exchange(url, headers, _Exchange(into, progress, accept), what)
-        return Answer(exchange.status, exchange.headers, bytes(exchange.body))
+        return self._exchange(url, headers, _Exchange(into, progress, accept), what)
 
     def get(self, url: str, what: str, limit: int) -> Answer:
         """GET `url` whole (a listing page, say): any answer with its body; a 200 or 206 larger than `limit`
         bytes is refused as a TransientError."""
-        exchange = self._exchange(url, {}, _Exchange(None, Progress(), _accept_any, limit), what)
-        return Answer(exchange.status, exchange.headers, bytes(exchange.body))
+        return self._exchange(url, {}, _Exchange(None, Progress(), _accept_any, limit), what)
 
     async def get_into_async(self, url: str, headers: Mapping[str, str], into: memoryview, progress: Progress,
                              accept: Accept, what: str) -> Answer:
@@ -149,14 +147,13 @@ class NativeHttp:
             raise
         return self._finish(endpoint, conn, exchange, what)
 
-    def _exchange(self, url: str, headers: Mapping[str, str], exchange: _Exchange, what: str) -> _Exchange:
+    def _exchange(self, url: str, headers: Mapping[str, str], exchange: _Exchange, what: str) -> Answer:
         """Send the GET and wait for its whole answer (in this thread)."""
         endpoint = _endpoint(url)
         conn = self._connection(endpoint, what)
         stream = self._send(conn, url, headers, exchange, what)
         self._wait(conn, stream.completion_future, exchange, what)
-        self._finish(endpoint, conn, exchange, what)
-        return exchange
+        return self._finish(endpoint, conn, exchange, what)
 
     def _send(self, conn: HttpClientConnection, url: str, headers: Mapping[str, str], exchange: _Exchange, what: str):
         parts = urllib.parse.urlsplit(url)

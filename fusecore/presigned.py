@@ -27,7 +27,7 @@ import urllib3
 
 from .bodies import read_body, socket_readinto
 from .config import StoreConfig
-from .native_http import MAX_BODY as MAX_NATIVE_BODY, Answer, NativeHttp, native_gets_possible
+from .native_http import MAX_BODY as MAX_NATIVE_BODY, Accept, Answer, NativeHttp, native_gets_possible
 from .objects import Listing, ObjectInfo, Progress
 from .signing import ObjectUrls
 from .store_errors import (PreconditionFailed, StoreError, TransientError, Unavailable, answer_error, backoff,
@@ -215,11 +215,10 @@ class PresignedGets:
         return url
 
     def read_range(self, key: str, start: int, end: int, etag: str, into: memoryview, progress: Progress) -> None:
-        what = f"get {key!r}"
-        headers = {"Range": f"bytes={start}-{end - 1}", "If-Match": etag}
         if self._native is not None and end - start <= MAX_NATIVE_BODY:
-            self._read_native(key, start, end, etag, into, progress, headers, what)
+            self._read_native(key, start, end, etag, into, progress)
             return
+        what, headers = f"get {key!r}", _range_headers(start, end, etag)
         for fresh in (False, True):
             resp = self._send(lambda: self._url(key, fresh=fresh), what, headers=headers, preload_content=False)
             if resp.status in (200, 206):
@@ -248,34 +247,44 @@ class PresignedGets:
         """`read_range` of a small range (up to `loop_range_limit`) from a trio event loop: signed there (a URL is
         0.1-0.3 ms, reused for URL_REUSE), sent and received on awscrt's thread; the same checks and errors."""
         assert self._native is not None and end - start <= MAX_NATIVE_BODY
-        what = f"get {key!r}"
-        headers = {"Range": f"bytes={start}-{end - 1}", "If-Match": etag}
-
-        def accept(status: int, answer: Mapping[str, str]) -> None:
-            _check_answer(start, end, etag, status, answer, what)
-
+        what, headers, accept = _native_range(key, start, end, etag)
         for fresh in (False, True):
             url = self._signed(lambda: self._url(key, fresh=fresh), what)
-            answer = await self._native.get_into_async(url, headers, into, progress, accept, what)
-            if answer.status in (200, 206):
+            if _taken(await self._native.get_into_async(url, headers, into, progress, accept, what), fresh, what):
                 return
-            _refused(answer.status, _code_in(answer.body, answer.status), answer.headers, fresh, what)
 
-    def _read_native(self, key: str, start: int, end: int, etag: str, into: memoryview, progress: Progress,
-                     headers: dict[str, str], what: str) -> None:
+    def _read_native(self, key: str, start: int, end: int, etag: str, into: memoryview, progress: Progress) -> None:
         """A small range on an awscrt connection (native_http): the same checks, one fresh signature on
         an expired URL, the answer's error code mapped the same way."""
         assert self._native is not None
-
-        def accept(status: int, answer: Mapping[str, str]) -> None:
-            _check_answer(start, end, etag, status, answer, what)
-
+        what, headers, accept = _native_range(key, start, end, etag)
         for fresh in (False, True):
             url = self._signed(lambda: self._url(key, fresh=fresh), what)
-            answer = self._native.get_into(url, headers, into, progress, accept, what)
-            if answer.status in (200, 206):
+            if _taken(self._native.get_into(url, headers, into, progress, accept, what), fresh, what):
                 return
-            _refused(answer.status, _code_in(answer.body, answer.status), answer.headers, fresh, what)
+
+
+def _range_headers(start: int, end: int, etag: str) -> dict[str, str]:
+    return {"Range": f"bytes={start}-{end - 1}", "If-Match": etag}
+
+
+def _native_range(key: str, start: int, end: int, etag: str) -> tuple[str, dict[str, str], Accept]:
+    """What a ranged GET on an awscrt connection is called in errors, its headers, and the check of its answer."""
+    what = f"get {key!r}"
+
+    def accept(status: int, answer: Mapping[str, str]) -> None:
+        _check_answer(start, end, etag, status, answer, what)
+
+    return what, _range_headers(start, end, etag), accept
+
+
+def _taken(answer: Answer, fresh: bool, what: str) -> bool:
+    """A ranged GET's answer on an awscrt connection: True once its body was taken (200, 206), False to sign the URL
+    afresh once, else its StoreError."""
+    if answer.status in (200, 206):
+        return True
+    _refused(answer.status, _code_in(answer.body, answer.status), answer.headers, fresh, what)
+    return False
 
 
 def _check_answer(start: int, end: int, etag: str, status: int, headers: Mapping[str, str], what: str) -> None:

@@ -224,8 +224,10 @@ def test_a_held_range_answers_reads_inside_it_until_it_leaves():
     found = cache.cover("k", "e", 120, 380)
     assert found is not None and found[0] == RangeKey("k", "e", 100, 400)
     assert cache.cover("k", "e", 100, 140)[0].stop in (150, 400)
+    hits, misses = cache.hits, cache.misses
     assert cache.cover("k", "e", 50, 120) is None and cache.cover("k", "e", 390, 410) is None
     assert cache.cover("k", "other-etag", 120, 130) is None, "another version is never an answer"
+    assert (cache.hits, cache.misses) == (hits, misses + 3), "each lookup that finds nothing is one miss"
     cache.invalidate("k")
     assert cache.cover("k", "e", 120, 130) is None and len(cache) == 0
 
