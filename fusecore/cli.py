@@ -39,7 +39,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--region")
     m.add_argument("--profile", help="profile from the shared AWS config/credentials files")
     m.add_argument("--cache-size", default=_size_default("cache_size"),
-                   help=f"memory budget of the block cache (default {_size_default('cache_size')})")
+                   help=f"memory budget of the block cache (default {_size_default('cache_size')}), or 'auto': "
+                        "sized at start from a listing of the dataset to hold it (with --peers, this node's share) "
+                        "with 10%% headroom, at most half the machine's memory")
     m.add_argument("--block-size", default=_size_default("block_size"),
                    help=f"unit of fetch and cache (default {_size_default('block_size')})")
     m.add_argument("--max-concurrency", type=int, default=_default("max_concurrency"),
@@ -134,7 +136,8 @@ def config_from_args(args: argparse.Namespace) -> MountConfig:
     return MountConfig(
         store=store,
         mountpoint=os.path.abspath(args.mountpoint),
-        cache_size=parse_size(args.cache_size, name="cache-size"),
+        cache_size=_default("cache_size") if args.cache_size == "auto" else parse_size(args.cache_size, name="cache-size"),
+        cache_size_auto=args.cache_size == "auto",
         block_size=parse_size(args.block_size, name="block-size"),
         max_prefetch=parse_size(args.max_prefetch, name="max-prefetch"),
         initial_prefetch=parse_size(args.initial_prefetch, name="initial-prefetch"),

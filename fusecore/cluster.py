@@ -1,8 +1,10 @@
 """A distributed cache's view from one node: who owns a block, asking its owner, serving what this node holds.
 
-Each block has owners among the members (ownership.py); a node warms and keeps the blocks it owns, and
-reads a block it does not own from an owner first (peers.py), then from the object store on a miss, a
-timeout or any error. Knows nothing of FUSE or Kubernetes: the members come from the mount's
+Each block has owners among the members (ownership.py); a node keeps the blocks it owns, and reads a
+block it does not own (or a random reader's exact range inside one) from an owner first (peers.py), then
+from the object store on a miss, a timeout or any error. An owner asked for bytes of its own block that
+it does not hold reads them through: it fetches them from the store (one GET however many nodes ask),
+keeps them and answers, so the cluster fills as it is read, with or without a warm. Knows nothing of FUSE or Kubernetes: the members come from the mount's
 configuration (`--peers`) and can be replaced while it runs (the control API's `peers`, `stoker peers`):
 blocks then change owners, and a warm after the change fetches what this node now owns (from another
 owner when R > 1, else from the store).
@@ -13,12 +15,12 @@ from __future__ import annotations
 import threading
 import time
 
-from .blocks import BlockKey
+from .blocks import BlockKey, block_extent
 from .cache import BlockCache, Buffer
 from .config import ConfigError, MountConfig, check_member
 from .metrics import MountMetrics
 from .ownership import Owners, block_id
-from .peers import PeerClient, PeerServer, PeerTimeouts, cache_prefix
+from .peers import BlockAsk, Lookup, PeerClient, PeerServer, PeerTimeouts, cache_prefix
 
 
 def read_key(path: str) -> bytes:
@@ -44,7 +46,7 @@ class Cluster:
         self.changes = 0  # membership changes since the mount started
         self.prefix = cache_prefix(name) if name else ""
         self.client = PeerClient(key, PeerTimeouts(connect=timeout, first_byte=timeout, body=timeout + 2.0),
-                                 prefix=self.prefix)
+                                 prefix=self.prefix)  # (a read-through beats within first_byte: see peers.py)
         self.server: PeerServer | None = None
         self._lock = threading.Lock()  # worker threads count blocks no peer answered
         self.peer_misses = 0
@@ -96,15 +98,20 @@ class Cluster:
     def sources(self, key: str, etag: str, index: int) -> list[str]:
         """Whom to ask for a block before the store: its owners other than this node (a replica when this
         node is an owner), primary first, skipping peers being avoided."""
-        return [o for o in self.owners.of(block_id(key, etag, index)) if o != self.me and not self.client.avoided(o)]
+        return self.plan(key, etag, index)[0]
 
-    def fetch(self, peers: list[str], key: str, etag: str, index: int, size: int) -> bytearray | None:
-        """From a worker thread: the block from the first of `peers` (its `sources`) that answers with it, or
-        None (then the store)."""
+    def plan(self, key: str, etag: str, index: int) -> tuple[list[str], bool]:
+        """(`sources`, whether they may read through): an owner asks the other owners only for what they hold."""
+        owners = self.owners.of(block_id(key, etag, index))
+        return [o for o in owners if o != self.me and not self.client.avoided(o)], self.me not in owners
+
+    def fetch(self, peers: list[str], want: BlockAsk) -> bytearray | None:
+        """From a worker thread: the bytes `want` from the first of `peers` (its block's `sources`) that answers
+        with them, or None (then the store)."""
         m = self.metrics
         for peer in peers:
             began = time.monotonic()
-            outcome, data = self.client.ask(peer, key, etag, index, size)
+            outcome, data = self.client.ask(peer, want)
             if outcome == "avoided":  # failed since `sources` was read: not asked
                 continue
             seconds = time.monotonic() - began
@@ -118,14 +125,14 @@ class Cluster:
             self.peer_misses += 1
         return None
 
-    def serve(self, held, handoff: str | None = None) -> None:
-        """Serve what this node holds (`held(key, etag, index)`, thread-safe): on its own address, or on the
-        connections the node's peer router hands to the unix socket `handoff`."""
+    def serve(self, lookup: Lookup, handoff: str | None = None) -> None:
+        """Serve what this node holds or owns (`lookup(ask)`, thread-safe: see peers.Lookup): on its own address,
+        or on the connections the node's peer router hands to the unix socket `handoff`."""
         if handoff is None:
             host, _, port = self.me.rpartition(":")
-            self.server = PeerServer((host, int(port)), self.key, held, metrics=self.metrics).start()
+            self.server = PeerServer((host, int(port)), self.key, lookup, metrics=self.metrics).start()
         else:
-            self.server = PeerServer(None, self.key, held, metrics=self.metrics, prefix=self.prefix).receive(handoff)
+            self.server = PeerServer(None, self.key, lookup, metrics=self.metrics, prefix=self.prefix).receive(handoff)
 
     def close(self) -> None:
         self.client.close()
@@ -146,9 +153,10 @@ class Cluster:
             for sample in metric.samples:
                 if sample.name.endswith("_total"):
                     peer = sample.labels["peer"]
-                    out.setdefault(peer, {"hit": 0, "miss": 0, "failed": 0})[sample.labels["outcome"]] = int(sample.value)
+                    row = out.setdefault(peer, {"hit": 0, "through": 0, "miss": 0, "failed": 0})
+                    row[sample.labels["outcome"]] = int(sample.value)
         for peer, row in out.items():
-            asked = row["hit"] + row["miss"] + row["failed"]
+            asked = row["hit"] + row["through"] + row["miss"] + row["failed"]
             row["bytes"] = int(m.value(m.peer_bytes, peer=peer))
             row["mean_ms"] = round(1000 * m.value(m.peer_seconds, peer=peer) / max(1, asked), 2)
         return out
@@ -161,11 +169,33 @@ class Cluster:
                 "bytes_from_peers": self.bytes_from_peers, "peer_misses": self.peer_misses,
                 "peer_failures": dict(self.client.failures), "peers": self.per_peer(),
                 "served_to_peers": server.served if server else 0,
+                # of those, read through for a peer (fetched from the store by this owner) rather than held
+                "read_through_for_peers": server.through if server else 0,
+                "read_through_failed": server.through_failed if server else 0,
                 "bytes_served_to_peers": server.served_bytes if server else 0,
                 "refused": server.refused if server else 0, "busy": server.busy if server else 0,
                 "missed_for_peers": server.missed if server else 0}
 
 
-def held_block(cache: BlockCache, key: str, etag: str, index: int) -> Buffer | None:
-    """A whole block this node holds (pages of random readers are never served to peers)."""
-    return cache.get(BlockKey(key, etag, index), visit="peer")
+def held(cache: BlockCache, want: BlockAsk, block_size: int) -> Buffer | None:
+    """The bytes `want` if this node holds them: inside a whole block, or inside a held range."""
+    start, stop = block_extent(want.index, want.size, block_size)
+    key = BlockKey(want.key, want.etag, want.index)
+    data = cache.get(key, visit="peer") if key in cache else None
+    if data is not None:
+        return memoryview(data)[want.start - start:want.stop - start]
+    found = cache.cover(want.key, want.etag, want.start, want.stop, visit="peer")
+    if found is None:
+        return None
+    base = found[0].start
+    return memoryview(found[1])[want.start - base:want.stop - base]
+
+
+def check_ask(want: BlockAsk, block_size: int, prefix: str) -> None:
+    """ValueError unless `want` lies inside its block (of this node's size) of an object of this node's dataset:
+    a member asks only for what its own reads need, so anything else is refused, never fetched."""
+    start, stop = block_extent(want.index, want.size, block_size)
+    if not start <= want.start < want.stop <= stop:
+        raise ValueError(f"bytes {want.start}-{want.stop} are not inside block {want.index} of {block_size} bytes")
+    if not want.key.startswith(prefix):
+        raise ValueError("an object outside this cache's dataset")

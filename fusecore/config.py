@@ -41,6 +41,24 @@ def distributed_cache_size(dataset_bytes: int, members: int, replicas: int = 1, 
     return int(math.ceil(share * (1 + headroom) / kept_fraction()))
 
 
+AUTO_MEMORY_FRACTION = 0.5  # `--cache-size auto` takes at most this share of the machine's memory
+
+
+def auto_cache_size(cfg: "MountConfig", dataset_bytes: int, memory_bytes: int) -> tuple[int, str]:
+    """`--cache-size auto`: the budget that holds this mount's part of the dataset (all of it, or in a
+    distributed cache its share, R/N) with headroom, as the operator sizes a DatasetCache; at least two
+    blocks, at most AUTO_MEMORY_FRACTION of the machine's memory. Returns it and a line that says why."""
+    members = len(cfg.peer_members) if cfg.peers else 1
+    replicas = cfg.peer_replicas if cfg.peers else 1
+    wanted = max(2 * cfg.block_size, distributed_cache_size(dataset_bytes, members, replicas))
+    cap = int(memory_bytes * AUTO_MEMORY_FRACTION)
+    part = f"a {replicas}/{members} share of " if cfg.peers else ""
+    why = f"cache size auto: {wanted} bytes for {part}a dataset of {dataset_bytes} bytes"
+    if wanted > cap >= 2 * cfg.block_size:
+        return cap, f"{why}, capped at {AUTO_MEMORY_FRACTION:.0%} of this machine's memory ({cap} bytes)"
+    return wanted, why
+
+
 class ConfigError(StokerError, ValueError):
     """A configuration value is malformed: `setting` names it (as its flag), `problem` says what is wrong."""
 
@@ -157,6 +175,8 @@ class MountConfig:
     store: StoreConfig
     mountpoint: str = ""
     cache_size: int = 4 * 1024**3
+    # `--cache-size auto`: sized at start from the dataset's listing (auto_cache_size); cache_size until then
+    cache_size_auto: bool = False
     block_size: int = 4 * 1024**2
     max_prefetch: int = 256 * 1024**2  # bytes ahead of one sequential reader
     initial_prefetch: int = 16 * 1024**2  # first read-ahead of a file read from offset 0 (0: one block)

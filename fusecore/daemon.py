@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import logging
 import os
@@ -15,7 +16,7 @@ import trio
 
 from .failures import StokerError
 from . import control
-from .config import ConfigError, MountConfig
+from .config import ConfigError, MountConfig, auto_cache_size
 from .datapath import DataPath
 from .fs import StokerFS
 from .mounts import is_mounted
@@ -48,6 +49,25 @@ def check_mountpoint(path: str) -> None:
         raise MountError(f"{path} is already a mount point")
 
 
+def machine_memory() -> int:
+    """Bytes of memory this process may use: the machine's, or its cgroup's limit where that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+def _sized(cfg: MountConfig, store: S3Store) -> MountConfig:
+    """`--cache-size auto`: one listing of the dataset (no HEADs) before mounting, then the budget."""
+    dataset = sum(info.size for info in store.list_all(cfg.store.prefix))
+    size, why = auto_cache_size(cfg, dataset, machine_memory())
+    log.info("%s", why)
+    return dataclasses.replace(cfg, cache_size=size)
+
+
 def run_mount(cfg: MountConfig, ready: ReadyCallback) -> int:
     """Mount and serve in this process; returns the exit status."""
     tune_malloc()
@@ -56,6 +76,8 @@ def run_mount(cfg: MountConfig, ready: ReadyCallback) -> int:
             check_mountpoint(cfg.mountpoint)
         store = S3Store(cfg.store)
         store.check()
+        if cfg.cache_size_auto:
+            cfg = _sized(cfg, store)
         datapath = DataPath(cfg, store)
         log.info("block buffers on %s pages: %s", datapath.pages.size, datapath.pages.why)
     except (MountError, StoreError, ConfigError) as exc:

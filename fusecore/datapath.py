@@ -8,20 +8,22 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from concurrent.futures import Future
 from typing import Awaitable, Callable
 
 import trio
 
-from .blocks import block_count
-from .cache import BlockCache
-from .cluster import Cluster, held_block, read_key
+from .blocks import block_count, block_extent
+from .cache import BlockCache, Buffer
+from .cluster import Cluster, check_ask, held, read_key
 from .config import WARM_FRACTION, ConfigError, Identity, MountConfig
 from .fetcher import Fetcher
 from .messages import JoinRequest, WarmProgress
 from .metrics import MountMetrics
 from .namespace import Namespace
 from .reader import Reader
-from .objects import ObjectStore
+from .objects import ObjectInfo, ObjectStore
+from .peers import BlockAsk
 from .pages import choose as choose_pages
 from .store_errors import StoreError
 from .walk import DirectoryPrefetcher
@@ -48,17 +50,43 @@ class DataPath:
 
     def start(self, nursery: trio.Nursery) -> None:
         self.fetcher.start(nursery)
+        self._nursery = nursery
         self._token = trio.lowlevel.current_trio_token()
         if self.cluster is not None:
             try:
-                self.cluster.serve(self._held)
+                self.cluster.serve(self._for_peer)
             except OSError as exc:
                 raise ConfigError("peer-listen", f"cannot serve peers on {self.cfg.peer_listen}: {exc.strerror}") \
                     from None
 
-    def _held(self, key: str, etag: str, index: int):
-        """From a peer server's thread: a whole block this node holds, or None."""
-        return trio.from_thread.run_sync(held_block, self.cache, key, etag, index, trio_token=self._token)
+    def _for_peer(self, want: BlockAsk) -> "Buffer | Future | None":
+        """From a peer server's thread: the bytes this node holds, a Future of the bytes it reads through (its own
+        block), or None; ValueError for an ask outside this node's dataset or blocks."""
+        check_ask(want, self.cfg.block_size, self.cfg.store.prefix)
+        return trio.from_thread.run_sync(self._answer_peer, want, trio_token=self._token)
+
+    def _answer_peer(self, want: BlockAsk) -> "Buffer | Future | None":
+        found = held(self.cache, want, self.cfg.block_size)
+        cluster = self.cluster
+        if found is not None or cluster is None or not cluster.owns(want.key, want.etag, want.index):
+            return found
+        pending: Future = Future()
+        self._nursery.start_soon(self._read_through, want, pending)
+        return pending
+
+    async def _read_through(self, want: BlockAsk, pending: Future) -> None:
+        """Fetch bytes of a block this node owns for a peer (joining any GET of it already running here) and keep
+        them: whole blocks as blocks, a random reader's range as that range (its low amplification stays)."""
+        info = ObjectInfo(want.key, want.size, want.etag, 0.0)
+        try:
+            if (want.start, want.stop) == block_extent(want.index, want.size, self.cfg.block_size):
+                data, _ = await self.fetcher.block(info, want.index, visit="peer")
+                pending.set_result(memoryview(data))
+            else:
+                data, _, base = await self.fetcher.range(info, want.start, want.stop, visit="peer")
+                pending.set_result(memoryview(data)[want.start - base:want.stop - base])
+        except StoreError as exc:
+            pending.set_exception(exc)
 
     def close(self) -> None:
         if self.cluster is not None:
@@ -142,7 +170,7 @@ class DataPath:
                               name=request.name)
             answer = await trio.to_thread.run_sync(cluster.set_members, list(request.members), request.replicas)
             cluster.changes = 0
-            cluster.serve(self._held, handoff=request.handoff)
+            cluster.serve(self._for_peer, handoff=request.handoff)
             self.cluster = self.fetcher.cluster = cluster
             return answer
         cluster.rekey(request.me, request.key)

@@ -18,6 +18,7 @@ from .cluster import Cluster
 from .metrics import MountMetrics
 from .buffers import allocate
 from .objects import LoopRangeReads, ObjectInfo, ObjectStore, Parts, Progress
+from .peers import BlockAsk
 from .store_errors import PreconditionFailed, StoreError, TransientError, Unavailable, backoff
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class Fetcher:
         self._loop_limit: int = getattr(store, "loop_range_limit", 0)
         self._loop_reads = cast(LoopRangeReads, store)
         self.huge_pages = huge_pages  # block buffers on 2 MiB pages (pages.py chose for this machine)
-        self.cluster = cluster  # a distributed cache: blocks this node does not own are asked of their owner first
+        self.cluster = cluster  # a distributed cache: bytes of blocks this node does not own are asked of an owner first
         self._clock, self._sleep = clock, sleep  # the retry schedule's time (a fake one in tests)
         self.cache = cache
         self.metrics = metrics
@@ -287,14 +288,20 @@ class Fetcher:
         owns (and ranges, which are never shared): the others belong to other nodes' shares."""
         return self.cluster is None or isinstance(key, RangeKey) or self.cluster.owns(obj.key, obj.etag, key.index)
 
-    async def _from_peer(self, key: BlockKey, obj: ObjectInfo, nbytes: int) -> Buffer | None:
-        """The block from another of its owners that answers with exactly it (else the store)."""
+    async def _from_peer(self, obj: ObjectInfo, start: int, stop: int) -> Buffer | None:
+        """Bytes [start, stop) (a block, or a range inside one) from an owner of their block that answers with
+        exactly them, reading them through if it does not hold them (else the store)."""
         assert self.cluster is not None
-        peers = self.cluster.sources(obj.key, obj.etag, key.index)
+        index = start // self.block_size
+        if (stop - 1) // self.block_size != index:  # a range across two blocks: the store (no owner has it all)
+            return None
+        peers, through = self.cluster.plan(obj.key, obj.etag, index)
         if not peers:  # this node is the only owner (or the others are avoided): no thread hop
             return None
-        return await trio.to_thread.run_sync(self.cluster.fetch, peers, obj.key, obj.etag, key.index, nbytes,
-                                             limiter=self._threads)
+        want = BlockAsk(obj.key, obj.etag, index, start, stop, obj.size, through)
+        # abandoned at unmount: the answer of a peer no reader waits for any more is not worth waiting for
+        return await trio.to_thread.run_sync(self.cluster.fetch, peers, want, limiter=self._threads,
+                                             abandon_on_cancel=True)
 
     def _receive(self, obj: ObjectInfo, start: int, lo: int, hi: int, pending: _Pending, progress: Progress) -> None:
         """In a worker thread: the rest of bytes [lo, hi) of the block (which begins at `start`) into its
@@ -387,8 +394,8 @@ class Fetcher:
         self.metrics.inflight_requests.inc()
         self.metrics.inflight_bytes.inc(nbytes)
         try:
-            if self.cluster is not None and isinstance(key, BlockKey):
-                peer_copy = await self._from_peer(key, obj, nbytes)
+            if self.cluster is not None:
+                peer_copy = await self._from_peer(obj, start, end)
                 if peer_copy is not None:
                     pending.buffer = peer_copy
                     pending.progress.advance(nbytes)

@@ -24,6 +24,11 @@ class ReadAhead:
     `max_window_blocks`; any other read is a seek and resets the window to zero, so random access
     fetches only what it asks for.
 
+    A read at offset 0 always begins a run from the start, also after other reads: the kernel's first
+    readahead requests of a file may reach the mount in any order (the loop starts a batch of request
+    tasks forwards or backwards at random), and a file read from its start must not be taken for a
+    reader of a split because its second request was handled first.
+
     A file read from offset 0 that holds at least `initial_window` blocks starts with that window
     (the first GETs of a shard go out together, without waiting for the first block's bytes);
     smaller files start with one block. A run that began anywhere else (a reader of a split of a
@@ -87,12 +92,14 @@ class ReadAhead:
         first, last = span[0], span[-1]
         end, last_end = offset + size, self._last_end
         self._last_end = end
-        if self._frontier is None:
+        if self._frontier is None or (offset == 0 and not self._from_zero):
             self.window = self.initial_window if offset == 0 else 0
             self.random = offset != 0
-            self._frontier = last
+            self._frontier = last if self._frontier is None or offset != 0 else max(self._frontier, last)
             if offset != 0:
                 self._new_run(offset)
+            else:
+                self._from_zero, self._run_start = True, 0
         elif self.random and offset != last_end:
             self.seeks += 1  # still random: only an exact continuation starts a sequential run
             self._frontier = last

@@ -51,7 +51,11 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--epochs", type=int, default=3, help="--cluster: epochs (default 3)")
     p.add_argument("--replicas", type=int, default=1, help="--cluster: copies of each block (default 1)")
     p.add_argument("--no-kill", action="store_true",
-                   help="--cluster: skip the last epoch, in which one node's mount is killed halfway")
+                   help="--cluster: skip the last epochs, in which one node's mount is killed halfway (warmed) or "
+                        "stopped for 8 s (not warmed)")
+    p.add_argument("--warm", choices=("both", "yes", "no"), default="both",
+                   help="--cluster: warm each node's cache before epoch 1 as a DatasetCache does, not at all (the "
+                        "caches fill as training reads), or run both (default)")
     p.add_argument("--peer-timeout", type=float, default=1.0,
                    help="--cluster: the mounts' --peer-timeout (default 1.0: N mounts, the store and the readers "
                         "share this machine's cores)")
@@ -125,6 +129,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         result = cluster.run(n=n, replicas=args.replicas, epochs=args.epochs, kill=not args.no_kill,
                              scale=args.scale, workdir=workdir, latency=args.latency_ms / 1000,
                              bandwidth=args.bandwidth_mbps * 1e6, peer_timeout=args.peer_timeout,
+                             warm={"both": (True, False), "yes": (True,), "no": (False,)}[args.warm],
                              log=lambda line: print(line, flush=True))
     finally:
         if not args.keep:

@@ -9,8 +9,11 @@ order). Both modes get the same cache memory per node: the distributed cache's b
 (fusecore.config.distributed_cache_size: the share dataset x R / N, 10% headroom, room for reads). The kernel page cache is off (`--no-kernel-cache`) so the budget is the memory measured.
 
 Reported per mode and epoch: store GETs and bytes (x the dataset), bytes from peers, files/s per node,
-peak RSS and cache bytes per node; every byte read is checked. With --kill, a last epoch kills one
-node's mount with SIGKILL halfway: the other nodes must see no failed read and no wrong byte.
+peak RSS and cache bytes per node, the longest single file read; every byte read is checked. With
+--kill, a last epoch kills one node's mount with SIGKILL halfway (with the warm), or stops it with
+SIGSTOP for STOP_SECONDS and continues it (without): the other nodes must see no failed read and no
+wrong byte, and no read of theirs may wait on the stopped node; an epoch after the stop shows whether
+the node serves its blocks again.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 from fusecore import control
 from fusecore.config import distributed_cache_size
+from fusecore.messages import WarmProgress
 from stoker.s3server import free_port
 
 from .fixture import StoreProcess
@@ -34,6 +38,7 @@ from .systems import Stoker
 from .workloads import KiB, MiB, _parallel, read_stream
 
 READERS = 8  # per node: a DataLoader's workers
+STOP_SECONDS = 8.0  # how long the stop epoch keeps one node's mount stopped (SIGSTOP)
 
 
 @dataclass
@@ -61,8 +66,8 @@ class ClusterDataset:
 
 @dataclass
 class EpochRow:
-    mode: str
-    epoch: str  # "warm", "1", "2", ..., "kill"
+    mode: str  # "per-node" or "distributed", with ", no warm" when the caches were not warmed
+    epoch: str  # "warm", "1", "2", ..., "kill", "stop", "after stop"
     seconds: float = 0.0
     store_gets: int = 0
     store_bytes: int = 0
@@ -80,6 +85,10 @@ class EpochRow:
     cpu_busy: float = 0.0  # all three over the machine's cores x seconds
     failed_reads: int = 0  # on nodes that were not killed
     wrong: int = 0
+    warm_errors: int = 0  # blocks a warm could not fetch (a warm row: what each node's warm reported)
+    warm_skipped: int = 0  # files a warm left out (they did not fit the cache)
+    longest_read_s: float = 0.0  # the longest single file read on the nodes not killed or stopped
+    served_by_victim: int = 0  # blocks the killed or stopped node served to the others in this phase
     note: str = ""
 
     def cpu_mounts_store_readers(self) -> tuple[float, float, float]:
@@ -119,8 +128,10 @@ def cache_per_node(dataset_bytes: int, nodes: int, replicas: int) -> int:
 class Node:
     def __init__(self, rank: int, mount: Stoker):
         self.rank, self.mount = rank, mount
-        self.killed = False
+        self.killed = self.stopped = False
+        self.warmed: WarmProgress | None = None  # the last progress of its warm
         self.files = self.bytes = self.failed = self.wrong = 0
+        self.longest = 0.0
 
     @property
     def pid(self) -> int:
@@ -137,11 +148,13 @@ class Node:
 
     def read(self, items: list[tuple[str, int]]) -> None:
         self.files = self.bytes = self.failed = self.wrong = 0
+        self.longest = 0.0
         lock = threading.Lock()
 
         def one(item: tuple[str, int]) -> None:
             key, size = item
             small = size <= MiB  # small files are checked whole, shards every 16 MiB and at the end
+            began = time.monotonic()
             try:
                 n, wrong = read_stream(self.mount, key, size, bs=256 * KiB if small else MiB,
                                        verify_every=1 if small else 16)
@@ -153,6 +166,8 @@ class Node:
                 self.files += 1
                 self.bytes += n
                 self.wrong += wrong > 0
+                if small:  # (a shard's read is long by its size)
+                    self.longest = max(self.longest, time.monotonic() - began)
 
         _parallel(READERS, items, one)
 
@@ -199,10 +214,18 @@ def _totals(nodes: list[Node], skip: int | None = None) -> tuple[int, int, int, 
     return peers, cached, missed, failed
 
 
+def _served(node: Node) -> int:
+    return node.stats().get("cluster", {}).get("served_to_peers", 0)
+
+
 def _phase(mode: str, label: str, nodes: list[Node], store: StoreProcess, dataset: ClusterDataset,
-           work, kill_rank: int | None = None) -> EpochRow:
-    """Run `work(node)` on every node at once; measure the store, the peers and the mounts around it."""
+           work, kill_rank: int | None = None, stop_rank: int | None = None, victim: int | None = None) -> EpochRow:
+    """Run `work(node)` on every node at once; measure the store, the peers and the mounts around it. With
+    `kill_rank`, that node's mount is killed 0.5 s in; with `stop_rank`, stopped 0.5 s in for STOP_SECONDS;
+    `victim`: the node whose serving is counted (served_by_victim)."""
     row = EpochRow(mode, label)
+    victim = kill_rank if kill_rank is not None else stop_rank if stop_rank is not None else victim
+    served_before = _served(nodes[victim]) if victim is not None and kill_rank is None else 0
     before_store = store.stats()
     before_peers, _, before_missed, before_failed = _totals(nodes, skip=kill_rank)
     cpu_before = _cpu(nodes, store, skip=kill_rank)
@@ -215,10 +238,21 @@ def _phase(mode: str, label: str, nodes: list[Node], store: StoreProcess, datase
         t.start()
     if kill_rank is not None:
         time.sleep(0.5)  # halfway into the epoch's first reads
-        victim = nodes[kill_rank]
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.killed = True
+        killed = nodes[kill_rank]
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.killed = True
         row.note = f"node {kill_rank}'s mount killed (SIGKILL) 0.5 s in; its own reads are not counted"
+    if stop_rank is not None:
+        time.sleep(0.5)
+        stopped = nodes[stop_rank]
+        os.kill(stopped.pid, signal.SIGSTOP)
+        stopped.stopped = True
+        try:
+            time.sleep(STOP_SECONDS)
+        finally:
+            os.kill(stopped.pid, signal.SIGCONT)
+        row.note = (f"node {stop_rank}'s mount stopped (SIGSTOP) 0.5 s in for {STOP_SECONDS:g} s; its own reads "
+                    "are not counted")
     for t in threads:
         t.join()
     row.seconds = round(time.monotonic() - started, 2)
@@ -228,7 +262,7 @@ def _phase(mode: str, label: str, nodes: list[Node], store: StoreProcess, datase
     after_store = store.stats()
     after_peers, cached, missed, failed = _totals(nodes)
     row.peer_missed, row.peer_failed = missed - before_missed, failed - before_failed
-    live = [node for node in nodes if not node.killed]
+    live = [node for node in nodes if not node.killed and node.rank != stop_rank]
     row.store_gets = after_store["gets"] - before_store["gets"]
     row.store_bytes = after_store["get_bytes"] - before_store["get_bytes"]
     row.store_x_dataset = round(row.store_bytes / dataset.bytes, 3)
@@ -239,28 +273,43 @@ def _phase(mode: str, label: str, nodes: list[Node], store: StoreProcess, datase
     row.cache_mib_per_node = round(cached / len(live) / MiB, 1)
     row.failed_reads = sum(node.failed for node in live)
     row.wrong = sum(node.wrong for node in live)
+    others = [node for node in live if node.rank not in (kill_rank, stop_rank)]
+    row.longest_read_s = round(max((node.longest for node in others), default=0.0), 2)
+    if victim is not None and kill_rank is None:
+        row.served_by_victim = _served(nodes[victim]) - served_before
+    if stop_rank is not None:
+        nodes[stop_rank].stopped = False
     return row
 
 
-def run_mode(mode: str, *, n: int, replicas: int, epochs: int, kill: bool, dataset: ClusterDataset,
+def run_mode(mode: str, *, warm: bool, n: int, replicas: int, epochs: int, kill: bool, dataset: ClusterDataset,
              store: StoreProcess, workdir: str, cache_bytes: int, peer_timeout: float, log=print) -> list[EpochRow]:
+    label = mode if warm else f"{mode}, no warm"
     nodes = _start_nodes(mode, n, replicas, store, workdir, cache_bytes, peer_timeout)
     rows = []
     try:
-        def warm(node: Node) -> None:
-            for _ in control.warm(node.sock, []):
-                pass
+        def warm_node(node: Node) -> None:
+            for progress in control.warm(node.sock, []):
+                node.warmed = progress
 
-        rows.append(_phase(mode, "warm", nodes, store, dataset, warm))
-        log(_line(rows[-1]))
-        for epoch in range(1, epochs + 1):
-            rows.append(_phase(mode, str(epoch), nodes, store, dataset,
-                               lambda node, e=epoch: node.read(dataset.partition(e, n, node.rank))))
+        def epoch_of(e: int):
+            return lambda node: node.read(dataset.partition(e, n, node.rank))
+
+        if warm:
+            rows.append(_phase(label, "warm", nodes, store, dataset, warm_node))
+            rows[-1].warm_errors = sum(node.warmed.errors for node in nodes if node.warmed)
+            rows[-1].warm_skipped = sum(node.warmed.skipped_files for node in nodes if node.warmed)
             log(_line(rows[-1]))
-        if kill:
-            e = epochs + 1
-            rows.append(_phase(mode, "kill", nodes, store, dataset,
-                               lambda node: node.read(dataset.partition(e, n, node.rank)), kill_rank=n - 1))
+        for epoch in range(1, epochs + 1):
+            rows.append(_phase(label, str(epoch), nodes, store, dataset, epoch_of(epoch)))
+            log(_line(rows[-1]))
+        if kill and warm:
+            rows.append(_phase(label, "kill", nodes, store, dataset, epoch_of(epochs + 1), kill_rank=n - 1))
+            log(_line(rows[-1]))
+        elif kill:
+            rows.append(_phase(label, "stop", nodes, store, dataset, epoch_of(epochs + 1), stop_rank=n - 1))
+            log(_line(rows[-1]))
+            rows.append(_phase(label, "after stop", nodes, store, dataset, epoch_of(epochs + 2), victim=n - 1))
             log(_line(rows[-1]))
     finally:
         for node in nodes:
@@ -272,22 +321,24 @@ def _line(row: EpochRow) -> str:
     return (f"{row.mode:>12} epoch {row.epoch:>4}: {row.seconds:6.1f} s, store {row.store_x_dataset}x dataset "
             f"({row.store_gets} GETs), peers {row.peer_x_dataset}x, {row.files_per_s_per_node} files/s per node, "
             f"rss {row.peak_rss_mib} MiB, cache {row.cache_mib_per_node} MiB/node, peer misses {row.peer_missed} "
-            f"failures {row.peer_failed}"
+            f"failures {row.peer_failed}, longest file read {row.longest_read_s} s"
+            + (f", the stopped/killed node served {row.served_by_victim}" if row.served_by_victim else "")
             + (f", {row.failed_reads} FAILED" if row.failed_reads else "") + (f", {row.wrong} WRONG" if row.wrong else ""))
 
 
 def run(*, n: int, replicas: int, epochs: int, kill: bool, scale: float, workdir: str, latency: float,
-        bandwidth: float, peer_timeout: float, log=print) -> ClusterResult:
+        bandwidth: float, peer_timeout: float, warm: tuple[bool, ...] = (True, False), log=print) -> ClusterResult:
     dataset = ClusterDataset.build(scale)
     cache_bytes = cache_per_node(dataset.bytes, n, replicas)
     result = ClusterResult(n, replicas, dataset.bytes, len(dataset.items), cache_bytes)
     with StoreProcess({"bench": dict(dataset.items)}, latency=latency, bandwidth=bandwidth, workdir=workdir) as store:
         log(f"{n} nodes, dataset {len(dataset.items)} items, {dataset.bytes / MiB:.0f} MiB; cache "
             f"{cache_bytes / MiB:.0f} MiB per node in both modes")
-        for mode in ("per-node", "distributed"):
-            result.rows += run_mode(mode, n=n, replicas=replicas, epochs=epochs, kill=kill and mode == "distributed",
-                                    dataset=dataset, store=store, workdir=workdir, cache_bytes=cache_bytes,
-                                    peer_timeout=peer_timeout, log=log)
+        for warmed in warm:
+            for mode in ("per-node", "distributed"):
+                result.rows += run_mode(mode, warm=warmed, n=n, replicas=replicas, epochs=epochs,
+                                        kill=kill and mode == "distributed", dataset=dataset, store=store,
+                                        workdir=workdir, cache_bytes=cache_bytes, peer_timeout=peer_timeout, log=log)
     return result
 
 
@@ -296,21 +347,40 @@ COLUMNS = [("mode", "mode"), ("epoch", "epoch"), ("seconds", "s"), ("store_gets"
            ("files_per_s_per_node", "files/s per node"), ("peak_rss_mib", "peak RSS MiB (largest mount)"),
            ("cache_mib_per_node", "cache MiB per node"), ("peer_missed", "peer misses"),
            ("peer_failed", "peer failures"), ("cpu_mounts", "CPU s mounts"),
-           ("cpu_store", "CPU s store"), ("cpu_readers", "CPU s readers"), ("cpu_busy", "cores busy"), ("failed_reads", "failed reads"), ("wrong", "wrong")]
+           ("cpu_store", "CPU s store"), ("cpu_readers", "CPU s readers"), ("cpu_busy", "cores busy"),
+           ("longest_read_s", "longest file read s"), ("served_by_victim", "served by the killed/stopped node"),
+           ("failed_reads", "failed reads"), ("wrong", "wrong")]
 
 
 def targets(result: ClusterResult) -> list[str]:
-    """The cluster-cache issue's targets, each with its figure (met or missed)."""
+    """The cluster-cache issues' targets, each with its figure (met or missed), for each warm setting run."""
+    out: list[str] = []
+    modes = {r.mode for r in result.rows}
+    if "distributed" in modes:
+        out += _warm_targets(result)
+    if "distributed, no warm" in modes:
+        out += _cold_targets(result)
+    wrong = sum(r.wrong for r in result.rows)
+    if wrong:
+        out.append(f"WRONG BYTES: {wrong} reads")
+    return out
+
+
+def _store_x(rows: list[EpochRow], dataset_bytes: int) -> float:
+    return sum(r.store_bytes for r in rows) / dataset_bytes
+
+
+def _warm_targets(result: ClusterResult) -> list[str]:
     by = {(r.mode, r.epoch): r for r in result.rows}
-    epochs = [r for r in result.rows if r.mode == "distributed" and r.epoch not in ("kill",)]
-    total = sum(r.store_bytes for r in epochs) / result.dataset_bytes
+    epochs = [r for r in result.rows if r.mode == "distributed" and r.epoch != "kill"]
+    total = _store_x(epochs, result.dataset_bytes)
     later = [r for r in epochs if r.epoch not in ("warm", "1")]
     later_gets = sum(r.store_gets for r in later)
-    out = [f"{'met' if total <= 1.05 else 'MISSED'}: the store sent the dataset {total:.3f}x over the warm and all "
-           f"epochs (target ≤ 1.05x; per-node caches: "
-           f"{sum(r.store_bytes for r in result.rows if r.mode == 'per-node') / result.dataset_bytes:.3f}x)",
-           f"{'met' if later and later_gets == 0 else 'MISSED'}: epochs after the first sent {later_gets} GETs "
-           f"({sum(r.store_bytes for r in later)} bytes) to the store (target 0)"]
+    out = [f"{'met' if total <= 1.05 else 'MISSED'}: with the warm, the store sent the dataset {total:.3f}x over the "
+           f"warm and all epochs (target ≤ 1.05x; per-node caches: "
+           f"{_store_x([r for r in result.rows if r.mode == 'per-node'], result.dataset_bytes):.3f}x)",
+           f"{'met' if later and later_gets == 0 else 'MISSED'}: with the warm, epochs after the first sent {later_gets} "
+           f"GETs ({sum(r.store_bytes for r in later)} bytes) to the store (target 0)"]
     d2, p2 = by.get(("distributed", "2")), by.get(("per-node", "2"))
     if d2 and p2 and p2.files_per_s_per_node:
         ratio = d2.files_per_s_per_node / p2.files_per_s_per_node
@@ -320,9 +390,37 @@ def targets(result: ClusterResult) -> list[str]:
     if k:
         out.append(f"{'met' if k.failed_reads == 0 and k.wrong == 0 else 'MISSED'}: a mount killed mid-epoch: "
                    f"{k.failed_reads} failed and {k.wrong} wrong reads on the other nodes (target 0)")
-    wrong = sum(r.wrong for r in result.rows)
-    if wrong:
-        out.append(f"WRONG BYTES: {wrong} reads")
+    return out
+
+
+def _cold_targets(result: ClusterResult) -> list[str]:
+    mode, base = "distributed, no warm", "per-node, no warm"
+    by = {(r.mode, r.epoch): r for r in result.rows}
+    epochs = [r for r in result.rows if r.mode == mode and r.epoch.isdigit()]
+    total = _store_x(epochs, result.dataset_bytes)
+    later = [r for r in epochs if r.epoch != "1"]
+    later_x = _store_x(later, result.dataset_bytes)
+    out = [f"{'met' if total <= 1.05 else 'MISSED'}: without a warm, the store sent the dataset {total:.3f}x over "
+           f"epochs 1-{len(epochs)} (target ≤ 1.05x; per-node caches: "
+           f"{_store_x([r for r in result.rows if r.mode == base and r.epoch.isdigit()], result.dataset_bytes):.3f}x)",
+           f"{'met' if later and later_x <= 0.01 else 'MISSED'}: without a warm, epochs after the first sent "
+           f"{sum(r.store_gets for r in later)} GETs, {later_x:.4f}x the dataset (target ≤ 0.01x)"]
+    for epoch, floor in (("1", 0.9), ("2", 1.0)):
+        d, p = by.get((mode, epoch)), by.get((base, epoch))
+        if d and p and p.files_per_s_per_node:
+            ratio = d.files_per_s_per_node / p.files_per_s_per_node
+            out.append(f"{'met' if ratio >= floor else 'MISSED'}: without a warm, epoch {epoch} "
+                       f"{d.files_per_s_per_node} files/s per node against {p.files_per_s_per_node} with per-node "
+                       f"caches, {ratio:.2f}x (target ≥ {floor}x)")
+    stop, after = by.get((mode, "stop")), by.get((mode, "after stop"))
+    if stop:
+        ok = stop.failed_reads == 0 and stop.wrong == 0 and stop.longest_read_s <= 2.0
+        out.append(f"{'met' if ok else 'MISSED'}: a mount stopped {STOP_SECONDS:g} s mid-epoch: {stop.failed_reads} "
+                   f"failed and {stop.wrong} wrong reads on the other nodes, their longest file read "
+                   f"{stop.longest_read_s} s (targets 0, 0, ≤ 2 s)")
+    if after:
+        out.append(f"{'met' if after.served_by_victim > 0 else 'MISSED'}: after it continued, the stopped node served "
+                   f"{after.served_by_victim} blocks to the others (target > 0)")
     return out
 
 

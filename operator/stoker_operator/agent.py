@@ -114,6 +114,8 @@ class CacheWorker:
             membership_changed = joined != self.warmed_for
             goal = self.owned_bytes or goal
         cached = control.stats(sock).cache.bytes
+        if plan.policy == "OnDemand":
+            return self._on_demand(cached, goal, membership_changed)
         mine = self._current()  # a report about an earlier plan counts as none
         if not membership_changed and not node_should_warm(plan.policy, mine, cached, goal):
             evicted = cached < READY_AT * goal  # policy Once: say so, do not fetch again
@@ -144,6 +146,19 @@ class CacheWorker:
                       "message": (f"warm in {final.seconds}s{skipped}" if ok
                                   else f"{final.errors} files could not be read{skipped}")}, force=True)
         log.info("%s: warmed %d bytes on %s", self.key, final.bytes_done, self.agent.node)
+
+    def _on_demand(self, cached: int, goal: int, membership_changed: bool) -> None:
+        """Policy OnDemand: nothing is warmed. The node is Ready once its mount serves the volume (a distributed
+        cache's member once it joined: its owners read through for the others), and the cache fills as training
+        reads; later reports follow what it holds."""
+        if self.plan.replicas:
+            self.warmed_for = self.joined
+        mine = self._current()
+        if mine and mine.get("phase") == "Ready" and not membership_changed \
+                and abs(int(mine.get("cachedBytes", 0)) - cached) <= 0.02 * max(goal, 1):
+            return
+        self._report({"phase": "Ready", "cachedBytes": cached,
+                      "message": "serving; the cache fills as training reads (policy OnDemand)"}, force=True)
 
     def _join(self, sock: str, volume_id: str, key: bytes) -> tuple | None:
         """Publish this node's peer address, and once every planned node published its own (or JOIN_WAIT

@@ -83,7 +83,10 @@ SPEC_SCHEMA = {
                       "description": "Cache memory per node: a quantity, or auto"},
         "headroomPercent": {"type": "integer", "minimum": 0, "maximum": 100, "default": 10},
         "maxNodeMemoryFraction": {"type": "number", "minimum": 0.01, "maximum": 0.9, "default": 0.5},
-        "policy": {"type": "string", "enum": ["Once", "KeepWarm"], "default": "Once"},
+        "policy": {"type": "string", "enum": ["Once", "KeepWarm", "OnDemand"], "default": "Once",
+                   "description": "Once warms and leaves it; KeepWarm re-warms after eviction, restarts and on new "
+                                  "nodes; OnDemand warms nothing: Ready once every node serves (a distributed cache: "
+                                  "has joined), the cache fills as training reads"},
         "distributed": {
             "type": "object",
             "description": "Hold the dataset once (or R times) across the nodes, served node to node, instead of "
@@ -155,7 +158,7 @@ NODE_SPEC_SCHEMA = {
         "warmableBytes": {"type": "integer", "format": "int64", "minimum": 0,
                           "description": "what Ready means: bytes of the dataset the budget holds"},
         "paths": {"type": "array", "items": {"type": "string"}},
-        "policy": {"type": "string", "enum": ["Once", "KeepWarm"]},
+        "policy": {"type": "string", "enum": ["Once", "KeepWarm", "OnDemand"]},
         "distributed": {"type": "object", "description": "a distributed cache: this node warms the blocks it owns",
                         "properties": {"replicas": {"type": "integer", "minimum": 1, "maximum": 3},
                                        "nodes": {"type": "integer", "minimum": 0,

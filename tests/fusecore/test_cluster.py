@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
 from fusecore import control
+from fusecore.config import distributed_cache_size
 from stoker.s3server import free_port
 from tests.conftest import requires_fuse
 
@@ -40,7 +44,7 @@ def dataset(s3, bucket):
     return files
 
 
-def start_cluster(mounts, bucket, tmp_path, key: bytes = b"a shared cache key, 32 bytes...."):
+def start_cluster(mounts, bucket, tmp_path, key: bytes = b"a shared cache key, 32 bytes....", extra=()):
     port = free_port()
     members = [f"127.0.0.{i}:{port}" for i in (2, 3, 4)]
     key_file = tmp_path / "peer.key"
@@ -50,7 +54,7 @@ def start_cluster(mounts, bucket, tmp_path, key: bytes = b"a shared cache key, 3
     # peer answer into a store read (the bound itself is tested in test_peers.py).
     mps = [mounts.mount(f"s3://{bucket}", "--block-size", "1MiB", "--metadata-ttl", "3600", "--peers",
                         ",".join(members), "--peer-listen", member, "--peer-key-file", str(key_file),
-                        "--peer-timeout", "10")
+                        "--peer-timeout", "10", *extra)
            for member in members]
     return mps, members
 
@@ -178,3 +182,112 @@ def test_membership_changes_are_checked(mounts, bucket, dataset, tmp_path):
             control.set_peers(sock, bad, replicas=4 if bad == members else None)
         assert named in str(info.value) and info.value.kind == "bad_request"
     assert stats(mps[0])["cluster"]["members"] == 3
+
+
+def read_everywhere(mps: list[str], files: dict[str, bytes]) -> None:
+    """Every node reads every file at once (bytes checked); re-raises the first failure."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(mps)) as pool:
+        list(pool.map(lambda mp: read_all(mp, files), mps))
+
+
+def test_without_a_warm_owners_read_through_and_the_store_sends_each_block_once(mounts, bucket, dataset, tmp_path):
+    """No warm: three nodes read the whole dataset at the same moment. An owner asked for a block it does not hold
+    fetches it (one GET, joined by every asker and by its own readers), keeps it and answers; so the store sends
+    the dataset about once, and a second pass makes no GET at all. The members size their caches themselves
+    (`--cache-size auto`: a third of the listed dataset, with the operator's headroom)."""
+    mps, members = start_cluster(mounts, bucket, tmp_path, extra=("--cache-size", "auto"))
+    total = sum(len(b) for b in dataset.values())
+    assert stats(mps[0])["cache"]["budget"] == max(2 * MiB, distributed_cache_size(total, 3, 1))
+    read_everywhere(mps, dataset)
+    first = [stats(mp) for mp in mps]
+    fetched = sum(s["bytes_fetched"] for s in first)
+    assert total <= fetched <= 1.05 * total, (fetched, total)  # (a read the kernel sent out of order: a range)
+    assert all(s["cluster"]["read_through_for_peers"] > 0 and not s["cluster"]["peer_failures"] for s in first)
+    read_everywhere(mps, dataset)
+    again = [stats(mp) for mp in mps]
+    assert sum(s["bytes_fetched"] for s in again) == fetched, "the second pass was answered by the cluster"
+    assert not any(s["errors"] for s in again)
+    # Member 0 reads again from the others, which leaves it kept-alive connections to member 1: unmounting
+    # member 1 does not wait for them to go idle.
+    control.call(control.default_control_socket(mps[0]), {"op": "drop"})
+    read_all(mps[0], dataset)
+    pid = again[1]["pid"]
+    subprocess.run([sys.executable, "-m", "stoker", "unmount", mps[1]], capture_output=True, timeout=60)
+    began = time.monotonic()
+    while running(pid) and time.monotonic() - began < 15:
+        time.sleep(0.02)
+    assert time.monotonic() - began < 3, "the unmounted member's process ended promptly"
+
+
+def running(pid: int) -> bool:
+    """Is `pid` alive (not ended, nor a zombie waiting to be reaped)?"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def timed_read_all(mp: str, files: dict[str, bytes]) -> float:
+    """Read every file (bytes checked); the longest single file's read, in seconds."""
+    longest = 0.0
+    for key, body in files.items():
+        began = time.monotonic()
+        read_all(mp, {key: body})
+        longest = max(longest, time.monotonic() - began)
+    return longest
+
+
+def test_a_hung_owner_costs_a_bounded_wait_and_serves_again_when_it_continues(mounts, bucket, dataset, tmp_path):
+    """SIGSTOP one member for longer than any read may wait: the others' reads all finish, each well before the
+    member continues (the asker gives up on a silent owner after its first-byte bound, 0.3 s by default, and
+    reads the store), and once continued the member serves its blocks again."""
+    port = free_port()
+    members = [f"127.0.0.{i}:{port}" for i in (2, 3, 4)]
+    key_file = tmp_path / "peer.key"
+    key_file.write_bytes(b"a shared cache key, 32 bytes....")
+    os.chmod(key_file, 0o600)
+    mps = [mounts.mount(f"s3://{bucket}", "--block-size", "1MiB", "--metadata-ttl", "3600", "--peers",
+                        ",".join(members), "--peer-listen", member, "--peer-key-file", str(key_file))
+           for member in members]  # the default peer timeout: the bound under test
+    read_all(mps[1], dataset)  # member 1 holds its own blocks (read through for nobody: it read them itself)
+    hung = stats(mps[1])["pid"]
+    os.kill(hung, signal.SIGSTOP)
+    try:
+        longest = timed_read_all(mps[0], dataset)
+    finally:
+        os.kill(hung, signal.SIGCONT)
+    assert longest < 8, f"a read waited {longest:.1f} s on a hung owner"  # it stays stopped for longer than that
+    asker = stats(mps[0])
+    assert asker["cluster"]["peer_failures"].get(members[1], 0) >= 1 and not asker["errors"], asker["cluster"]
+    served = stats(mps[1])["cluster"]["served_to_peers"]
+    read_all(mps[2], dataset)  # a member that did not see it hang asks it again
+    assert stats(mps[1])["cluster"]["served_to_peers"] > served
+
+
+def test_an_owner_whose_store_fails_sends_the_asker_to_the_store_without_a_failure(mounts, bucket, dataset, s3,
+                                                                                   moto_server, tmp_path):
+    """The owner's own GETs are throttled (a proxy answers it 503 SlowDown): it answers FAILED after its bounded
+    wait, the asker reads the store itself, and the owner is not avoided (its store failed, not the owner)."""
+    from tests.support.faultproxy import FaultProxy
+
+    port = free_port()
+    members = [f"127.0.0.{i}:{port}" for i in (2, 3)]
+    key_file = tmp_path / "peer.key"
+    key_file.write_bytes(b"a shared cache key, 32 bytes....")
+    os.chmod(key_file, 0o600)
+    with FaultProxy(moto_server.endpoint) as proxy:
+        common = ["--block-size", "1MiB", "--metadata-ttl", "3600", "--peers", ",".join(members),
+                  "--peer-key-file", str(key_file), "--peer-timeout", "10"]
+        owner = mounts.mount(f"s3://{bucket}", *common, "--peer-listen", members[0], endpoint=proxy.endpoint)
+        asker = mounts.mount(f"s3://{bucket}", *common, "--peer-listen", members[1])
+        proxy.slow_down_for(60)
+        small = {k: v for k, v in dataset.items() if k.startswith("images/0")}  # 10 files
+        read_all(asker, small)
+        proxy.slow_down_for(0)
+    s = stats(asker)
+    assert s["bytes_fetched"] == sum(len(v) for v in small.values()) and not s["errors"]
+    assert not s["cluster"]["peer_failures"] and s["cluster"]["peers"][members[0]]["miss"] >= 1, s["cluster"]
+    assert stats(owner)["cluster"]["read_through_failed"] >= 1

@@ -83,3 +83,19 @@ def test_a_mount_document_round_trips_and_refuses_what_it_does_not_know():
         identity_from_document({"kind": "keys", "access_key_id": "", "secret_access_key": "b"})
     with pytest.raises(ConfigError, match="kind"):
         identity_from_document({"kind": "shell"})
+
+
+def test_cache_size_auto_holds_this_mounts_part_of_the_dataset_within_half_the_memory():
+    from fusecore.config import auto_cache_size, distributed_cache_size
+
+    store = StoreConfig(bucket="b")
+    alone = MountConfig(store=store, block_size=1024**2)
+    size, why = auto_cache_size(alone, 10 * 1024**3, 64 * 1024**3)
+    assert size == distributed_cache_size(10 * 1024**3, 1, 1) and "dataset of 10737418240 bytes" in why
+    member = MountConfig(store=store, block_size=1024**2, peers="10.0.0.1:7070,10.0.0.2:7070,10.0.0.3:7070,"
+                         "10.0.0.4:7070", peer_listen="10.0.0.1:7070", peer_key_file="/k", peer_replicas=2)
+    size, why = auto_cache_size(member, 10 * 1024**3, 64 * 1024**3)
+    assert size == distributed_cache_size(10 * 1024**3, 4, 2) and "a 2/4 share" in why
+    size, why = auto_cache_size(alone, 100 * 1024**3, 64 * 1024**3)
+    assert size == 32 * 1024**3 and "capped at 50%" in why
+    assert auto_cache_size(alone, 1000, 64 * 1024**3)[0] == 2 * 1024**2, "at least two blocks"

@@ -10,10 +10,11 @@ import socket
 import threading
 import time
 import urllib.request
+from concurrent.futures import Future
 
 import pytest
 
-from fusecore.peers import PeerClient, PeerServer, PeerTimeouts, block_target, sign
+from fusecore.peers import BlockAsk, PeerClient, PeerServer, PeerTimeouts, sign
 
 KEY = b"cache-key-of-tenant-a"
 BLOCK = os.urandom(1_000_003)
@@ -25,8 +26,8 @@ class Held:
     def __init__(self):
         self.blocks = {("train/shard-0.tar", "etag-1", 2): BLOCK}
 
-    def __call__(self, key, etag, index):
-        return self.blocks.get((key, etag, index))
+    def __call__(self, want):
+        return self.blocks.get((want.key, want.etag, want.index))
 
 
 @pytest.fixture
@@ -45,24 +46,24 @@ SLACK = PeerTimeouts(connect=10, first_byte=10, body=20)  # correctness tests; t
 
 def test_a_held_block_is_served_exactly_to_a_member(server):
     client = PeerClient(KEY, SLACK)
-    assert client.fetch(addr(server), "train/shard-0.tar", "etag-1", 2, len(BLOCK)) == BLOCK
+    assert client.fetch(addr(server), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == BLOCK
     assert server.served == 1
 
 
 def test_another_version_or_a_block_not_held_is_not_served_and_is_no_failure(server):
     client = PeerClient(KEY, SLACK)
-    assert client.fetch(addr(server), "train/shard-0.tar", "etag-2", 2, len(BLOCK)) is None
-    assert client.ask(addr(server), "train/shard-0.tar", "etag-1", 3, len(BLOCK)) == ("miss", None)
+    assert client.fetch(addr(server), BlockAsk.block("train/shard-0.tar", "etag-2", 2, len(BLOCK))) is None
+    assert client.ask(addr(server), BlockAsk.block("train/shard-0.tar", "etag-1", 3, len(BLOCK))) == ("miss", None)
     assert server.missed == 2 and not client.failures and not client.avoided(addr(server))
-    assert client.ask(addr(server), "train/shard-0.tar", "etag-1", 2, len(BLOCK)) == ("hit", BLOCK)
+    assert client.ask(addr(server), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == ("hit", BLOCK)
 
 
 def test_a_request_without_the_caches_key_is_refused(server):
     other_tenant = PeerClient(b"cache-key-of-tenant-b", SLACK)
-    assert other_tenant.fetch(addr(server), "train/shard-0.tar", "etag-1", 2, len(BLOCK)) is None
-    target = block_target("train/shard-0.tar", "etag-1", 2)
+    assert other_tenant.fetch(addr(server), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) is None
+    target = BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK)).target()
     for headers in ({}, {"Authorization": sign(KEY, target, time.time() - 3600)},  # unsigned; an old signature
-                    {"Authorization": sign(KEY, block_target("other", "etag-1", 2), time.time())}):  # another's
+                    {"Authorization": sign(KEY, BlockAsk.block("other", "etag-1", 2, len(BLOCK)).target(), time.time())}):  # another's
         request = urllib.request.Request(f"http://{addr(server)}{target}", headers=headers)
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(request, timeout=5)
@@ -109,9 +110,9 @@ def test_a_wrong_answer_is_refused_and_the_peer_avoided(mode):
     try:
         peer = f"127.0.0.1:{liar.server_address[1]}"
         client = PeerClient(KEY, SLACK)
-        assert client.ask(peer, "train/shard-0.tar", "etag-1", 2, len(BLOCK)) == ("failed", None)
+        assert client.ask(peer, BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == ("failed", None)
         assert client.failures[peer] == 1 and client.avoided(peer)
-        assert client.ask(peer, "train/shard-0.tar", "etag-1", 2, len(BLOCK)) == ("avoided", None)
+        assert client.ask(peer, BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == ("avoided", None)
     finally:
         liar.shutdown()
         liar.server_close()
@@ -126,14 +127,14 @@ def test_a_stalled_peer_costs_a_bounded_wait_then_is_avoided_and_later_tried_aga
     client = PeerClient(KEY, PeerTimeouts(connect=0.2, first_byte=0.3, body=1.0), avoid=30, clock=lambda: now[0])
     try:
         started = time.monotonic()
-        assert client.fetch(peer, "k", "e", 0, 10) is None
+        assert client.fetch(peer, BlockAsk.block("k", "e", 0, 10)) is None
         assert time.monotonic() - started < 1.5, "bounded by the first-byte timeout"
         started = time.monotonic()
-        assert client.fetch(peer, "k", "e", 0, 10) is None and time.monotonic() - started < 0.05, "avoided"
+        assert client.fetch(peer, BlockAsk.block("k", "e", 0, 10)) is None and time.monotonic() - started < 0.05, "avoided"
         assert client.failures[peer] == 1
         now[0] += 31
         assert not client.avoided(peer)
-        assert client.fetch(peer, "k", "e", 0, 10) is None and client.failures[peer] == 2, "tried again"
+        assert client.fetch(peer, BlockAsk.block("k", "e", 0, 10)) is None and client.failures[peer] == 2, "tried again"
     finally:
         silent.close()
 
@@ -145,27 +146,27 @@ def test_a_refused_connection_is_a_quick_failure():
     s.close()  # nothing listens there now
     client = PeerClient(KEY)
     started = time.monotonic()
-    assert client.fetch(f"127.0.0.1:{port}", "k", "e", 0, 10) is None
+    assert client.fetch(f"127.0.0.1:{port}", BlockAsk.block("k", "e", 0, 10)) is None
     assert time.monotonic() - started < 1 and client.avoided(f"127.0.0.1:{port}")
 
 
 def test_a_busy_peer_answers_503_at_once_and_is_not_avoided():
     gate = threading.Event()
 
-    def slow(key, etag, index):
+    def slow(want):
         gate.wait(10)
         return BLOCK
 
     s = PeerServer(("127.0.0.1", 0), KEY, slow, max_clients=1).start()
     try:
         first = threading.Thread(target=PeerClient(KEY, SLACK).fetch,
-                                 args=(addr(s), "train/shard-0.tar", "etag-1", 2, len(BLOCK)))
+                                 args=(addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))))
         first.start()
         deadline = time.monotonic() + 5
         while s._slots._value and time.monotonic() < deadline:  # the first request holds the only slot
             time.sleep(0.01)
         client = PeerClient(KEY, SLACK)
-        assert client.fetch(addr(s), "train/shard-0.tar", "etag-1", 2, len(BLOCK)) is None
+        assert client.fetch(addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) is None
         assert s.busy == 1 and not client.avoided(addr(s)) and not client.failures
         gate.set()
         first.join(10)
@@ -183,15 +184,15 @@ def test_an_asker_keeps_its_connection_and_a_closed_idle_one_costs_no_failure():
     try:
         client = PeerClient(KEY, SLACK)
         for _ in range(3):
-            assert client.ask(addr(s), "train/shard-0.tar", "etag-1", 2, len(BLOCK)) == ("hit", BLOCK)
-        assert client.ask(addr(s), "train/shard-0.tar", "etag-1", 3, len(BLOCK)) == ("miss", None)  # a 404 keeps it
+            assert client.ask(addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == ("hit", BLOCK)
+        assert client.ask(addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 3, len(BLOCK))) == ("miss", None)  # a 404 keeps it
         assert (s.served, s.connections) == (3, 1)
         time.sleep(0.8)  # the server closes the idle connection
-        assert client.ask(addr(s), "train/shard-0.tar", "etag-1", 2, len(BLOCK)) == ("hit", BLOCK)
+        assert client.ask(addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == ("hit", BLOCK)
         assert s.connections == 2 and not client.failures and not client.avoided(addr(s))
         # A wrong answer closes the connection (it is never reused after a failure).
         other = PeerClient(KEY, SLACK)
-        assert other.ask(addr(s), "train/shard-0.tar", "etag-1", 2, len(BLOCK) + 1) == ("failed", None)
+        assert other.ask(addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK) + 1)) == ("failed", None)
         assert other._take(addr(s)) is None
         client.close()
     finally:
@@ -207,5 +208,111 @@ def test_anything_unexpected_while_asking_a_peer_is_a_failure_never_an_error_for
         raise RuntimeError("a bug in the asking")
 
     monkeypatch.setattr(client, "_get", broken)
-    assert client.ask(addr(server), "train/shard-0.tar", "etag-1", 2, len(BLOCK)) == ("failed", None)
+    assert client.ask(addr(server), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == ("failed", None)
     assert client.avoided(addr(server))
+
+
+class Owner:
+    """An owner that does not hold the bytes but reads them through: a Future its 'GET' completes later."""
+
+    def __init__(self, delay: float, fail: bool = False):
+        self.delay, self.fail, self.asks = delay, fail, []
+
+    def __call__(self, want):
+        self.asks.append(want)
+        pending = Future()
+
+        def finish():
+            if self.fail:
+                pending.set_exception(RuntimeError("the owner's store said no"))
+            else:
+                pending.set_result(BLOCK[:want.length])
+
+        threading.Timer(self.delay, finish).start()
+        return pending
+
+
+TIGHT = PeerTimeouts(connect=1, first_byte=0.3, body=5)  # a silence of 0.3 s is an owner gone
+
+
+def test_an_owner_reads_through_beating_meanwhile_and_the_connection_carries_the_next_ask():
+    owner = Owner(delay=0.8)  # longer than the first-byte bound: only the beats keep the asker waiting
+    s = PeerServer(("127.0.0.1", 0), KEY, owner).start()
+    try:
+        client = PeerClient(KEY, TIGHT)
+        want = BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))
+        assert client.ask(addr(s), want) == ("through", BLOCK)
+        assert owner.asks[-1] == want and owner.asks[-1].through
+        assert client.ask(addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 2, 1000)) == ("through", BLOCK[:1000])
+        assert (s.through, s.served, s.connections) == (2, 2, 1) and not client.failures
+    finally:
+        s.close()
+
+
+def test_an_owner_whose_own_get_fails_is_a_miss_not_a_failure():
+    s = PeerServer(("127.0.0.1", 0), KEY, Owner(delay=0.2, fail=True)).start()
+    try:
+        client = PeerClient(KEY, TIGHT)
+        assert client.ask(addr(s), BlockAsk.block("k", "e", 0, 10)) == ("miss", None)
+        assert s.through_failed == 1 and not client.failures and not client.avoided(addr(s))
+        assert client._take(addr(s)) is not None, "the answer ended cleanly: the connection is kept"
+    finally:
+        s.close()
+
+
+def test_an_owner_that_goes_silent_while_reading_through_is_given_up_within_the_bound():
+    """It answered that it fetches and beat once, then stopped (SIGSTOP, a hung host): the asker does not
+    wait for it past the first-byte bound, and avoids it."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)
+    held = []
+
+    def serve():
+        conn, _ = silent.accept()
+        held.append(conn)
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-Stoker-ETag: e\r\n"
+                     b"X-Stoker-Through: 1\r\n\r\n1\r\n.\r\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    peer = f"127.0.0.1:{silent.getsockname()[1]}"
+    client = PeerClient(KEY, TIGHT)
+    try:
+        started = time.monotonic()
+        assert client.ask(peer, BlockAsk.block("k", "e", 0, 10)) == ("failed", None)
+        assert time.monotonic() - started < 2, "bounded by the silence, not by the owner's wait"
+        assert client.avoided(peer)
+    finally:
+        silent.close()
+        for conn in held:
+            conn.close()
+
+
+def test_an_ask_round_trips_and_one_outside_the_object_or_the_dataset_is_refused():
+    from fusecore.cluster import check_ask
+
+    want = BlockAsk("train/a b&c.jpg", "e1", 3, 3 * 4096 + 10, 3 * 4096 + 20, 5 * 4096, through=False)
+    target = want.target("/c/x")
+    assert BlockAsk.parse(target.split("?", 1)[1]) == want and "held=1" in target
+    with pytest.raises(ValueError):
+        BlockAsk.parse("key=k&etag=e&index=0&start=10&stop=5&size=100")  # nothing asked
+    with pytest.raises(ValueError):
+        BlockAsk.parse("key=k&etag=e&index=0&start=0&stop=101&size=100")  # past the object
+    check_ask(want, 4096, "train/")
+    with pytest.raises(ValueError, match="not inside block"):
+        check_ask(want, 8192, "train/")  # another block size: the bytes are not inside block 3
+    with pytest.raises(ValueError, match="outside this cache's dataset"):
+        check_ask(want, 4096, "val/")
+
+
+def test_a_refused_ask_is_answered_400_and_fetches_nothing():
+    def refuse(want):
+        raise ValueError("an object outside this cache's dataset")
+
+    s = PeerServer(("127.0.0.1", 0), KEY, refuse).start()
+    try:
+        assert PeerClient(KEY, SLACK).ask(addr(s), BlockAsk.block("secret/other", "e", 0, 10)) == ("failed", None)
+        assert s.served == s.through == 0
+    finally:
+        s.close()

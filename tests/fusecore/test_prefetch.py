@@ -100,6 +100,15 @@ def test_a_first_read_past_the_start_gets_no_initial_window():
     assert ra.paged(2)
 
 
+def test_a_read_at_the_start_handled_after_a_later_one_still_begins_a_run_from_the_start():
+    """The kernel's first readahead requests may be handled out of order: the file is still read from its start."""
+    ra = ReadAhead(file_size=64 * MiB, block_size=4 * MiB, max_window_blocks=64, initial_window=4)
+    assert list(ra.on_read(128 * 1024, 128 * 1024)) == [] and ra.paged(0), "alone, it looks like a split's reader"
+    assert list(ra.on_read(0, 128 * 1024)) == [1, 2, 3, 4]
+    assert not ra.paged(0) and not ra.paged(1)
+    assert list(ra.on_read(256 * 1024, 128 * 1024)) == [] and not ra.paged(0), "and it goes on from there"
+
+
 def test_a_reader_of_a_split_is_paged_and_read_ahead_by_a_share_of_what_it_read():
     """A run that began past offset 0 may stop soon: pages for its first blocks, then at most a quarter ahead."""
     block = 4 * MiB

@@ -290,9 +290,10 @@ def test_a_loader_going_through_a_directory_keeps_the_walk_ahead():
 
     run(dp, go)
     stats = dp.stats()
-    # Ahead: the walk had asked for every file but the first few before the reader opened it (prefetches
-    # start first asked first, so the reader mostly meets its next file in flight rather than cached).
-    assert store.calls["get"] == 400 and stats["requests"]["get_prefetch"] >= 390, stats["requests"]
+    # Ahead: the walk had asked for every file but the first few before the reader opened it, and each file
+    # cost one GET. (How many of those GETs had started before their reader came is up to the machine's load:
+    # a busy CPU lets the reader catch up with queued prefetches, which then go as demand reads.)
+    assert store.calls["get"] == 400 and stats["walk_prefetches"] >= 390, (stats["walk_prefetches"], stats["requests"])
 
 
 @pytest.mark.parametrize("initial, size, first_block_gets", [

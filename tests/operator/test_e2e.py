@@ -186,5 +186,16 @@ def test_a_dataset_larger_than_the_cache_warms_what_fits(kube, operator, node_pl
                          and s.get("phase") == "Ready", 120), status(kube, "shards")
     node = node_report(kube, "shards", "gpu-1")
     assert node["plan"] == status(kube, "shards")["plan"] and node["warmedBytes"] == 2 * 3 * 1024 * 1024
+    # Policy OnDemand: the new plan (the whole dataset again) is Ready as soon as the node serves it, with
+    # nothing fetched ahead; the cache fills as training reads.
+    sock = node_plugin.state.control_socket(f"s3://{bucket}/shards/")
+    gets = control.call(sock, {"op": "stats"})["requests"]["get"]
+    old_plan = status(kube, "shards")["plan"]
+    kube.patch("stoker.dev/v1alpha1", "datasetcaches", "shards", NAMESPACE, {"spec": {"paths": [], "policy": "OnDemand"}})
+    assert kube.wait_for(lambda: (s := status(kube, "shards")).get("plan") not in (None, old_plan)
+                         and s.get("phase") == "Ready", 120), status(kube, "shards")
+    node = node_report(kube, "shards", "gpu-1")
+    assert node["plan"] == status(kube, "shards")["plan"] and "OnDemand" in node["message"]
+    assert node["warmedBytes"] == 0 and control.call(sock, {"op": "stats"})["requests"]["get"] == gets
     kube.delete("stoker.dev/v1alpha1", "datasetcaches", "shards", NAMESPACE)
     assert kube.wait_for(lambda: cache(kube, "shards") is None, 60)
