@@ -40,6 +40,9 @@ class MountMetrics:
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.peer_served_bytes = Counter("stoker_peer_served_bytes", "Bytes this node served to its peers",
                                          registry=r)
+        self.peer_read_through = Counter("stoker_peer_read_through", "Block reads this node, as their owner, "
+                                         "fetched from the store for a peer (served, or failed: the peer read the "
+                                         "store itself)", ["outcome"], registry=r)
         self.cluster_members = Gauge("stoker_cluster_members", "Members of the distributed cache", registry=r)
         self.cluster_share = Gauge("stoker_cluster_owned_share",
                                    "Share of the blocks this node owns (about replicas / members)", registry=r)

@@ -299,11 +299,15 @@ class PeerServer:
                 break
         if data is None or len(data) != ask.length:
             self.through_failed += 1
+            if self.metrics is not None:
+                self.metrics.peer_read_through.labels(outcome="failed").inc()
             h.wfile.write(b"1\r\n" + FAILED + b"\r\n0\r\n\r\n")
             return
         body = memoryview(data)
         digest = hashlib.sha256(body).digest()
         self.through += 1
+        if self.metrics is not None:
+            self.metrics.peer_read_through.labels(outcome="served").inc()
         self._count(len(body))
         h.wfile.write(f"{1 + len(body) + len(digest):x}\r\n".encode() + OK)
         for start in range(0, len(body), CHUNK):

@@ -72,25 +72,6 @@ def test_cold_targets_name_each_figure_met_or_missed():
     assert "met: after it continued, the stopped node served 3 blocks" in text
 
 
-@requires_fuse
-def test_a_two_node_run_without_a_warm_fills_the_distributed_cache_through_its_owners(tmp_path):
-    """No warm: the owners read through for each other, so the distributed cache's store sends the dataset about
-    once over both epochs and epoch 2 makes no GET, while per-node caches fetch what they miss again."""
-    out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "stoker", "bench", "--cluster", "2", "--scale", "0.02",
-                             "--epochs", "2", "--warm", "no", "--no-kill", "--peer-timeout", "10", "--out", str(out),
-                             "--keep-page-reporting"], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = json.loads((out / "cluster-2.json").read_text())
-    assert [(r["mode"], r["epoch"]) for r in rows] == [
-        ("per-node, no warm", "1"), ("per-node, no warm", "2"), ("distributed, no warm", "1"),
-        ("distributed, no warm", "2")]
-    assert all(r["wrong"] == 0 and r["failed_reads"] == 0 for r in rows)
-    distributed = {r["epoch"]: r for r in rows if r["mode"] == "distributed, no warm"}
-    assert distributed["1"]["store_x_dataset"] + distributed["2"]["store_x_dataset"] <= 1.05
-    assert distributed["2"]["store_x_dataset"] <= 0.01 and distributed["2"]["peer_bytes"] > 0
-
-
 @pytest.mark.parametrize("args", [["--cluster", "1"], ["--cluster", "33"], ["--cluster", "2", "--epochs", "1"],
                                   ["--cluster", "2", "--replicas", "3"]])
 def test_bad_cluster_arguments_are_refused_with_a_reason(args, tmp_path):

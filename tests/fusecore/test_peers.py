@@ -236,8 +236,11 @@ TIGHT = PeerTimeouts(connect=1, first_byte=0.3, body=5)  # a silence of 0.3 s is
 
 
 def test_an_owner_reads_through_beating_meanwhile_and_the_connection_carries_the_next_ask():
+    from fusecore.metrics import MountMetrics
+
     owner = Owner(delay=0.8)  # longer than the first-byte bound: only the beats keep the asker waiting
-    s = PeerServer(("127.0.0.1", 0), KEY, owner).start()
+    metrics = MountMetrics()
+    s = PeerServer(("127.0.0.1", 0), KEY, owner, metrics=metrics).start()
     try:
         client = PeerClient(KEY, TIGHT)
         want = BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))
@@ -245,6 +248,7 @@ def test_an_owner_reads_through_beating_meanwhile_and_the_connection_carries_the
         assert owner.asks[-1] == want and owner.asks[-1].through
         assert client.ask(addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 2, 1000)) == ("through", BLOCK[:1000])
         assert (s.through, s.served, s.connections) == (2, 2, 1) and not client.failures
+        assert metrics.value(metrics.peer_read_through, outcome="served") == 2
     finally:
         s.close()
 
