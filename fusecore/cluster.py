@@ -95,24 +95,21 @@ class Cluster:
     def owns(self, key: str, etag: str, index: int) -> bool:
         return self.owners.owns(self.me, block_id(key, etag, index))
 
-    def sources(self, key: str, etag: str, index: int) -> list[str]:
-        """Whom to ask for a block before the store: its owners other than this node (a replica when this
-        node is an owner), primary first, skipping peers being avoided."""
-        return self.plan(key, etag, index)[0]
-
     def plan(self, key: str, etag: str, index: int) -> tuple[list[str], bool]:
-        """(`sources`, whether they may read through): an owner asks the other owners only for what they hold."""
+        """Whom to ask for a block before the store: its owners other than this node (a replica when this node
+        is an owner), primary first, skipping peers being avoided; and whether they may read it through (not for
+        an owner: it asks the other owners only for what they hold)."""
         owners = self.owners.of(block_id(key, etag, index))
         return [o for o in owners if o != self.me and not self.client.avoided(o)], self.me not in owners
 
     def fetch(self, peers: list[str], want: BlockAsk) -> bytearray | None:
-        """From a worker thread: the bytes `want` from the first of `peers` (its block's `sources`) that answers
+        """From a worker thread: the bytes `want` from the first of `peers` (its block's `plan`) that answers
         with them, or None (then the store)."""
         m = self.metrics
         for peer in peers:
             began = time.monotonic()
             outcome, data = self.client.ask(peer, want)
-            if outcome == "avoided":  # failed since `sources` was read: not asked
+            if outcome == "avoided":  # failed since `plan` was read: not asked
                 continue
             seconds = time.monotonic() - began
             m.peer_requests.labels(peer=peer, outcome=outcome).inc()

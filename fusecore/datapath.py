@@ -68,8 +68,9 @@ class DataPath:
     def _answer_peer(self, want: BlockAsk) -> "Buffer | Future | None":
         found = held(self.cache, want, self.cfg.block_size)
         cluster = self.cluster
-        if found is not None or cluster is None or not cluster.owns(want.key, want.etag, want.index):
-            return found
+        if found is not None or not want.through or cluster is None \
+                or not cluster.owns(want.key, want.etag, want.index):
+            return found  # another owner asks only for what is held (peers.py: no owner waits on another)
         pending: Future = Future()
         self._nursery.start_soon(self._read_through, want, pending)
         return pending

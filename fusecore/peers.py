@@ -42,7 +42,6 @@ import hmac
 import http.client
 import http.server
 import logging
-import mmap
 import os
 import socket
 import sys
@@ -51,7 +50,9 @@ import time
 import urllib.parse
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable
+
+from .cache import Buffer
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,6 @@ class BlockAsk:
         return ask
 
 
-Buffer = Union[bytes, bytearray, memoryview, mmap.mmap]
 # A node's answer to an ask: the bytes it holds, a Future of the bytes it reads through for the asker
 # (its block, owned here), or None (neither). ValueError: the ask does not fit this node's dataset or blocks.
 Lookup = Callable[[BlockAsk], "Buffer | Future | None"]

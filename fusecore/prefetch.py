@@ -95,7 +95,7 @@ class ReadAhead:
         if self._frontier is None or (offset == 0 and not self._from_zero):
             self.window = self.initial_window if offset == 0 else 0
             self.random = offset != 0
-            self._frontier = last if self._frontier is None or offset != 0 else max(self._frontier, last)
+            self._frontier = last if self._frontier is None else max(self._frontier, last)
             if offset != 0:
                 self._new_run(offset)
             else:

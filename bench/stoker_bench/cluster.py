@@ -128,7 +128,7 @@ def cache_per_node(dataset_bytes: int, nodes: int, replicas: int) -> int:
 class Node:
     def __init__(self, rank: int, mount: Stoker):
         self.rank, self.mount = rank, mount
-        self.killed = self.stopped = False
+        self.killed = False
         self.warmed: WarmProgress | None = None  # the last progress of its warm
         self.files = self.bytes = self.failed = self.wrong = 0
         self.longest = 0.0
@@ -244,13 +244,12 @@ def _phase(mode: str, label: str, nodes: list[Node], store: StoreProcess, datase
         row.note = f"node {kill_rank}'s mount killed (SIGKILL) 0.5 s in; its own reads are not counted"
     if stop_rank is not None:
         time.sleep(0.5)
-        stopped = nodes[stop_rank]
-        os.kill(stopped.pid, signal.SIGSTOP)
-        stopped.stopped = True
+        stopped = nodes[stop_rank].pid
+        os.kill(stopped, signal.SIGSTOP)
         try:
             time.sleep(STOP_SECONDS)
         finally:
-            os.kill(stopped.pid, signal.SIGCONT)
+            os.kill(stopped, signal.SIGCONT)
         row.note = (f"node {stop_rank}'s mount stopped (SIGSTOP) 0.5 s in for {STOP_SECONDS:g} s; its own reads "
                     "are not counted")
     for t in threads:
@@ -277,8 +276,6 @@ def _phase(mode: str, label: str, nodes: list[Node], store: StoreProcess, datase
     row.longest_read_s = round(max((node.longest for node in others), default=0.0), 2)
     if victim is not None and kill_rank is None:
         row.served_by_victim = _served(nodes[victim]) - served_before
-    if stop_rank is not None:
-        nodes[stop_rank].stopped = False
     return row
 
 

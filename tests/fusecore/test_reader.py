@@ -335,3 +335,35 @@ def test_a_reader_that_starts_past_zero_gets_no_parts():
     run(dp, go)
     assert out[0] == payload[3 * MiB:3 * MiB + 64 * KiB]
     assert store.ranges == [("shard.tar", 3 * MiB, 3 * MiB + 64 * KiB)]  # exactly the read
+
+
+def test_an_owner_reads_through_for_a_member_but_only_serves_what_it_holds_to_another_owner():
+    """With R = 2 both members own every block. A member asks (through=True): the owner fetches the block once,
+    keeps it and gives its exact bytes. Another owner asks (held=1): a block not held is answered None at
+    once, never fetched, so two owners reading the same block can never wait on each other."""
+    from concurrent.futures import Future
+
+    from fusecore.cluster import Cluster
+    from fusecore.peers import BlockAsk
+
+    store = FakeStore()
+    payload = random.Random(9).randbytes(600 * KiB)
+    info = store.put("data/x.bin", payload)
+    dp = datapath(store, cache=16 * MiB, block=256 * KiB)
+    me, other = "127.0.0.1:1", "127.0.0.2:1"  # nothing listens at the other: asking it fails at once
+    out = []
+
+    async def go():
+        dp.cluster = dp.fetcher.cluster = Cluster(me, [me, other], 2, b"a key of sixteen bytes")
+        owner_ask = BlockAsk.block(info.key, info.etag, 1, 256 * KiB, 256 * KiB, info.size, through=False)
+        out.append(dp._answer_peer(owner_ask))
+        pending = dp._answer_peer(BlockAsk.block(info.key, info.etag, 1, 256 * KiB, 256 * KiB, info.size))
+        assert isinstance(pending, Future)
+        while not pending.done():
+            await trio.sleep(0.01)
+        out.append(bytes(pending.result()))
+        out.append(bytes(dp._answer_peer(owner_ask)))  # now held: served to an owner too
+
+    run(dp, go)
+    assert out[0] is None and out[1] == out[2] == payload[256 * KiB:512 * KiB]
+    assert store.calls["get"] == 1, "fetched once, for the member, and kept"
