@@ -117,3 +117,14 @@ def stop_process(proc: subprocess.Popen | None, grace: float = 10.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def ended(pid: int) -> bool:
+    """Has process `pid` ended? A zombie has: it only waits to be reaped by its parent, or by init when a
+    mount's launcher exited first (which here, in a container whose init reaps every second or two, is
+    long after the mount ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True

@@ -14,6 +14,7 @@ import boto3
 import pytest
 
 from fusecore import control
+from fusecore.launch import ended
 from stoker.s3server import MotoServer
 
 CREDS = {"AWS_ACCESS_KEY_ID": "testing-key", "AWS_SECRET_ACCESS_KEY": "testing-secret",
@@ -106,9 +107,9 @@ class Mounts:
             subprocess.run(["fusermount3", "-uz", mp], capture_output=True)
         if pid:
             deadline = time.monotonic() + 15
-            while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
-                time.sleep(0.05)
-            if os.path.exists(f"/proc/{pid}"):
+            while time.monotonic() < deadline and not ended(pid):
+                time.sleep(0.02)
+            if not ended(pid):
                 os.kill(pid, 9)
         if mp in self.mounted:
             self.mounted.remove(mp)

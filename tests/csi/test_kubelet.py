@@ -14,6 +14,7 @@ import time
 import pytest
 
 from fusecore import control
+from fusecore.launch import ended
 from fusecore.mounts import mount_table
 from tests.support.kubelet import Kubelet, PodVolume, UnstageRefused, device_mount_refs, has_mount_refs
 
@@ -66,12 +67,7 @@ def mount_pid(plugin, volume_id: str) -> int:
 
 
 def process_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True,
-                          text=True).stdout.strip().startswith("Z")
+    return ended(pid)
 
 
 def test_the_emulated_refs_check_refuses_a_private_mount_elsewhere(tmp_path):

@@ -15,6 +15,7 @@ import pytest
 
 from fusecore import control
 from fusecore.config import distributed_cache_size
+from fusecore.launch import ended
 from stoker.s3server import free_port
 from tests.conftest import requires_fuse
 
@@ -203,7 +204,10 @@ def test_without_a_warm_owners_read_through_and_the_store_sends_each_block_once(
     read_everywhere(mps, dataset)
     first = [stats(mp) for mp in mps]
     fetched = sum(s["bytes_fetched"] for s in first)
-    assert total <= fetched <= 1.05 * total, (fetched, total)  # (a read the kernel sent out of order: a range)
+    # Without read-through each node would fetch what it does not own: about 3x. Over 1x: a read the kernel sent
+    # out of order (a range), or, on a loaded machine, an owner whose GET outlasted THROUGH_WAIT (the asker then
+    # reads the store itself, by design): 1.17x was seen once beside another test run.
+    assert total <= fetched <= 1.25 * total, (fetched, total)
     assert all(s["cluster"]["read_through_for_peers"] > 0 and not s["cluster"]["peer_failures"] for s in first)
     read_everywhere(mps, dataset)
     again = [stats(mp) for mp in mps]
@@ -223,11 +227,7 @@ def test_without_a_warm_owners_read_through_and_the_store_sends_each_block_once(
 
 def running(pid: int) -> bool:
     """Is `pid` alive (not ended, nor a zombie waiting to be reaped)?"""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    return not ended(pid)
 
 
 def timed_read_all(mp: str, files: dict[str, bytes]) -> float:
