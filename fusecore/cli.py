@@ -42,6 +42,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help=f"memory budget of the block cache (default {_size_default('cache_size')}), or 'auto': "
                         "sized at start from a listing of the dataset to hold it (with --peers, this node's share) "
                         "with 10%% headroom, at most half the machine's memory")
+    m.add_argument("--disk-cache", default="", metavar="DIR",
+                   help="a directory on local disk holding blocks under the memory cache (read before peers and "
+                        "the store; kept across restarts; one mount per directory); needs --disk-cache-size")
+    m.add_argument("--disk-cache-size", default="", metavar="SIZE",
+                   help="bytes the blocks under --disk-cache may take (e.g. 200GiB)")
     m.add_argument("--block-size", default=_size_default("block_size"),
                    help=f"unit of fetch and cache (default {_size_default('block_size')})")
     m.add_argument("--max-concurrency", type=int, default=_default("max_concurrency"),
@@ -139,6 +144,8 @@ def config_from_args(args: argparse.Namespace) -> MountConfig:
         cache_size=_default("cache_size") if args.cache_size == "auto" else parse_size(args.cache_size, name="cache-size"),
         cache_size_auto=args.cache_size == "auto",
         block_size=parse_size(args.block_size, name="block-size"),
+        disk_cache=os.path.abspath(args.disk_cache) if args.disk_cache else "",
+        disk_cache_size=parse_size(args.disk_cache_size, name="disk-cache-size") if args.disk_cache_size else 0,
         max_prefetch=parse_size(args.max_prefetch, name="max-prefetch"),
         initial_prefetch=parse_size(args.initial_prefetch, name="initial-prefetch"),
         peers=args.peers, peer_listen=args.peer_listen, peer_replicas=args.peer_replicas, peer_timeout=args.peer_timeout,

@@ -200,6 +200,9 @@ class MountConfig:
     peer_key_file: str = ""
     peer_replicas: int = 1
     peer_timeout: float = 0.3  # seconds to connect to a peer and for its first byte (the block body: 2 s more)
+    # A node-local disk tier under the memory cache (fusecore/disk.py): its directory (absolute) and budget
+    disk_cache: str = ""
+    disk_cache_size: int = 0
 
     def __post_init__(self) -> None:
         """Every setting in its range, named as its flag: no value may yield a mount that cannot serve."""
@@ -229,6 +232,18 @@ class MountConfig:
         for name, value in (("uid", self.uid), ("gid", self.gid)):
             if value is not None:
                 _within(name, value, 0, 2**32 - 2)
+        if self.disk_cache or self.disk_cache_size:
+            self._check_disk()
+
+    def _check_disk(self) -> None:
+        """What can be said without looking at the disk (fusecore/disk.py checks the directory itself)."""
+        if not self.disk_cache:
+            raise ConfigError("disk-cache", "--disk-cache-size needs --disk-cache DIR")
+        if not self.disk_cache.startswith("/"):
+            raise ConfigError("disk-cache", f"must be an absolute path (got {self.disk_cache!r})")
+        if self.disk_cache_size < 2 * self.block_size:
+            raise ConfigError("disk-cache-size", "--disk-cache needs a size that holds at least two blocks "
+                                                 f"(got {self.disk_cache_size})")
 
     def _check_peers(self) -> None:
         if not (self.peers and self.peer_listen and self.peer_key_file):

@@ -17,6 +17,7 @@ from .blocks import block_count, block_extent
 from .cache import BlockCache, Buffer
 from .cluster import Cluster, check_ask, held, read_key
 from .config import WARM_FRACTION, ConfigError, Identity, MountConfig
+from .disk import DiskTier
 from .fetcher import Fetcher
 from .messages import JoinRequest, WarmProgress
 from .metrics import MountMetrics
@@ -39,9 +40,14 @@ class DataPath:
         self.metrics.bind_cache(self.cache.stats)
         self.cluster = Cluster.from_config(cfg, read_key(cfg.peer_key_file), self.metrics) if cfg.peers else None
         self.pages = choose_pages(cfg.huge_pages, cfg.block_size)
+        self.disk = DiskTier(cfg.disk_cache, cfg.disk_cache_size, bucket=cfg.store.bucket, block_size=cfg.block_size,
+                             mountpoint=cfg.mountpoint, huge_pages=self.pages.huge) if cfg.disk_cache else None
+        if self.disk is not None:
+            self.metrics.bind_disk(self.disk.stats)
         self.fetcher = Fetcher(store, self.cache, self.metrics, block_size=cfg.block_size,
                                max_concurrency=cfg.store.max_concurrency, inflight_limit=cfg.inflight_limit,
-                               read_deadline=cfg.read_deadline, cluster=self.cluster, huge_pages=self.pages.huge)
+                               read_deadline=cfg.read_deadline, cluster=self.cluster, huge_pages=self.pages.huge,
+                               disk=self.disk)
         self.namespace = Namespace(store, cfg.store.prefix, cfg.metadata_ttl, self.metrics)
         self.reader = Reader(self.fetcher, self.metrics, block_size=cfg.block_size,
                              prefetch_limit=cfg.prefetch_limit, initial_prefetch=cfg.initial_prefetch)
@@ -92,6 +98,8 @@ class DataPath:
     def close(self) -> None:
         if self.cluster is not None:
             self.cluster.close()
+        if self.disk is not None:
+            self.disk.close()
 
     def stats(self) -> dict:
         c = self.cache.stats()
@@ -130,6 +138,7 @@ class DataPath:
             # where the bytes this node received came from: its cache (served to readers), peers, the store
             "bytes_by_source": {
                 "local_cache": int(m.value(m.bytes_served, source="cache")),
+                "disk": self.disk.stats().bytes_read if self.disk is not None else 0,
                 "peers": self.cluster.bytes_from_peers if self.cluster is not None else 0,
                 "store": int(m.value(m.get_bytes)),
             },
@@ -142,6 +151,7 @@ class DataPath:
             "namespace_entries": self.namespace.entries,
             "credential_rotations": self.rotations,
             **({"cluster": self.cluster.stats()} if self.cluster is not None else {}),
+            **({"disk": dataclasses.asdict(self.disk.stats())} if self.disk is not None else {}),
         }
 
     def resize(self, cache_size: int) -> dict:

@@ -12,9 +12,10 @@ from typing import Awaitable, Callable, Hashable, cast
 import trio
 
 from .admission import ByteBudget
-from .blocks import BlockKey, CacheKey, RangeKey, extent
+from .blocks import BlockKey, CacheKey, RangeKey, block_extent, extent
 from .cache import BlockCache, Buffer
 from .cluster import Cluster
+from .disk import DiskTier
 from .metrics import MountMetrics
 from .buffers import allocate
 from .objects import LoopRangeReads, ObjectInfo, ObjectStore, Parts, Progress
@@ -27,13 +28,14 @@ DEMAND_RESERVE = 16  # demand reads keep 1/16 of the connections and in-flight b
 MIN_PART = 256 * 1024  # a block fetched in parts (`block(parts=)`) is cut into pieces of at least this
 RANGE_PART = 128 * 1024  # an exact range (a random read) of 256 KiB or more comes in parts of at least this ...
 RANGE_PARTS = 4  # ... and at most this many: a 256 KiB read in two GETs at once, a 1 MiB read in four
+DISK_READERS = 16  # blocks read from the disk tier at once (worker threads of their own, not the store's)
 
 
 class _Pending:
     """The shared future of one block GET; readers may take bytes as soon as they arrive."""
 
     __slots__ = ("done", "data", "error", "demanded", "visit", "buffer", "progress", "queued", "attempts", "logged",
-                 "arrived", "started", "prefetch_bytes", "parts")
+                 "arrived", "started", "prefetch_bytes", "parts", "source")
 
     def __init__(self, demanded: bool, visit: Hashable | None, queued: int = 0):
         self.started = False  # its task runs (a prefetch may wait in the fetcher's queue until then)
@@ -50,6 +52,7 @@ class _Pending:
         self.progress = Progress()
         self.queued = queued  # bytes a prefetch promised, until its GET reserves them in the cache
         self.arrived: trio.Event | None = None  # set when the bytes some reader waits for are there
+        self.source = "store"  # the tier the bytes came from (_nearer): "disk", "peer" or "store"
 
     async def wait_for(self, need: int) -> None:
         """Return once the first `need` bytes arrived or the GET ended (one wake-up from the worker thread)."""
@@ -86,13 +89,15 @@ class Fetcher:
     def __init__(self, store: ObjectStore, cache: BlockCache, metrics: MountMetrics, *, block_size: int,
                  max_concurrency: int, inflight_limit: int, read_deadline: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], Awaitable[None]] = trio.sleep,
-                 cluster: Cluster | None = None, huge_pages: bool = False):
+                 cluster: Cluster | None = None, huge_pages: bool = False, disk: DiskTier | None = None):
         self.store = store
         # ranges up to this many bytes are read from the event loop, where the store can (LoopRangeReads)
         self._loop_limit: int = getattr(store, "loop_range_limit", 0)
         self._loop_reads = cast(LoopRangeReads, store)
         self.huge_pages = huge_pages  # block buffers on 2 MiB pages (pages.py chose for this machine)
         self.cluster = cluster  # a distributed cache: bytes of blocks this node does not own are asked of an owner first
+        self.disk = disk  # a disk tier: read before peers and the store, and given what they sent
+        self._disk_readers = trio.CapacityLimiter(DISK_READERS)
         self._clock, self._sleep = clock, sleep  # the retry schedule's time (a fake one in tests)
         self.cache = cache
         self.metrics = metrics
@@ -260,8 +265,10 @@ class Fetcher:
         prefetch = pending.prefetch_bytes > 0
         try:
             pending.data = await self._fetch(key, obj, pending)
-            self.cache.put(key, pending.data, prefetched=not pending.demanded, visit=pending.visit,
-                           keep=self._keeps(key, obj))
+            keep = self._keeps(key, obj)
+            self.cache.put(key, pending.data, prefetched=not pending.demanded, visit=pending.visit, keep=keep)
+            if self.disk is not None and keep and pending.source != "disk" and isinstance(key, BlockKey):
+                self.disk.offer(key, pending.data)  # behind the reader: it has the bytes already
         except Exception as exc:  # noqa: BLE001 - one request never ends the mount: its readers get EIO
             if not isinstance(exc, StoreError):
                 log.exception("unexpected error fetching %s block %d", obj.key, key.index)
@@ -287,6 +294,34 @@ class Fetcher:
         """Does the cache keep this block past its readers? In a distributed cache only the blocks this node
         owns (and ranges, which are never shared): the others belong to other nodes' shares."""
         return self.cluster is None or isinstance(key, RangeKey) or self.cluster.owns(obj.key, obj.etag, key.index)
+
+    async def _nearer(self, obj: ObjectInfo, start: int, stop: int) -> tuple[Buffer, str] | None:
+        """Bytes [start, stop) from the tiers between memory and the store, in the one read order (design §7):
+        this node's disk, then an owner of their block on another node; None: the store."""
+        data = await self._from_disk(obj, start, stop)
+        if data is not None:
+            return data, "disk"
+        if self.cluster is not None:
+            data = await self._from_peer(obj, start, stop)
+            if data is not None:
+                return data, "peer"
+        return None
+
+    async def _from_disk(self, obj: ObjectInfo, start: int, stop: int) -> Buffer | None:
+        """Bytes [start, stop) (a block, or a range inside one) from the block on this node's disk, checked."""
+        disk = self.disk
+        index = start // self.block_size
+        if disk is None or (stop - 1) // self.block_size != index:
+            return None
+        block = BlockKey(obj.key, obj.etag, index)
+        if not disk.holds(block):  # a miss costs no thread hop
+            return None
+        lo, hi = block_extent(index, obj.size, self.block_size)
+        data = await trio.to_thread.run_sync(disk.read, block, hi - lo, limiter=self._disk_readers,
+                                             abandon_on_cancel=True)
+        if data is None or (start, stop) == (lo, hi):
+            return data
+        return bytes(memoryview(data)[start - lo:stop - lo])  # a random reader's range: only its bytes stay
 
     async def _from_peer(self, obj: ObjectInfo, start: int, stop: int) -> Buffer | None:
         """Bytes [start, stop) (a block, or a range inside one) from an owner of their block that answers with
@@ -394,12 +429,11 @@ class Fetcher:
         self.metrics.inflight_requests.inc()
         self.metrics.inflight_bytes.inc(nbytes)
         try:
-            if self.cluster is not None:
-                peer_copy = await self._from_peer(obj, start, end)
-                if peer_copy is not None:
-                    pending.buffer = peer_copy
-                    pending.progress.advance(nbytes)
-                    return peer_copy
+            nearer = await self._nearer(obj, start, end)
+            if nearer is not None:
+                pending.buffer, pending.source = nearer
+                pending.progress.advance(nbytes)
+                return pending.buffer
             pending.buffer = self.cache.take_buffer(nbytes)  # else mapped by a receiving thread
             deadline = self._clock() + self.read_deadline
             parts = min(pending.parts, nbytes // (RANGE_PART if isinstance(key, RangeKey) else MIN_PART))

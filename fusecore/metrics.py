@@ -9,6 +9,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
+def _field_of(stats: Callable, name: str) -> Callable[[], float]:
+    return lambda: getattr(stats(), name)
+
+
 class MountMetrics:
     """Counters the data path updates; cache gauges are read from the cache when scraped."""
 
@@ -59,6 +63,23 @@ class MountMetrics:
         self.cache_budget.set_function(lambda: stats().budget)
         self.cache_evictions.set_function(lambda: stats().evictions)
         self.cache_hit_ratio.set_function(lambda: stats().hit_ratio)
+
+    DISK_EVENTS = ("hits", "misses", "written", "skipped", "dropped", "evicted", "errors")
+
+    def bind_disk(self, stats: Callable) -> None:
+        """Gauges of the disk tier (fusecore/disk.py), read from `stats()` at scrape time."""
+        r = self.registry
+        Gauge("stoker_disk_bytes", "Bytes held by the disk tier", registry=r).set_function(lambda: stats().bytes)
+        Gauge("stoker_disk_budget_bytes", "Configured disk tier budget", registry=r).set_function(
+            lambda: stats().budget)
+        Gauge("stoker_disk_read_bytes", "Bytes read back from the disk tier (total)", registry=r).set_function(
+            lambda: stats().bytes_read)
+        Gauge("stoker_disk_paused", "1 while the disk tier does not write (free space under its floor, a failed "
+              "write)", registry=r).set_function(lambda: 1 if stats().paused else 0)
+        blocks = Gauge("stoker_disk_blocks", "Blocks of the disk tier by event (total): hits, misses, written, "
+                       "skipped (not written), dropped (failed their check), evicted, errors", ["event"], registry=r)
+        for event in self.DISK_EVENTS:
+            blocks.labels(event=event).set_function(_field_of(stats, event))
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)

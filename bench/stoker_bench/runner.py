@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from fusecore.bodies import socket_readinto
 
 from .fixture import StoreProcess
-from .systems import SYSTEMS, Unavailable
+from .systems import DISK_VARIANTS, SYSTEMS, Unavailable
 from .workloads import WORKLOADS, Dataset, Outcome
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -87,7 +87,7 @@ UNTHROTTLED = {"ceiling"}  # workloads run against a store of their own, with no
 
 
 def headline(workload: str, o: Outcome) -> tuple[float, str]:
-    if workload in ("small", "ceiling"):
+    if workload in ("small", "ceiling", "disk"):
         return o.files / o.seconds, "files/s"
     if workload == "metadata":
         return o.files / o.seconds, "entries/s"
@@ -134,7 +134,7 @@ def run_all(*, scale: float, systems: list[str], workloads: list[str], workdir: 
     cells: list[Cell] = []
     with StoreProcess({"bench": d.objects()}, latency=latency, bandwidth=bandwidth, workdir=workdir) as store:
         info = {"scale": scale, "latency_s": latency, "bandwidth_Bps": bandwidth, "cache_bytes": cache_bytes,
-                "epoch_cache_bytes": d.epoch_cache, "objects": len(d.objects()),
+                "epoch_cache_bytes": d.epoch_cache, "disk_cache_bytes": d.disk_cache, "objects": len(d.objects()),
                 "store_ceiling_MBps": store_ceiling(d, workdir, latency),
                 "python_client_ceiling_MBps": python_client_ceiling(store, d)}
         log(f"emulated store at {store.endpoint}: {info['objects']} objects, latency {latency * 1000:.0f} ms, "
@@ -148,18 +148,21 @@ def run_all(*, scale: float, systems: list[str], workloads: list[str], workdir: 
                     _run_workload(fast, workload, systems, d, workdir, cache_bytes, cells, log, kernel_cache=False)
                 continue
             _run_workload(store, workload, systems, d, workdir, cache_bytes, cells, log,
-                          kernel_cache=workload != "epochs")
+                          kernel_cache=workload not in ("epochs", "disk"))
     return cells, info
 
 
 def _run_workload(store: StoreProcess, workload: str, systems: list[str], d: Dataset, workdir: str, cache_bytes: int,
                   cells: list[Cell], log, *, kernel_cache: bool) -> None:
     """One workload through every system, cold then warm (boto3 once)."""
-    for name in systems:
-        cache = d.epoch_cache if workload == "epochs" else cache_bytes
-        # The multi-epoch cell measures the budgeted cache itself: with the kernel page cache
+    kinds: list = [kind for name in systems for kind in DISK_VARIANTS[name]] if workload == "disk" \
+        else [SYSTEMS[name] for name in systems]
+    for kind in kinds:
+        name = kind.name
+        cache = {"epochs": d.epoch_cache, "disk": d.disk_cache}.get(workload, cache_bytes)
+        # The multi-epoch cells measure the budgeted cache itself: with the kernel page cache
         # on, this 24 GiB machine would serve every epoch from memory whatever the budget.
-        system = SYSTEMS[name](store.endpoint, "bench", workdir, cache, kernel_cache=kernel_cache)
+        system = kind(store.endpoint, "bench", workdir, cache, kernel_cache=kernel_cache)
         system.store_stats = store.stats
         runs = 1 if name == "boto3" else 2
         try:

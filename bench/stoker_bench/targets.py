@@ -35,6 +35,7 @@ def evaluate(cells: list[Cell], info: dict) -> list[str]:
     if st is not None and s3 is not None:
         check("small files cold >= 10x s3fs", st >= 10 * s3, _times(st, s3))
     _random_targets(cells, check)
+    _disk_targets(cells, check)
     st, s3 = _value(cells, "ceiling", "stoker", "cold"), _value(cells, "ceiling", "s3fs", "cold")
     if st is not None and s3 is not None:
         busy = _extra(cells, "ceiling", "stoker", "cores_busy")
@@ -57,10 +58,10 @@ def evaluate(cells: list[Cell], info: dict) -> list[str]:
         check("epochs 2-3 hit ratio >= 50% of cache/dataset", min(later) >= 0.5 * ratio,
               f"{later} vs {0.5 * ratio:.2f}")
     peaks = [(c.peak_rss_mib - _budget(c, info) / 2**20, c) for c in cells
-             if c.system == "stoker" and c.peak_rss_mib is not None]
+             if c.system in ("stoker", "stoker-disk") and c.peak_rss_mib is not None]
     if peaks:
         over, worst = max(peaks, key=lambda p: p[0])
-        check("Stoker peak RSS <= cache budget + 100 MiB", over <= 100,
+        check("Stoker peak RSS <= cache budget + 100 MiB (with the disk tier too)", over <= 100,
               f"worst {worst.workload}/{worst.run}: {over + _budget(worst, info) / 2**20:.0f} MiB, "
               f"{over:+.0f} MiB vs budget")
     idle = [c.idle_rss_mib for c in cells if c.system == "stoker" and c.idle_rss_mib is not None
@@ -81,6 +82,29 @@ def _random_targets(cells: list[Cell], check) -> None:
         check("random 256 KiB reads >= 3x s3fs", st >= 3 * s3, _times(st, s3))
 
 
+def _disk_targets(cells: list[Cell], check) -> None:
+    """A dataset 4x the memory cache: the disk tier keeps epoch 2 off the store and fast; filling it costs epoch 1
+    little; memory alone keeps some of the small files while a stream passes."""
+    def store_share(system: str, run: str) -> float | None:
+        cell = next((c for c in cells if (c.workload, c.system, c.run) == ("disk", system, run) and c.bytes), None)
+        return None if cell is None else cell.store_bytes / cell.bytes
+
+    share = store_share("stoker-disk", "warm")
+    if share is not None:
+        check("disk tier: epoch 2 takes <= 1% of the dataset from the store", share <= 0.01, f"{share:.3f}x")
+    for system, factor, label in (("stoker", 2, "2x memory only"), ("s3fs-disk", 1, "s3fs with use_cache")):
+        st, other = _value(cells, "disk", "stoker-disk", "warm"), _value(cells, "disk", system, "warm")
+        if st is not None and other is not None:
+            check(f"disk tier: epoch 2 >= {label}", st >= factor * other, _times(st, other))
+    st, mem = _value(cells, "disk", "stoker-disk", "cold"), _value(cells, "disk", "stoker", "cold")
+    if st is not None and mem is not None:
+        check("disk tier: epoch 1 >= 0.9x memory only", st >= 0.9 * mem, _times(st, mem))
+    share = store_share("stoker", "warm")
+    if share is not None:
+        check("memory only, small files beside a stream: epoch 2 <= 0.8x the dataset from the store", share <= 0.8,
+              f"{share:.3f}x")
+
+
 def _extra(cells: list[Cell], workload: str, system: str, name: str, run: str = "cold") -> float | None:
     return next((c.extra[name] for c in cells if (c.workload, c.system, c.run) == (workload, system, run)
                  and name in c.extra), None)
@@ -92,4 +116,5 @@ def _times(value: float, base: float) -> str:
 
 
 def _budget(cell: Cell, info: dict) -> int:
-    return info["epoch_cache_bytes"] if cell.workload == "epochs" else info["cache_bytes"]
+    return {"epochs": info["epoch_cache_bytes"], "disk": info.get("disk_cache_bytes", 0)}.get(cell.workload,
+                                                                                          info["cache_bytes"])

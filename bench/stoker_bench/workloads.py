@@ -43,6 +43,8 @@ class Dataset:
     bigdir: list[tuple[str, int]] = field(default_factory=list)
     parts: list[tuple[str, int]] = field(default_factory=list)
     epoch_cache: int = 0
+    disk_stream: list[tuple[str, int]] = field(default_factory=list)  # what the `disk` workload streams
+    disk_cache: int = 0  # the memory cache of the `disk` workload: a quarter of what it reads
 
     @classmethod
     def build(cls, scale: float) -> "Dataset":
@@ -59,6 +61,8 @@ class Dataset:
         d.bigdir = [(f"bigdir/files/f-{i:06d}.jpg", 2000 + i % 1000)
                     for i in range(max(2000, int(100_000 * min(1, scale))))]
         d.parts = [(f"parts/part-{i:04d}.bin", 16 * MiB) for i in range(max(8, int(32 * scale)))]
+        d.disk_stream = d.parts[:max(2, round(len(d.parts) * min(1.0, scale * 4)))]
+        d.disk_cache = sum(s for _, s in d.small + d.disk_stream) // 4
         return d
 
     def objects(self) -> dict[str, int]:
@@ -318,6 +322,21 @@ def mixed(system, d: Dataset, run: int) -> Outcome:
                    wrong=sum(w for _, w in results))
 
 
+def disk_epochs(system, d: Dataset, run: int) -> Outcome:
+    """Every small file once (8 shuffled readers) while one reader streams the 16 MiB parts, over a dataset 4x the
+    memory cache (the runner sizes it; no page cache): epoch 1 cold, epoch 2 warm. Run by each system with and
+    without its disk cache (the runner's DISK_VARIANTS); files/s, and store bytes per epoch beside."""
+    order = d.small[:]
+    random.Random(500 + run).shuffle(order)
+    started = time.monotonic()
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(lambda: [read_stream(system, key, size) for key, size in d.disk_stream])
+        small = _parallel(8, order, lambda kv: read_stream(system, kv[0], kv[1], bs=256 * KiB, verify_every=1))
+        results = small + stream.result()
+    return Outcome(bytes=sum(b for b, _ in results), files=len(order), seconds=time.monotonic() - started,
+                   wrong=sum(w for _, w in results))
+
+
 WORKLOADS = {
     "seq1": ("large sequential, 1 reader (MB/s)", seq1),
     "seq4": ("large sequential, 4 readers (MB/s)", seq4),
@@ -334,4 +353,5 @@ WORKLOADS = {
     "ttfb": ("time to first byte (ms, lower is better)", ttfb),
     "bigdir": ("huge directory: list, then random files, 8 threads (s, lower is better)", huge_directory),
     "mixed": ("2 large + 8 small-file readers, then warm (MB/s)", mixed),
+    "disk": ("small files beside a stream, dataset 4x memory, with and without disk caches (files/s)", disk_epochs),
 }

@@ -392,6 +392,9 @@ def test_serve_mount_refuses_a_document_it_does_not_know(tmp_path, entry):
     ("--initial-prefetch", "lots", "initial-prefetch"),
     ("--peer-timeout", "0", "peer-timeout"),
     ("--huge-pages", "yes", "huge-pages"),
+    ("--disk-cache-size", "1GiB", "disk-cache: --disk-cache-size needs --disk-cache DIR"),
+    ("--disk-cache", "/var/tmp", "disk-cache-size: --disk-cache needs a size"),
+    ("--disk-cache-size", "lots", "disk-cache-size"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag(tmp_path, capsys, flag, value, named):
     """Refused before anything mounts: status 2, one line on stderr naming the setting and its range."""

@@ -1,0 +1,206 @@
+"""The disk tier (fusecore/disk.py): blocks kept on local disk, checked when read back, within their budget,
+one mount per directory; and real mounts that survive kill -9 and corrupted files on it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from fusecore.blocks import BlockKey
+from fusecore.config import ConfigError
+from fusecore.disk import HEADER, DiskTier
+from tests.conftest import requires_fuse
+from tests.support.waiting import wait_for
+
+KiB, MiB = 1024, 1024 * 1024
+BLOCK = 256 * KiB
+
+
+def tier(path, budget=4 * MiB, **kw) -> DiskTier:
+    return DiskTier(str(path), budget, bucket="b", block_size=BLOCK, mountpoint="/mnt/test", **kw)
+
+
+def written(disk: DiskTier, count: int) -> bool:
+    return bool(wait_for(lambda: disk.stats().written >= count and disk.stats().queued_bytes == 0, 10, 0.01))
+
+
+def blocks_of(disk_dir) -> list[str]:
+    return sorted(os.path.join(disk_dir, "blocks", n) for n in os.listdir(os.path.join(disk_dir, "blocks")))
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A small filesystem of its own (root only), so that free space can run out."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    where = tmp_path / "small"
+    where.mkdir()
+    mounted = []
+
+    def make(size: str, *options: str) -> str:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join([f"size={size}", *options]), "tmpfs", str(where)],
+                       check=True)
+        mounted.append(where)
+        return str(where)
+
+    yield make
+    for point in mounted:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def test_blocks_come_back_exact_and_a_damaged_file_is_dropped_never_served(tmp_path):
+    disk = tier(tmp_path)
+    bodies = {BlockKey("obj", "etag-1", i): os.urandom(BLOCK - i) for i in range(4)}
+    for key, body in bodies.items():
+        disk.offer(key, body)
+    assert written(disk, 4)
+    files = {disk.name(key): key for key in bodies}
+    damaged = [os.path.join(tmp_path, "blocks", name) for name in sorted(files)[:2]]
+    with open(damaged[0], "r+b") as f:  # one flipped byte in the middle of the bytes
+        f.seek(HEADER.size + 1000)
+        byte = f.read(1)
+        f.seek(HEADER.size + 1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.truncate(damaged[1], HEADER.size + 10)  # a write cut short
+    for key, body in bodies.items():
+        got = disk.read(key, len(body))
+        if os.path.join(tmp_path, "blocks", disk.name(key)) in damaged:
+            assert got is None
+        else:
+            assert bytes(got) == body
+    assert disk.read(BlockKey("obj", "etag-2", 0), BLOCK) is None, "another version of the object is another block"
+    stats = disk.stats()
+    assert (stats.dropped, stats.hits, stats.blocks) == (2, 2, 2)
+    assert not any(os.path.exists(p) for p in damaged)
+    disk.close()
+
+
+def test_the_budget_holds_and_a_smaller_budget_shrinks_what_a_restart_finds(tmp_path):
+    disk = tier(tmp_path, budget=4 * MiB)
+    for i in range(24):
+        disk.offer(BlockKey("obj", "e", i), os.urandom(BLOCK))
+        assert written(disk, i + 1)
+        assert sum(os.path.getsize(p) for p in blocks_of(tmp_path)) <= 4 * MiB
+    assert disk.read(BlockKey("obj", "e", 0), BLOCK) is None, "the least recently used went first"
+    assert disk.read(BlockKey("obj", "e", 23), BLOCK) is not None
+    kept = disk.stats().blocks
+    disk.close()
+    again = tier(tmp_path, budget=1 * MiB)
+    assert again.stats().blocks == 3 < kept
+    assert sum(os.path.getsize(p) for p in blocks_of(tmp_path)) <= 1 * MiB
+    assert again.read(BlockKey("obj", "e", 23), BLOCK) is not None, "the most recently read one stays"
+    again.close()
+
+
+def test_nothing_under_the_directory_is_readable_by_group_or_others(tmp_path):
+    os.umask(0o022)
+    disk = tier(tmp_path)
+    disk.offer(BlockKey("obj", "e", 0), b"x" * BLOCK)
+    assert written(disk, 1)
+    for root, dirs, names in os.walk(tmp_path):
+        for name in dirs + names:
+            mode = stat.S_IMODE(os.stat(os.path.join(root, name)).st_mode)
+            assert mode & 0o077 == 0, (name, oct(mode))
+    disk.close()
+
+
+def test_a_directory_that_cannot_hold_the_tier_is_refused_with_a_reason(tmp_path, tmpfs):
+    with pytest.raises(ConfigError, match="does not exist"):
+        tier(tmp_path / "missing")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        tier(tmp_path / "file")
+    disk = tier(tmp_path)
+    with pytest.raises(ConfigError, match=rf"in use by another mount \(pid {os.getpid()}, mounted at /mnt/test\)"):
+        tier(tmp_path)
+    disk.close()
+    tier(tmp_path).close()  # free again once the holder let go
+    small = tmpfs("2m")
+    with pytest.raises(ConfigError, match="disk-cache-size: 4.0 MiB asked, but .* has 2.0 MiB free"):
+        tier(small)
+    subprocess.run(["mount", "-o", "remount,ro", small], check=True)
+    with pytest.raises(ConfigError, match="not writable: Read-only file system"):
+        tier(small, budget=1 * MiB)
+
+
+def test_writing_pauses_while_free_space_is_under_the_floor_and_reads_go_on(tmp_path, tmpfs):
+    small = tmpfs("8m")  # its floor: 8 MiB / 20
+    disk = tier(small, budget=6 * MiB)
+    filler = os.path.join(small, "filler")
+    with open(filler, "wb") as f:
+        f.write(b"\0" * (6 * MiB + 512 * KiB))  # someone else fills the filesystem
+    bodies = [os.urandom(BLOCK) for _ in range(8)]
+    for i, body in enumerate(bodies):
+        disk.offer(BlockKey("obj", "e", i), body)
+    assert wait_for(lambda: disk.stats().queued_bytes == 0, 10)
+    stats = disk.stats()
+    assert 0 < stats.written < 8 and stats.skipped == 8 - stats.written and stats.errors == 0
+    assert "free space" in stats.paused
+    held = [i for i, body in enumerate(bodies) if disk.read(BlockKey("obj", "e", i), BLOCK) is not None]
+    assert len(held) == stats.written
+    os.unlink(filler)
+    assert wait_for(lambda: not disk.stats().paused, 5)
+    disk.offer(BlockKey("obj", "e", 100), bodies[0])
+    assert written(disk, stats.written + 1)
+    disk.close()
+
+
+# ---- real mounts ---------------------------------------------------------------------------------------
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_tree(mp: str) -> dict[str, str]:
+    out = {}
+    for name in sorted(os.listdir(mp)):
+        with open(os.path.join(mp, name), "rb", buffering=0) as f:
+            out[name] = sha(f.read())
+    return out
+
+
+@pytest.mark.integration
+@requires_fuse
+def test_a_mount_killed_and_started_again_on_its_disk_reads_nothing_from_the_store(s3, bucket, mounts, tmp_path):
+    dataset = {f"f{i:02d}": os.urandom(90 * KiB + 977 * i) for i in range(24)}
+    dataset["big"] = os.urandom(2 * MiB + 12345)  # several blocks, the last short
+    for name, body in dataset.items():
+        s3.put_object(Bucket=bucket, Key=name, Body=body)
+    expected = {name: sha(body) for name, body in dataset.items()}
+    blocks = 24 + 3
+    disk_dir = tmp_path / "disk"
+    disk_dir.mkdir()
+    flags = ("--block-size", "1MiB", "--cache-size", "3MiB", "--no-kernel-cache", "--disk-cache", str(disk_dir),
+             "--disk-cache-size", "64MiB")
+    mp = mounts.mount(f"s3://{bucket}", *flags)
+    assert read_tree(mp) == expected
+    assert wait_for(lambda: mounts.stats(mp)["disk"]["written"] >= blocks, 15), mounts.stats(mp)["disk"]
+    refused = mounts.run(f"s3://{bucket}", *flags)
+    assert refused.returncode != 0 and f"pid {mounts.stats(mp)['pid']}" in refused.stderr, refused.stderr
+
+    os.kill(mounts.stats(mp)["pid"], signal.SIGKILL)
+    subprocess.run([sys.executable, "-m", "stoker", "unmount", mp], check=True, capture_output=True)
+    mounts.mounted.remove(mp)
+    mp = mounts.mount(f"s3://{bucket}", *flags, mountpoint=mp)
+    assert read_tree(mp) == expected
+    stats = mounts.stats(mp)
+    assert stats["requests"]["get"] == 0, stats
+    assert stats["disk"]["hits"] >= blocks and stats["bytes_by_source"]["disk"] >= sum(map(len, dataset.values()))
+    mounts.unmount(mp)
+
+    files = blocks_of(disk_dir)
+    for path in files[:3]:  # random bytes written into three files while nothing is mounted
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            f.write(os.urandom(64))
+    mp = mounts.mount(f"s3://{bucket}", *flags, mountpoint=mp)
+    assert read_tree(mp) == expected
+    stats = mounts.stats(mp)
+    assert stats["disk"]["dropped"] == 3 and stats["requests"]["get"] == 3, stats
