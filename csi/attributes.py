@@ -61,6 +61,8 @@ class Knob:
 
 KNOBS: dict[str, Knob] = {
     "cacheSize": Knob("cache_size", lambda v: parse_size(v, name="cacheSize"), "cache-size"),
+    # the volume's disk tier on this node (a folder of the node's --disk-cache-root: never a path from here)
+    "diskCacheSize": Knob("disk_cache_size", lambda v: parse_size(v, name="diskCacheSize"), "disk-cache-size"),
     "blockSize": Knob("block_size", lambda v: parse_size(v, name="blockSize"), "block-size"),
     "maxPrefetch": Knob("max_prefetch", lambda v: parse_size(v, name="maxPrefetch"), "max-prefetch"),
     "initialPrefetch": Knob("initial_prefetch", lambda v: parse_size(v, name="initialPrefetch"), "initial-prefetch"),
@@ -113,11 +115,14 @@ class VolumeSpec:
         return f"s3://{self.bucket}/{self.prefix}"
 
     def mount_config(self, mountpoint: str, control_socket: str, *, credentials: Identity | None = None,
-                     cache_size: int | None = None) -> MountConfig:
-        """The mount's configuration; `cache_size` overrides the volume's own cacheSize (a DatasetCache's plan)."""
+                     cache_size: int | None = None, disk_cache: str = "") -> MountConfig:
+        """The mount's configuration; `cache_size` overrides the volume's own cacheSize (a DatasetCache's plan);
+        `disk_cache` is the folder the node gives the volume's disk tier (diskCacheSize asks for one)."""
         knobs = dict(self.knobs)
         if cache_size is not None:
             knobs["cacheSize"] = cache_size
+        if not disk_cache:
+            knobs.pop("diskCacheSize", None)
         settings: dict[str, Any] = {}  # values of the knobs' own types (checked by their parsers)
         store: dict[str, Any] = {}
         for name, value in knobs.items():
@@ -128,7 +133,13 @@ class VolumeSpec:
                 settings[setting] = value
         return MountConfig(store=StoreConfig(bucket=self.bucket, prefix=self.prefix, endpoint_url=self.endpoint_url,
                                              region=self.region, credentials=credentials, **store),
-                           mountpoint=mountpoint, control_socket=control_socket, allow_other=True, **settings)
+                           mountpoint=mountpoint, control_socket=control_socket, allow_other=True,
+                           disk_cache=disk_cache, **settings)
+
+    @property
+    def disk_cache_size(self) -> int:
+        """What the volume asks of the node's disk (diskCacheSize; 0: no disk tier)."""
+        return int(dict(self.knobs).get("diskCacheSize", 0))  # type: ignore[call-overload]
 
     def store_config(self, credentials: Identity | None = None, **overrides) -> StoreConfig:
         """Where this volume's objects live, for a store client (checks, listing) outside the mount: the

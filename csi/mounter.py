@@ -95,6 +95,7 @@ class MountRules:
     state_dir: str
     allow_node_credentials: bool = False
     mount_roots: tuple[str, ...] = ()  # other orchestrators' directories (--mount-root)
+    disk_cache_root: str = ""  # where volumes' disk tiers lie, each in a folder of its own (--disk-cache-root)
 
     def check(self, request: MountRequest) -> None:
         cfg = request.config
@@ -111,6 +112,9 @@ class MountRules:
             raise MountRefused("mounts started by the mounter use no AWS profile")
         if cfg.store.credentials is None and not self.allow_node_credentials:
             raise MountRefused("mounts with the node's own credentials are disabled (--allow-node-credentials)")
+        if cfg.disk_cache and not (self.disk_cache_root and _inside(self.disk_cache_root, cfg.disk_cache, "")):
+            raise MountRefused(f"a disk cache must be a folder directly under --disk-cache-root "
+                               f"({self.disk_cache_root or 'none on this node'})")
 
 
 def _inside(folder: str, path: str, suffix: str) -> bool:

@@ -22,6 +22,7 @@ from . import csi_pb2 as pb
 from . import csi_pb2_grpc as rpc
 from .attributes import looks_like_credential
 from .controller import ControllerService
+from .diskcache import DiskCaches
 from .metrics import serve_metrics
 from .auth import DEFAULT_AUDIENCE, AuthPolicy
 from .layout import DEFAULT_KUBELET_DIR, check_mount_root
@@ -152,7 +153,7 @@ def cmd_csi(args: argparse.Namespace, extensions: Sequence[NodeExtension] = ()) 
     _logging(args.log_level)
     path = socket_path(args.endpoint)
     rules = MountRules(os.path.abspath(args.kubelet_dir), os.path.abspath(args.state_dir), args.allow_node_credentials,
-                       tuple(args.mount_root))
+                       tuple(args.mount_root), os.path.abspath(args.disk_cache_root) if args.disk_cache_root else "")
     mounter: Mounter = RemoteMounter(args.mounter_socket) if args.mounter_socket else ProcessMounter(rules)
     volumes = None
     if args.mode in ("node", "all"):
@@ -162,7 +163,8 @@ def cmd_csi(args: argparse.Namespace, extensions: Sequence[NodeExtension] = ()) 
                             role_lookup=_role_lookup(args.service_account_roles))
         volumes = VolumeManager(StateDir(args.state_dir), mounter, secrets=SecretStore(args.secrets_dir),
                                 policy=policy, kubelet_dir=args.kubelet_dir, ready_timeout=args.mount_timeout,
-                                node_cache_memory=args.node_cache_memory, mount_roots=tuple(args.mount_root))
+                                node_cache_memory=args.node_cache_memory, mount_roots=tuple(args.mount_root),
+                                disks=DiskCaches(args.disk_cache_root, args.node_disk_cache))
         repaired = volumes.check_all(sweep_orphans=True)  # start-up: repair broken volumes, drop stale ones
         log.info("found %d volume(s) in %s; repaired %d", len(volumes.state.records()), args.state_dir, len(repaired))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -205,7 +207,7 @@ def _size(text: str) -> int:
     from fusecore.config import ConfigError, parse_size
 
     try:
-        return parse_size(text, name="node-cache-memory")
+        return parse_size(text, name="size")
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -234,7 +236,8 @@ def cmd_mounter(args: argparse.Namespace) -> int:
     _logging(args.log_level)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     serve_mounter(args.socket, MountRules(os.path.abspath(args.kubelet_dir), os.path.abspath(args.state_dir),
-                                          args.allow_node_credentials, tuple(args.mount_root)))
+                                          args.allow_node_credentials, tuple(args.mount_root),
+                                          os.path.abspath(args.disk_cache_root) if args.disk_cache_root else ""))
     return 0
 
 
@@ -256,6 +259,12 @@ def add_commands(sub: argparse._SubParsersAction, extensions: Sequence[NodeExten
     c.add_argument("--node-cache-memory", type=_size,
                    help="memory for every Stoker cache on this node together (the mounter's limit): a volume "
                         "whose cache does not fit is refused with RESOURCE_EXHAUSTED (default: no limit)")
+    c.add_argument("--disk-cache-root", default="", metavar="DIR",
+                   help="a directory on the node's local disk for volumes' disk caches (volume attribute "
+                        "diskCacheSize), each in a folder of its own removed with the volume (default: none)")
+    c.add_argument("--node-disk-cache", type=_size,
+                   help="bytes every volume's disk cache on this node may take together: a volume whose "
+                        "diskCacheSize does not fit is refused with RESOURCE_EXHAUSTED (default: no limit)")
     c.add_argument("--secrets-dir", default=DEFAULT_SECRETS_DIR,
                    help="where the credentials of running mounts are kept for repairs (put it on tmpfs)")
     c.add_argument("--allow-node-credentials", action="store_true",
@@ -286,5 +295,7 @@ def add_commands(sub: argparse._SubParsersAction, extensions: Sequence[NodeExten
                    help=MOUNT_ROOT_HELP)
     m.add_argument("--allow-node-credentials", action="store_true",
                    help="run mounts that use this container's own credentials")
+    m.add_argument("--disk-cache-root", default="", metavar="DIR",
+                   help="mounts may keep a disk cache only in a folder directly under DIR (as stoker csi's)")
     m.add_argument("--log-level", default="INFO")
     m.set_defaults(func=cmd_mounter)

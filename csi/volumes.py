@@ -35,6 +35,7 @@ from fusecore.store import S3Store
 
 from .attributes import TOKENS_KEY, VolumeSpec, parse_volume_context
 from .auth import AuthPolicy, MissingCredentials, Resolved, resolve, same_principal
+from .diskcache import DiskCaches
 from .kernel import HostMounts, MountTable
 from .errors import BadRequest, Conflict, NodeFull, NotStaged, PermissionDenied, StillMounted, UnknownVolume, VolumeBusy
 from .layout import (DEFAULT_KUBELET_DIR, DRIVER_NAME, allowed_mount_point, driver_staging_dir,  # noqa: F401
@@ -82,8 +83,9 @@ class VolumeManager:
     def __init__(self, state: StateDir, mounter: Mounter, *, secrets: SecretStore, policy: AuthPolicy = AuthPolicy(),
                  kubelet_dir: str = DEFAULT_KUBELET_DIR, ready_timeout: float = 60.0, check_store: bool = True,
                  node_cache_memory: int | None = None, mounts: MountTable | None = None,
-                 mount_roots: tuple[str, ...] = ()):
+                 mount_roots: tuple[str, ...] = (), disks: DiskCaches | None = None):
         self.state = state
+        self.disks = disks or DiskCaches()  # volumes' disk tiers (diskCacheSize) under --disk-cache-root
         self.mounts = mounts or HostMounts()  # the kernel's mount table (a fake in fast tests)
         self.node_cache_memory = node_cache_memory  # the sum of every mount's cache budget stays below it
         self.mounter = mounter
@@ -360,6 +362,7 @@ class VolumeManager:
                 log.error("volume %s: repair failed: %s", record.volume_id, exc)
         if sweep_orphans:
             self._unmount_orphans({r.mount_path for r in self.state.records()})
+            self.disks.sweep({r.volume_id for r in self.state.records()})
         return repaired
 
     def _forget_if_stale(self, record: VolumeRecord) -> bool:
@@ -427,8 +430,12 @@ class VolumeManager:
         """Mount the volume; the mount process checks the store first and its typed error (no bucket,
         access denied, unreachable) comes back through the mounter."""
         _make_dir(record.mount_path)
+        disk = ""
+        if spec.disk_cache_size:
+            others = {r.volume_id: own_disk_size(r) for r in self.state.records() if r.volume_id != record.volume_id}
+            disk = self.disks.prepare(record.volume_id, spec.disk_cache_size, others)
         cfg = spec.mount_config(record.mount_path, self.state.control_socket(record.volume_id),
-                                credentials=auth.identity, cache_size=record.cache_size)
+                                credentials=auth.identity, cache_size=record.cache_size, disk_cache=disk)
         self.mounter.start(MountRequest(cfg, self.state.log_file(record.volume_id)), self.ready_timeout)
         top = self._top(record.mount_path)
         if top is None or top.fs_type != STOKER_FS_TYPE:
@@ -490,6 +497,7 @@ class VolumeManager:
             self.state.save(record)
             return False
         self._forget(record)
+        self.disks.remove(record.volume_id)  # its disk tier goes with it (a hold would have kept the mount)
         if record.mount_path == kubelet_staging_path(self.kubelet_dir, record.volume_id):
             _remove_dir(record.mount_path)  # kubelet removes it after an unstage too; a hold made it
             _remove_dir(os.path.dirname(record.mount_path), quiet=True)
@@ -546,6 +554,11 @@ def _describe(who: str) -> str:
 def cache_budget(record: VolumeRecord) -> int:
     """What the volume's mount may hold in memory: its holders' largest plan, else its own cacheSize."""
     return record.cache_size or own_cache_size(record)
+
+
+def own_disk_size(record: VolumeRecord) -> int:
+    """What the volume's disk tier may take on this node (its diskCacheSize; 0: none)."""
+    return parse_volume_context(record.context).disk_cache_size
 
 
 def own_cache_size(record: VolumeRecord) -> int:

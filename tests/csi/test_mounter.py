@@ -3,6 +3,7 @@ socket, the way any process on the node could try. Each refusal is checked to ha
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -80,6 +81,7 @@ def test_requests_that_are_not_a_mount_document_run_nothing(mounter, moto_server
         "a log file elsewhere": dict(good, log_file=str(marker)),
         "a metrics port": edited(good, metrics_port=9999),
         "the node's own credentials": dict(good, credentials=None),
+        "a disk cache where this mounter has none": edited(good, disk_cache=str(tmp_path), disk_cache_size=1 << 30),
         "credentials with extra fields": dict(good, credentials=dict(good["credentials"], LD_PRELOAD="x")),
         "an unknown op": {"op": "exec", "cmd": ["/bin/true"]},
         "not JSON": b"mount everything please",
@@ -132,3 +134,22 @@ def test_a_mount_processes_error_keeps_its_kind_across_processes():
     assert isinstance(_typed(NotReady("slow")), MountNotReady)
     assert type(_typed(LaunchFailed("cannot mount", "mount"))) is MountFailed
     assert ready_line(ValueError("cache-size: bad")).startswith(b"ERR config ")
+
+
+def test_a_disk_cache_is_taken_only_directly_under_the_mounter_s_root(tmp_path):
+    """--disk-cache-root: a mount's disk tier is a folder right under it, nothing else (unit: the rules)."""
+    from csi.mounter import MountRefused, MountRules
+
+    rules = MountRules(str(tmp_path / "kubelet"), str(tmp_path / "state"), allow_node_credentials=True,
+                       disk_cache_root="/mnt/nvme/stoker")
+    spec = parse_volume_context({"bucket": "data"})
+    base = spec.mount_config(kubelet_staging_path(str(tmp_path / "kubelet"), "v1"),
+                             str(tmp_path / "state" / "run" / "v1.sock"))
+    log = str(tmp_path / "state" / "logs" / "v1.log")
+    for where in ("/mnt/nvme/stoker/../../../etc", "/mnt/nvme/stoker", "/mnt/nvme/stoker/a/b", "/etc",
+                  "/mnt/nvme/stokerx/a"):
+        cfg = dataclasses.replace(base, disk_cache=where, disk_cache_size=1 << 30)
+        with pytest.raises(MountRefused, match="disk cache"):
+            rules.check(MountRequest(cfg, log))
+    rules.check(MountRequest(dataclasses.replace(base, disk_cache="/mnt/nvme/stoker/0123abcd", disk_cache_size=1 << 30),
+                             log))

@@ -24,7 +24,8 @@ VALUE_SETS = {
                                       "provisionerSecret": {"name": "prov", "namespace": "stoker-system"}}},
     "operator-ha-namespaced": {"operator": {"replicas": 2, "namespaces": ["ml", "research"]}},
     "big-gpu-nodes": {"node": {"cacheMemory": "512Gi", "memoryOverhead": "2Gi", "warmAgent": False,
-                               "nodeSelector": {"nvidia.com/gpu.present": "true"}},
+                               "nodeSelector": {"nvidia.com/gpu.present": "true"},
+                               "diskCache": {"path": "/mnt/nvme/stoker", "size": "6Ti"}},
                       "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
     "minimal": {"operator": {"enabled": False}, "metrics": {"enabled": False}},
 }
@@ -88,6 +89,15 @@ def test_the_node_pod_and_the_mounter_are_arranged_for_restarts_and_accounting()
     assert mounter_container["resources"]["requests"]["memory"] == f"{512 * 1024 + 2 * 1024}Mi"
     assert mounter_container["resources"]["limits"]["memory"] == f"{512 * 1024 + 2 * 1024}Mi"
     assert any(v.get("hostPath", {}).get("path") == "/dev/fuse" for v in mounter["spec"]["template"]["spec"]["volumes"])
+    # the disk tier: the node plugin makes and removes volumes' folders, the mounts (in the mounter) use them
+    assert {"--disk-cache-root=/mnt/nvme/stoker", "--node-disk-cache=6Ti"} <= set(plugin["args"])
+    assert "--disk-cache-root=/mnt/nvme/stoker" in mounter_container["args"]
+    for pod, container in ((node, plugin), (mounter, mounter_container)):
+        assert {"name": "disk-cache", "mountPath": "/mnt/nvme/stoker"} in container["volumeMounts"]
+        assert {"name": "disk-cache", "hostPath": {"path": "/mnt/nvme/stoker", "type": "DirectoryOrCreate"}} in \
+            pod["spec"]["template"]["spec"]["volumes"]
+    assert not any("disk-cache" in a for d in by_kind(render({}), "DaemonSet")
+                   for c in d["spec"]["template"]["spec"]["containers"] for a in c.get("args", [])), "off by default"
     socket_arg = next(a for a in plugin["args"] if a.startswith("--mounter-socket="))
     assert socket_arg.split("=", 1)[1] == next(a for a in mounter_container["args"] if a.startswith("--socket=")).split("=", 1)[1]
     driver = by_kind(docs, "CSIDriver")[0]
@@ -175,6 +185,9 @@ def test_every_deployment_container_runs_hardened_and_probed(name):
     {"node": {"mounterResources": {"requests": {"memory": "1Gi"}}}},
     {"node": {"peerPort": 70000}},
     {"node": {"peerPort": "7470"}},
+    {"node": {"diskCache": {"path": "nvme/stoker", "size": "1Ti"}}},
+    {"node": {"diskCache": {"path": "/mnt/nvme"}}},
+    {"node": {"diskCache": {"path": "/mnt/nvme", "size": "1TB"}}},
     {"networkPolicy": {"enabled": True, "allowFrom": "anywhere"}},
     {"unknownTopLevel": True},
 ])
