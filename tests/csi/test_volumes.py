@@ -143,3 +143,30 @@ def test_a_volume_held_by_several_caches_keeps_the_largest_budget():
     assert record.cache_size == 8 << 30 and record.in_use()
     del record.holders["ml/b"]
     assert record.cache_size == 2 << 30
+
+
+def test_a_volume_s_disk_folder_is_refused_without_a_root_or_past_the_node_s_size_and_strays_are_swept(tmp_path):
+    """csi/diskcache.py, the rules the node plugin applies before any mount (the real plugin: test_node.py)."""
+    import stat
+
+    from csi.diskcache import DiskCaches
+    from csi.errors import BadRequest, NodeFull, status_for
+
+    with pytest.raises(BadRequest, match="has none") as refused:
+        DiskCaches().prepare("v1", 1 << 30, {})
+    assert status_for(refused.value) == grpc.StatusCode.INVALID_ARGUMENT
+    root = tmp_path / "nvme"
+    root.mkdir()
+    disks = DiskCaches(str(root), 3 << 30)
+    first = disks.prepare("ns/v1", 2 << 30, {})
+    assert os.path.dirname(first) == str(root) and stat.S_IMODE(os.stat(first).st_mode) == 0o700
+    assert "/" not in os.path.basename(first) and disks.prepare("ns/v1", 2 << 30, {}) == first
+    with pytest.raises(NodeFull, match=r"2.0 GiB of 3.0 GiB .*ns/v1 2.0 GiB"):
+        disks.prepare("v2", 2 << 30, {"ns/v1": 2 << 30})
+    assert sorted(os.listdir(root)) == [os.path.basename(first)]
+    stray = disks.prepare("gone", 1 << 30, {"ns/v1": 2 << 30})
+    (tmp_path / "nvme" / os.path.basename(stray) / "blocks").mkdir()
+    disks.sweep({"ns/v1"})
+    assert os.listdir(root) == [os.path.basename(first)]
+    disks.remove("ns/v1")
+    assert os.listdir(root) == []
