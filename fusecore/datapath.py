@@ -206,11 +206,13 @@ class DataPath:
         return [i for i in blocks if self.cluster.owns(info.key, info.etag, i)]
 
     async def warm(self, paths: list[str], report: Callable[[dict], Awaitable[None]]) -> dict:
-        """Load files into the cache (up to 90% of the budget), reporting progress as it goes."""
+        """Load files into the cache (up to 90% of the budget: the disk tier's where it is larger than memory),
+        reporting progress as it goes."""
         files = []
         for path in paths or [""]:
             files.extend(await self.namespace.walk_files(path))
-        budget = int(self.cache.budget * WARM_FRACTION)
+        disk = self.disk
+        budget = int(max(self.cache.budget, disk.budget if disk is not None else 0) * WARM_FRACTION)
         block_size = self.cfg.block_size
         planned, total, skipped = [], 0, 0
         for info in files:
@@ -224,14 +226,26 @@ class DataPath:
         progress = WarmProgress(files_total=len(planned), bytes_total=total, skipped_files=skipped)
         slots = trio.CapacityLimiter(self.cfg.store.max_concurrency)
 
+        fetching = 0  # bytes of blocks being warmed, while a disk tier writes them behind
+
         async def warm_block(info, index: int) -> None:
+            nonlocal fetching
+            nbytes = min(block_size, info.size - index * block_size)
             async with slots:
+                # The disk's writer takes blocks from a bounded queue and skips what does not fit (readers never
+                # wait for it): a warm, which nobody waits for, fetches no faster than the disk writes.
+                while disk is not None and (fetching or disk.queued_bytes) \
+                        and disk.queued_bytes + fetching + nbytes > disk.queue_limit:
+                    await trio.sleep(0.005)
+                fetching += nbytes
                 try:
                     await self.fetcher.block(info, index, visit="warm")
                 except StoreError:
                     progress.errors += 1
                     return
-            progress.bytes_done += min(block_size, info.size - index * block_size)
+                finally:
+                    fetching -= nbytes
+            progress.bytes_done += nbytes
 
         async def reporter() -> None:
             while True:

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"STKDISK1"
 HEADER = struct.Struct("<8sQ32s32s")  # magic, length of the bytes, the name's digest, SHA-256 of the bytes
-WRITE_QUEUE = 32 * 1024**2  # bytes offered and not written yet; more are skipped (the reader never waits)
+WRITE_QUEUE = 32 * 1024**2  # bytes offered and not written yet (or two blocks); more are skipped (readers never wait)
 STEP_ASIDE = 30.0  # seconds without writes after the disk failed one
 FLOOR_MAX = 1024**3  # writing pauses while the filesystem has less free than min(this, a 20th of its size)
 BLOCKS = "blocks"
@@ -77,6 +77,7 @@ class DiskTier:
         self.directory = directory
         self.budget = budget
         self._bucket, self._block_size, self._huge = bucket, block_size, huge_pages
+        self.queue_limit = max(WRITE_QUEUE, 2 * block_size)
         self._clock = clock
         self._blocks = os.path.join(directory, BLOCKS)
         self._lock = threading.Lock()
@@ -181,8 +182,9 @@ class DiskTier:
         return self.name(key) in self._index
 
     # ---- reads -----------------------------------------------------------------------------
-    def read(self, key: BlockKey, length: int) -> Buffer | None:
-        """The block's bytes (`length` of them) if DIR holds them whole and right, else None (a miss)."""
+    def read(self, key: BlockKey, length: int, into: Buffer | None = None) -> Buffer | None:
+        """The block's bytes (`length` of them, in `into` if given) if DIR holds them whole and right, else None
+        (a miss)."""
         name = self.name(key)
         with self._lock:
             if name not in self._index:
@@ -190,7 +192,7 @@ class DiskTier:
                 return None
             self._index.move_to_end(name)
         try:
-            data = self._read_file(name, length)
+            data = self._read_file(name, length, into)
         except OSError as exc:
             with self._lock:
                 self.errors += 1
@@ -204,7 +206,7 @@ class DiskTier:
             self.bytes_read += length
         return data
 
-    def _read_file(self, name: str, length: int) -> Buffer | None:
+    def _read_file(self, name: str, length: int, into: Buffer | None) -> Buffer | None:
         try:
             fd = os.open(os.path.join(self._blocks, name), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -218,7 +220,7 @@ class DiskTier:
             if magic != MAGIC or digest != bytes.fromhex(name) or size != length:
                 self._corrupt(name, "header does not name this block")
                 return None
-            data = allocate(length, self._huge)
+            data = into if into is not None else allocate(length, self._huge)
             if os.preadv(fd, [data], HEADER.size) != length or hashlib.sha256(data).digest() != checksum:
                 self._corrupt(name, "checksum mismatch")
                 return None
@@ -255,7 +257,7 @@ class DiskTier:
         with self._lock:
             if name in self._index:
                 return
-            if self._closing or self._queued + len(data) > WRITE_QUEUE or self._clock() < self._paused_until:
+            if self._closing or self._queued + len(data) > self.queue_limit or self._clock() < self._paused_until:
                 self.skipped += 1
                 return
             self._queue.append((name, data))
@@ -333,6 +335,11 @@ class DiskTier:
             self._bytes -= size
             self.evicted += 1
             self._remove(name)
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes offered and not written yet (a warm keeps this plus what it fetches under queue_limit)."""
+        return self._queued
 
     # ---- the rest --------------------------------------------------------------------------
     def stats(self) -> DiskStats:

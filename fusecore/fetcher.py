@@ -17,7 +17,7 @@ from .cache import BlockCache, Buffer
 from .cluster import Cluster
 from .disk import DiskTier
 from .metrics import MountMetrics
-from .buffers import allocate
+from .buffers import MMAP_MIN, allocate
 from .objects import LoopRangeReads, ObjectInfo, ObjectStore, Parts, Progress
 from .peers import BlockAsk
 from .store_errors import PreconditionFailed, StoreError, TransientError, Unavailable, backoff
@@ -317,7 +317,10 @@ class Fetcher:
         if not disk.holds(block):  # a miss costs no thread hop
             return None
         lo, hi = block_extent(index, obj.size, self.block_size)
-        data = await trio.to_thread.run_sync(disk.read, block, hi - lo, limiter=self._disk_readers,
+        # A small buffer comes from this thread's heap, as the store's do (malloc'ed in a worker thread, it would
+        # spread the mount's small blocks over more arenas); a mapped one is made by the thread that fills it.
+        into = allocate(hi - lo) if hi - lo < MMAP_MIN else None
+        data = await trio.to_thread.run_sync(disk.read, block, hi - lo, into, limiter=self._disk_readers,
                                              abandon_on_cancel=True)
         if data is None or (start, stop) == (lo, hi):
             return data

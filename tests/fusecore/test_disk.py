@@ -204,3 +204,79 @@ def test_a_mount_killed_and_started_again_on_its_disk_reads_nothing_from_the_sto
     assert read_tree(mp) == expected
     stats = mounts.stats(mp)
     assert stats["disk"]["dropped"] == 3 and stats["requests"]["get"] == 3, stats
+
+
+@pytest.mark.integration
+@requires_fuse
+def test_a_warm_fills_the_disk_tier_past_memory_and_reads_then_skip_the_store(s3, bucket, mounts, tmp_path):
+    """`stoker warm` plans up to the disk tier's budget where it is larger than memory (here 16 MiB of memory, a
+    dataset three times that), fetching no faster than the disk writes; the next pass reads only the disk."""
+    from fusecore import control
+
+    dataset = {f"d/f{i:02d}": os.urandom(3 * MiB + 4099 * i) for i in range(16)}
+    for name, body in dataset.items():
+        s3.put_object(Bucket=bucket, Key=name, Body=body)
+    disk_dir = tmp_path / "disk"
+    disk_dir.mkdir()
+    mp = mounts.mount(f"s3://{bucket}", "--block-size", "1MiB", "--cache-size", "16MiB", "--no-kernel-cache",
+                      "--disk-cache", str(disk_dir), "--disk-cache-size", "128MiB")
+    last = None
+    for last in control.warm(control.default_control_socket(mp), []):
+        pass
+    assert last is not None and last.files_done == len(dataset) and not last.skipped_files, last
+    blocks = sum(-(-len(b) // MiB) for b in dataset.values())
+    assert wait_for(lambda: mounts.stats(mp)["disk"]["written"] == blocks, 15), mounts.stats(mp)["disk"]
+    assert mounts.stats(mp)["disk"]["skipped"] == 0
+    before = mounts.stats(mp)["requests"]["get"]
+    for name, body in dataset.items():
+        with open(os.path.join(mp, name), "rb", buffering=0) as f:
+            assert f.read() == body
+    assert mounts.stats(mp)["requests"]["get"] == before, "every block came from the disk"
+
+
+def test_a_warm_waits_for_a_slow_disk_instead_of_skipping_blocks(tmp_path, monkeypatch):
+    """Readers never wait for the disk (a full write queue skips); a warm does: every block it fetched is written."""
+    import time
+
+    import trio
+
+    from fusecore.config import MountConfig, StoreConfig
+    from fusecore.datapath import DataPath
+    from tests.support.fakestore import FakeStore
+
+    slow_write = DiskTier._write
+
+    def write(self, name, data):  # 1 MiB per 5 ms: slower than the fake store sends
+        time.sleep(0.005)
+        slow_write(self, name, data)
+
+    monkeypatch.setattr(DiskTier, "_write", write)
+    store = FakeStore()
+    for i in range(12):
+        store.put(f"d/f{i}", os.urandom(6 * MiB))  # 72 MiB: over twice the write queue
+    cfg = MountConfig(store=StoreConfig(bucket="b", max_concurrency=16), cache_size=8 * MiB, block_size=MiB,
+                      disk_cache=str(tmp_path), disk_cache_size=128 * MiB)
+    dp = DataPath(cfg, store)
+
+    async def report(_):
+        pass
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            dp.start(nursery)
+            done = await dp.warm([], report)
+            assert done["files_done"] == 12 and not done["skipped_files"], done
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert written(dp.disk, 72)
+    assert dp.disk.stats().skipped == 0
+    dp.close()
+
+
+def test_blocks_larger_than_the_write_queue_are_written_too(tmp_path):
+    disk = DiskTier(str(tmp_path), 128 * MiB, bucket="b", block_size=48 * MiB)
+    body = os.urandom(48 * MiB)
+    disk.offer(BlockKey("big", "e", 0), body)
+    assert written(disk, 1) and bytes(disk.read(BlockKey("big", "e", 0), len(body))) == body
+    disk.close()
