@@ -48,6 +48,12 @@ class MountStats:
     inflight_bytes: int
     document: dict = field(repr=False, compare=False)  # the whole reply, for `stoker stats`
     cluster: ClusterStats | None = None  # a member of a distributed cache
+    disk_bytes: int = 0  # held by the mount's disk tier (every block it keeps; memory holds some of them too)
+
+    @property
+    def held_bytes(self) -> int:
+        """What the mount holds for its readers: its disk tier holds all it keeps, memory what fits."""
+        return max(self.cache.bytes, self.disk_bytes)
 
     @classmethod
     def from_wire(cls, doc: dict) -> "MountStats":
@@ -61,7 +67,7 @@ class MountStats:
                 int(k.get("bytes_served_to_peers", 0)))
             return cls(int(doc["pid"]), cache, int(doc["requests"]["get"]), int(doc["bytes_fetched"]),
                        int(doc["bytes_served"]["cache"]), int(doc["bytes_served"]["network"]),
-                       int(doc["inflight"]["bytes"]), doc, cluster)
+                       int(doc["inflight"]["bytes"]), doc, cluster, int((doc.get("disk") or {}).get("bytes", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise MalformedReply(f"the mount answered stats the client does not understand ({exc!r})") from None
 

@@ -113,7 +113,7 @@ class CacheWorker:
                 return  # waiting for the other nodes to publish their addresses
             membership_changed = joined != self.warmed_for
             goal = self.owned_bytes or goal
-        cached = control.stats(sock).cache.bytes
+        cached = control.stats(sock).held_bytes  # memory, or the disk tier where it holds more
         if plan.policy == "OnDemand":
             return self._on_demand(cached, goal, membership_changed)
         mine = self._current()  # a report about an earlier plan counts as none
@@ -133,7 +133,7 @@ class CacheWorker:
             self._report({"phase": "Warming", "warmedBytes": progress.bytes_done, "cachedBytes": cached,
                           "filesWarmed": progress.files_done,
                           "message": f"{progress.files_done} of {progress.files_total} files"})
-        cached = control.stats(sock).cache.bytes
+        cached = control.stats(sock).held_bytes
         if final is None or not final.done:
             raise RuntimeError("the mount ended the warm without a result")
         skipped = f"; {final.skipped_files} files did not fit the cache" if final.skipped_files else ""

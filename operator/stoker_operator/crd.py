@@ -81,6 +81,10 @@ SPEC_SCHEMA = {
         "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}, "default": {}},
         "cacheSize": {"type": "string", "pattern": QUANTITY_OR_AUTO, "default": "auto",
                       "description": "Cache memory per node: a quantity, or auto"},
+        "diskCacheSize": {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$",
+                          "description": "Disk cache per node (the volume's diskCacheSize, within the chart's "
+                                         "node.diskCache): what does not fit cacheSize in memory is warmed onto "
+                                         "the node's disk and read from there"},
         "headroomPercent": {"type": "integer", "minimum": 0, "maximum": 100, "default": 10},
         "maxNodeMemoryFraction": {"type": "number", "minimum": 0.01, "maximum": 0.9, "default": 0.5},
         "policy": {"type": "string", "enum": ["Once", "KeepWarm", "OnDemand"], "default": "Once",
@@ -105,6 +109,9 @@ STATUS_SCHEMA = {
         "datasetSize": {"type": "string"},
         "objectCount": {"type": "integer", "format": "int64", "minimum": 0},
         "cacheBytesPerNode": {"type": "integer", "format": "int64", "minimum": 0},
+        "diskBytesPerNode": {"type": "integer", "format": "int64", "minimum": 0},
+        "heldOn": {"type": "string", "enum": ["memory", "disk"],
+                   "description": "where each node holds what it warms: memory, or its disk tier (diskCacheSize)"},
         "warmableBytes": {"type": "integer", "format": "int64", "minimum": 0,
                           "description": "Bytes of the dataset that fit the per-node cache (what Ready means)"},
         "nodeSummary": {
@@ -208,6 +215,7 @@ def definition() -> dict:
                     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
                     {"name": "Size", "type": "string", "jsonPath": ".status.datasetSize"},
                     {"name": "Cached", "type": "string", "jsonPath": ".status.cached"},
+                    {"name": "Held", "type": "string", "jsonPath": ".status.heldOn"},
                     {"name": "Nodes", "type": "integer", "jsonPath": ".status.nodeSummary.targets"},
                     {"name": "Ready", "type": "integer", "jsonPath": ".status.nodeSummary.ready"},
                     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

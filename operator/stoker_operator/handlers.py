@@ -180,6 +180,7 @@ def plan(*, spec, status, meta, namespace, name, body, patch, reason, memo, node
     patch.status.update(
         phase="Warming", datasetBytes=dataset_bytes, datasetSize=human(dataset_bytes), objectCount=objects,
         cacheBytesPerNode=sizing.cache_bytes_per_node, warmableBytes=sizing.warmable_bytes,
+        diskBytesPerNode=sizing.disk_bytes_per_node, heldOn=sizing.held_on,
         distributed=distribution(sizing, len(nodes)),
         volume=replacing(status.get("volume"), volume), observedGeneration=generation, plan=plan_name,
         nodeSummary={"targets": len(nodes), "ready": 0, "warming": 0, "failed": 0, "waiting": len(nodes)},
@@ -353,6 +354,7 @@ def replan_on_node_changes(*, spec, status, meta, namespace, name, patch, memo, 
     assign(ctx, namespace, name, dict(spec), str(status.get("plan")), [n.name for n in nodes], sizing.cache_bytes_per_node,
            sizing.warmable_bytes, sizing.replicas)
     patch.status.update(cacheBytesPerNode=sizing.cache_bytes_per_node, warmableBytes=sizing.warmable_bytes,
+                        diskBytesPerNode=sizing.disk_bytes_per_node, heldOn=sizing.held_on,
                         distributed=distribution(sizing, len(nodes)))
 
 

@@ -47,6 +47,8 @@ class Sizing:
     fits: bool
     message: str
     replicas: int = 0  # a distributed cache: copies of each block among the nodes (0: every node holds it all)
+    disk_bytes_per_node: int = 0  # spec.diskCacheSize: the mounts' disk tier on each node (0: memory only)
+    held_on: str = "memory"  # where what is warmed stays: memory, or disk where it does not fit memory
 
 
 def replicas_of(spec: dict) -> int:
@@ -157,7 +159,12 @@ def size_cache(spec: dict, dataset_bytes: int, object_count: int, nodes: list[No
                               f"({human(smallest.allocatable_memory)} allocatable)")
     if room is not None and per_node > room.free:
         raise NoRoom(f"{human(per_node)} per node does not fit: {room.describe(memory)}")
-    warmable = min(goal, int(per_node * holds))
+    disk = disk_bytes(spec)
+    in_memory = min(goal, int(per_node * holds))
+    warmable = max(in_memory, min(goal, int(disk * WARM_FRACTION)))  # the disk tier holds every warmed block
+    held_on = "disk" if warmable > in_memory else "memory"
+    if held_on == "disk":
+        how += f", on disk {human(disk)} (diskCacheSize)"
     fits = warmable >= goal
     whole = f"its share of the dataset ({human(goal)}; {len(nodes)} nodes hold it {replicas}x)" if replicas \
         else f"the whole dataset of {human(dataset_bytes)}"
@@ -166,7 +173,13 @@ def size_cache(spec: dict, dataset_bytes: int, object_count: int, nodes: list[No
     else:
         message = (f"{'a share' if replicas else 'the dataset'} is {human(goal)} but {human(per_node)} per node "
                    f"({how}) holds only {human(warmable)} ({100 * warmable / max(1, goal):.0f}%); warming what fits")
-    return Sizing(dataset_bytes, object_count, per_node, warmable, fits, message, replicas)
+    return Sizing(dataset_bytes, object_count, per_node, warmable, fits, message, replicas, disk, held_on)
+
+
+def disk_bytes(spec: dict) -> int:
+    """spec.diskCacheSize per node (0: none): the volume's disk tier on each node (the chart's node.diskCache)."""
+    size = spec.get("diskCacheSize")
+    return quantity_bytes(str(size), what="diskCacheSize") if size else 0
 
 
 NOT_READY_SHOWN = 10  # nodes named in status.notReady (all of them: the DatasetCacheNodes)

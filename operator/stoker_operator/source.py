@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from csi.attributes import AttributeProblem, parse_secrets, parse_volume_context
@@ -30,6 +31,19 @@ class VolumeRef:
 
 
 def resolve(spec: dict, namespace: str, kube: Kube) -> VolumeRef:
+    """The volume the nodes mount; spec.diskCacheSize, if any, becomes its diskCacheSize (a disk tier per node)."""
+    ref = _source(spec, namespace, kube)
+    if spec.get("diskCacheSize"):
+        attributes = dict(ref.attributes, diskCacheSize=str(spec["diskCacheSize"]))
+        try:
+            parse_volume_context(attributes)
+        except AttributeProblem as exc:
+            raise SpecProblem(f"diskCacheSize: {exc}") from None
+        ref = dataclasses.replace(ref, attributes=attributes)
+    return ref
+
+
+def _source(spec: dict, namespace: str, kube: Kube) -> VolumeRef:
     source = spec.get("source") or {}
     try:
         if source.get("pvc"):

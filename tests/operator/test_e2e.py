@@ -44,7 +44,8 @@ class NodePlugin:
                 [sys.executable, "-m", "stoker", "csi", "--endpoint", f"unix://{self.tmp_path}/csi.sock",
                  "--node-id", self.node, "--state-dir", self.state.root, "--warm-agent", "--warm-recheck", "1",
                  "--health-interval", "1", "--kubelet-dir", self.kubelet_dir, "--secrets-dir",
-                 str(self.tmp_path / "secrets"), *self.extra], stdout=logs, stderr=logs, env=env)
+                 str(self.tmp_path / "secrets"), "--disk-cache-root", str(self.tmp_path / "disk"),
+                 "--node-disk-cache", "1GiB", *self.extra], stdout=logs, stderr=logs, env=env)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -199,3 +200,16 @@ def test_a_dataset_larger_than_the_cache_warms_what_fits(kube, operator, node_pl
     assert node["warmedBytes"] == 0 and control.call(sock, {"op": "stats"})["requests"]["get"] == gets
     kube.delete("stoker.dev/v1alpha1", "datasetcaches", "shards", NAMESPACE)
     assert kube.wait_for(lambda: cache(kube, "shards") is None, 60)
+    # With a disk tier per node (diskCacheSize, within the node's --node-disk-cache), the same 64 MiB of memory
+    # holds the whole dataset: what does not fit memory is warmed onto the node's disk and counted there.
+    add_cache(kube, "on-disk", {"source": {"s3": {"bucket": bucket, "prefix": "shards", "endpointUrl": moto_server.endpoint,
+                                                  "secretRef": {"name": "creds"}}}, "cacheSize": "64Mi",
+                                "diskCacheSize": "256Mi"})
+    assert kube.wait_for(lambda: status(kube, "on-disk").get("phase") == "Ready", 120), status(kube, "on-disk")
+    st = status(kube, "on-disk")
+    assert st["heldOn"] == "disk" and st["warmableBytes"] == total and st["diskBytesPerNode"] == 256 * 1024**2
+    assert next(c for c in st["conditions"] if c["type"] == "CacheTooSmall")["status"] == "False"
+    node = node_report(kube, "on-disk", "gpu-1")
+    assert node["warmedBytes"] == total and node["cachedBytes"] >= total, node
+    disk = control.call(sock, {"op": "stats"})["disk"]
+    assert disk["bytes"] >= total and os.path.dirname(disk["directory"]) == str(node_plugin.tmp_path / "disk")

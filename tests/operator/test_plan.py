@@ -67,6 +67,20 @@ def test_auto_sizing_never_exceeds_the_cap_and_fits_means_fits(dataset, memory, 
     assert sizing.fits == (sizing.warmable_bytes >= dataset)
 
 
+def test_a_disk_tier_holds_what_memory_cannot_and_says_where():
+    memory_only = size_cache({"cacheSize": "8Gi"}, 100 * GiB, 10, nodes(64 * GiB))
+    assert not memory_only.fits and memory_only.held_on == "memory"
+    sizing = size_cache({"cacheSize": "8Gi", "diskCacheSize": "200Gi"}, 100 * GiB, 10, nodes(64 * GiB))
+    assert sizing.fits and sizing.held_on == "disk" and sizing.warmable_bytes == 100 * GiB
+    assert sizing.disk_bytes_per_node == 200 * GiB and "on disk 200.0 GiB (diskCacheSize)" in sizing.message
+    small_disk = size_cache({"cacheSize": "8Gi", "diskCacheSize": "50Gi"}, 100 * GiB, 10, nodes(64 * GiB))
+    assert not small_disk.fits and small_disk.warmable_bytes == int(50 * GiB * WARM_FRACTION)
+    fits_memory = size_cache({"cacheSize": "8Gi", "diskCacheSize": "50Gi"}, GiB, 10, nodes(64 * GiB))
+    assert fits_memory.fits and fits_memory.held_on == "memory"
+    with pytest.raises(SpecProblem, match="diskCacheSize"):
+        size_cache({"cacheSize": "8Gi", "diskCacheSize": "lots"}, GiB, 10, nodes(64 * GiB))
+
+
 PLAN = "1-abc"
 
 
