@@ -280,6 +280,8 @@ class DiskTier:
 
     def _write(self, name: str, data: Buffer) -> None:
         need = HEADER.size + len(data)
+        if name in self._index:  # offered twice (fetched again before its first copy was written)
+            return
         if need > self.budget or self._clock() < self._paused_until:
             self._skip()
             return
@@ -310,8 +312,8 @@ class DiskTier:
             self._skip()
             return
         with self._lock:
+            self._bytes += need - self._index.pop(name, 0)
             self._index[name] = need
-            self._bytes += need
             self.written += 1
             if self._paused:
                 log.info("disk cache: writing again")

@@ -59,7 +59,10 @@ def test_blocks_come_back_exact_and_a_damaged_file_is_dropped_never_served(tmp_p
     bodies = {BlockKey("obj", "etag-1", i): os.urandom(BLOCK - i) for i in range(4)}
     for key, body in bodies.items():
         disk.offer(key, body)
+        disk.offer(key, body)  # fetched again before its first copy was written: one file, counted once
     assert written(disk, 4)
+    assert disk.stats().bytes == sum(HEADER.size + len(b) for b in bodies.values()) == \
+        sum(os.path.getsize(p) for p in blocks_of(tmp_path))
     files = {disk.name(key): key for key in bodies}
     damaged = [os.path.join(tmp_path, "blocks", name) for name in sorted(files)[:2]]
     with open(damaged[0], "r+b") as f:  # one flipped byte in the middle of the bytes
