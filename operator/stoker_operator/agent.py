@@ -133,7 +133,8 @@ class CacheWorker:
             self._report({"phase": "Warming", "warmedBytes": progress.bytes_done, "cachedBytes": cached,
                           "filesWarmed": progress.files_done,
                           "message": f"{progress.files_done} of {progress.files_total} files"})
-        cached = control.stats(sock).held_bytes
+        after = control.stats(sock)
+        cached, held_on = after.held_bytes, "disk" if after.disk_bytes > after.cache.bytes else "memory"
         if final is None or not final.done:
             raise RuntimeError("the mount ended the warm without a result")
         skipped = f"; {final.skipped_files} files did not fit the cache" if final.skipped_files else ""
@@ -142,7 +143,7 @@ class CacheWorker:
             self.owned_bytes = final.bytes_total
             self.warmed_for = self.joined
         self._report({"phase": "Ready" if ok else "Failed", "warmedBytes": final.bytes_done, "cachedBytes": cached,
-                      "filesWarmed": final.files_done,
+                      "filesWarmed": final.files_done, "heldOn": held_on,
                       "message": (f"warm in {final.seconds}s{skipped}" if ok
                                   else f"{final.errors} files could not be read{skipped}")}, force=True)
         log.info("%s: warmed %d bytes on %s", self.key, final.bytes_done, self.agent.node)

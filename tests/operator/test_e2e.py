@@ -210,6 +210,6 @@ def test_a_dataset_larger_than_the_cache_warms_what_fits(kube, operator, node_pl
     assert st["heldOn"] == "disk" and st["warmableBytes"] == total and st["diskBytesPerNode"] == 256 * 1024**2
     assert next(c for c in st["conditions"] if c["type"] == "CacheTooSmall")["status"] == "False"
     node = node_report(kube, "on-disk", "gpu-1")
-    assert node["warmedBytes"] == total and node["cachedBytes"] >= total, node
+    assert node["warmedBytes"] == total and node["cachedBytes"] >= total and node["heldOn"] == "disk", node
     disk = control.call(sock, {"op": "stats"})["disk"]
     assert disk["bytes"] >= total and os.path.dirname(disk["directory"]) == str(node_plugin.tmp_path / "disk")
