@@ -15,14 +15,14 @@ import time
 
 from fusecore.config import format_size
 
-from .errors import BadRequest, NodeFull
+from .errors import BadRequest, refuse_past
 
 log = logging.getLogger(__name__)
 
 
 class DiskCaches:
     def __init__(self, root: str = "", node_size: int | None = None):
-        self.root = os.path.abspath(root) if root else ""
+        self.root = root  # absolute ("": this node has no disk tier)
         self.node_size = node_size  # every volume's disk tier together stays within it (None: no limit)
 
     def folder(self, volume_id: str) -> str:
@@ -35,12 +35,8 @@ class DiskCaches:
         if not self.root:
             raise BadRequest(f"volume {volume_id!r} asks for a {format_size(size)} disk cache (diskCacheSize), but "
                              "this node has none (the chart's node.diskCache.path)")
-        used = sum(others.values())
-        if self.node_size is not None and used + size > self.node_size:
-            holders = ", ".join(f"{v} {format_size(b)}" for v, b in sorted(others.items(), key=lambda i: -i[1])[:5])
-            raise NodeFull(f"volume {volume_id!r} needs a {format_size(size)} disk cache; this node's Stoker disk "
-                           f"caches already take {format_size(used)} of {format_size(self.node_size)} "
-                           f"(node.diskCache.size){': ' + holders if holders else ''}. Lower its diskCacheSize")
+        refuse_past(volume_id, size, others, self.node_size, kind="disk cache", setting="node.diskCache.size",
+                    advice="Lower its diskCacheSize")
         path = self.folder(volume_id)
         os.makedirs(path, mode=0o700, exist_ok=True)
         os.chmod(path, 0o700)

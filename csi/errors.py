@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from fusecore.config import format_size
 from fusecore.store_errors import AccessDenied, BucketNotFound, NotFound, StoreError, TransientError, Unavailable
 
 from .attributes import AttributeProblem
@@ -40,7 +41,22 @@ class PermissionDenied(VolumeError):
 
 
 class NodeFull(VolumeError):
-    """The volume's cache does not fit in what is left of the node's cache memory."""
+    """The volume's cache (memory or disk) does not fit in what is left of the node's."""
+
+
+def refuse_past(volume_id: str, need: int, others: dict[str, int], limit: int | None, *, kind: str, setting: str,
+                advice: str) -> None:
+    """NodeFull if the volume's `need` and what the node's other volumes take (`others`) pass `limit` (None: no
+    limit), naming the largest of them."""
+    if limit is None:
+        return
+    used = sum(others.values())
+    if used + need <= limit:
+        return
+    holders = ", ".join(f"{v} {format_size(b)}" for v, b in sorted(others.items(), key=lambda i: -i[1])[:5])
+    raise NodeFull(f"volume {volume_id!r} needs a {format_size(need)} {kind}; this node's Stoker {kind}s already "
+                   f"take {format_size(used)} of {format_size(limit)} ({setting}){': ' + holders if holders else ''}. "
+                   f"{advice}")
 
 
 class VolumeBusy(VolumeError):

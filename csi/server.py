@@ -153,7 +153,7 @@ def cmd_csi(args: argparse.Namespace, extensions: Sequence[NodeExtension] = ()) 
     _logging(args.log_level)
     path = socket_path(args.endpoint)
     rules = MountRules(os.path.abspath(args.kubelet_dir), os.path.abspath(args.state_dir), args.allow_node_credentials,
-                       tuple(args.mount_root), os.path.abspath(args.disk_cache_root) if args.disk_cache_root else "")
+                       tuple(args.mount_root), _disk_root(args))
     mounter: Mounter = RemoteMounter(args.mounter_socket) if args.mounter_socket else ProcessMounter(rules)
     volumes = None
     if args.mode in ("node", "all"):
@@ -164,7 +164,7 @@ def cmd_csi(args: argparse.Namespace, extensions: Sequence[NodeExtension] = ()) 
         volumes = VolumeManager(StateDir(args.state_dir), mounter, secrets=SecretStore(args.secrets_dir),
                                 policy=policy, kubelet_dir=args.kubelet_dir, ready_timeout=args.mount_timeout,
                                 node_cache_memory=args.node_cache_memory, mount_roots=tuple(args.mount_root),
-                                disks=DiskCaches(args.disk_cache_root, args.node_disk_cache))
+                                disks=DiskCaches(_disk_root(args), args.node_disk_cache))
         repaired = volumes.check_all(sweep_orphans=True)  # start-up: repair broken volumes, drop stale ones
         log.info("found %d volume(s) in %s; repaired %d", len(volumes.state.records()), args.state_dir, len(repaired))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -236,9 +236,13 @@ def cmd_mounter(args: argparse.Namespace) -> int:
     _logging(args.log_level)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     serve_mounter(args.socket, MountRules(os.path.abspath(args.kubelet_dir), os.path.abspath(args.state_dir),
-                                          args.allow_node_credentials, tuple(args.mount_root),
-                                          os.path.abspath(args.disk_cache_root) if args.disk_cache_root else ""))
+                                          args.allow_node_credentials, tuple(args.mount_root), _disk_root(args)))
     return 0
+
+
+def _disk_root(args: argparse.Namespace) -> str:
+    """--disk-cache-root as the node plugin and the mounter both compare paths with it ("": none)."""
+    return os.path.abspath(args.disk_cache_root) if args.disk_cache_root else ""
 
 
 def _logging(level: str) -> None:

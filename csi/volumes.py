@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from fusecore import control
-from fusecore.config import format_size, identity_document
+from fusecore.config import identity_document
 from fusecore.mounts import MountInfo, top_mount
 from fusecore.store import S3Store
 
@@ -37,7 +37,8 @@ from .attributes import TOKENS_KEY, VolumeSpec, parse_volume_context
 from .auth import AuthPolicy, MissingCredentials, Resolved, resolve, same_principal
 from .diskcache import DiskCaches
 from .kernel import HostMounts, MountTable
-from .errors import BadRequest, Conflict, NodeFull, NotStaged, PermissionDenied, StillMounted, UnknownVolume, VolumeBusy
+from .errors import (BadRequest, Conflict, NotStaged, PermissionDenied, StillMounted, UnknownVolume, VolumeBusy,
+                     refuse_past)
 from .layout import (DEFAULT_KUBELET_DIR, DRIVER_NAME, allowed_mount_point, driver_staging_dir,  # noqa: F401
                      kubelet_staging_path, mount_point_rule)
 from .mounter import MountFailed, Mounter, MountRequest
@@ -295,17 +296,9 @@ class VolumeManager:
     def _check_fits(self, volume_id: str, budget: int) -> None:
         """Refuse a cache that would take the node's caches past --node-cache-memory (the mounter
         container's memory limit: past it the kernel kills every mount of the node at once)."""
-        limit = self.node_cache_memory
-        if limit is None:
-            return
         others = {v: b for v, b in self.node_cache_usage().items() if v != volume_id}
-        used = sum(others.values())
-        if used + budget <= limit:
-            return
-        holders = ", ".join(f"{v} {format_size(b)}" for v, b in sorted(others.items(), key=lambda i: -i[1])[:5])
-        raise NodeFull(f"volume {volume_id!r} needs a {format_size(budget)} cache; this node's Stoker caches already "
-                       f"take {format_size(used)} of {format_size(limit)} (node.cacheMemory)"
-                       f"{': ' + holders if holders else ''}. Lower its cacheSize, or free the node")
+        refuse_past(volume_id, budget, others, self.node_cache_memory, kind="cache", setting="node.cacheMemory",
+                    advice="Lower its cacheSize, or free the node")
 
     # ---- health and repair
 

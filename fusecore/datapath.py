@@ -103,6 +103,7 @@ class DataPath:
 
     def stats(self) -> dict:
         c = self.cache.stats()
+        disk = self.disk.stats() if self.disk is not None else None
         m = self.metrics
         errors = {}
         for metric in m.errors.collect():
@@ -138,7 +139,7 @@ class DataPath:
             # where the bytes this node received came from: its cache (served to readers), peers, the store
             "bytes_by_source": {
                 "local_cache": int(m.value(m.bytes_served, source="cache")),
-                "disk": self.disk.stats().bytes_read if self.disk is not None else 0,
+                "disk": disk.bytes_read if disk is not None else 0,
                 "peers": self.cluster.bytes_from_peers if self.cluster is not None else 0,
                 "store": int(m.value(m.get_bytes)),
             },
@@ -151,7 +152,7 @@ class DataPath:
             "namespace_entries": self.namespace.entries,
             "credential_rotations": self.rotations,
             **({"cluster": self.cluster.stats()} if self.cluster is not None else {}),
-            **({"disk": dataclasses.asdict(self.disk.stats())} if self.disk is not None else {}),
+            **({"disk": dataclasses.asdict(disk)} if disk is not None else {}),
         }
 
     def resize(self, cache_size: int) -> dict:

@@ -233,7 +233,6 @@ class DiskTier:
         with self._lock:
             self.dropped += 1
         log.warning("disk cache: block %s dropped (%s); it is fetched again", name[:16], why)
-        return None
 
     def _drop(self, name: str) -> None:
         with self._lock:

@@ -298,20 +298,22 @@ class Fetcher:
     async def _nearer(self, obj: ObjectInfo, start: int, stop: int) -> tuple[Buffer, str] | None:
         """Bytes [start, stop) from the tiers between memory and the store, in the one read order (design §7):
         this node's disk, then an owner of their block on another node; None: the store."""
-        data = await self._from_disk(obj, start, stop)
+        index = start // self.block_size
+        if (stop - 1) // self.block_size != index:  # a range across two blocks: no tier holds it whole
+            return None
+        data = await self._from_disk(obj, index, start, stop)
         if data is not None:
             return data, "disk"
         if self.cluster is not None:
-            data = await self._from_peer(obj, start, stop)
+            data = await self._from_peer(obj, index, start, stop)
             if data is not None:
                 return data, "peer"
         return None
 
-    async def _from_disk(self, obj: ObjectInfo, start: int, stop: int) -> Buffer | None:
-        """Bytes [start, stop) (a block, or a range inside one) from the block on this node's disk, checked."""
+    async def _from_disk(self, obj: ObjectInfo, index: int, start: int, stop: int) -> Buffer | None:
+        """Bytes [start, stop) (block `index`, or a range inside it) from the block on this node's disk, checked."""
         disk = self.disk
-        index = start // self.block_size
-        if disk is None or (stop - 1) // self.block_size != index:
+        if disk is None:
             return None
         block = BlockKey(obj.key, obj.etag, index)
         if not disk.holds(block):  # a miss costs no thread hop
@@ -326,13 +328,10 @@ class Fetcher:
             return data
         return bytes(memoryview(data)[start - lo:stop - lo])  # a random reader's range: only its bytes stay
 
-    async def _from_peer(self, obj: ObjectInfo, start: int, stop: int) -> Buffer | None:
-        """Bytes [start, stop) (a block, or a range inside one) from an owner of their block that answers with
+    async def _from_peer(self, obj: ObjectInfo, index: int, start: int, stop: int) -> Buffer | None:
+        """Bytes [start, stop) (block `index`, or a range inside it) from an owner of the block that answers with
         exactly them, reading them through if it does not hold them (else the store)."""
         assert self.cluster is not None
-        index = start // self.block_size
-        if (stop - 1) // self.block_size != index:  # a range across two blocks: the store (no owner has it all)
-            return None
         peers, through = self.cluster.plan(obj.key, obj.etag, index)
         if not peers:  # this node is the only owner (or the others are avoided): no thread hop
             return None

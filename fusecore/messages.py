@@ -55,6 +55,11 @@ class MountStats:
         """What the mount holds for its readers: its disk tier holds all it keeps, memory what fits."""
         return max(self.cache.bytes, self.disk_bytes)
 
+    @property
+    def held_on(self) -> str:
+        """Where most of what it holds is: "memory", or "disk" where its disk tier holds more."""
+        return "disk" if self.disk_bytes > self.cache.bytes else "memory"
+
     @classmethod
     def from_wire(cls, doc: dict) -> "MountStats":
         try:

@@ -69,11 +69,11 @@ class MountMetrics:
     def bind_disk(self, stats: Callable) -> None:
         """Gauges of the disk tier (fusecore/disk.py), read from `stats()` at scrape time."""
         r = self.registry
-        Gauge("stoker_disk_bytes", "Bytes held by the disk tier", registry=r).set_function(lambda: stats().bytes)
+        Gauge("stoker_disk_bytes", "Bytes held by the disk tier", registry=r).set_function(_field_of(stats, "bytes"))
         Gauge("stoker_disk_budget_bytes", "Configured disk tier budget", registry=r).set_function(
-            lambda: stats().budget)
+            _field_of(stats, "budget"))
         Gauge("stoker_disk_read_bytes", "Bytes read back from the disk tier (total)", registry=r).set_function(
-            lambda: stats().bytes_read)
+            _field_of(stats, "bytes_read"))
         Gauge("stoker_disk_paused", "1 while the disk tier does not write (free space under its floor, a failed "
               "write)", registry=r).set_function(lambda: 1 if stats().paused else 0)
         blocks = Gauge("stoker_disk_blocks", "Blocks of the disk tier by event (total): hits, misses, written, "

@@ -134,7 +134,7 @@ class CacheWorker:
                           "filesWarmed": progress.files_done,
                           "message": f"{progress.files_done} of {progress.files_total} files"})
         after = control.stats(sock)
-        cached, held_on = after.held_bytes, "disk" if after.disk_bytes > after.cache.bytes else "memory"
+        cached = after.held_bytes
         if final is None or not final.done:
             raise RuntimeError("the mount ended the warm without a result")
         skipped = f"; {final.skipped_files} files did not fit the cache" if final.skipped_files else ""
@@ -143,7 +143,7 @@ class CacheWorker:
             self.owned_bytes = final.bytes_total
             self.warmed_for = self.joined
         self._report({"phase": "Ready" if ok else "Failed", "warmedBytes": final.bytes_done, "cachedBytes": cached,
-                      "filesWarmed": final.files_done, "heldOn": held_on,
+                      "filesWarmed": final.files_done, "heldOn": after.held_on,
                       "message": (f"warm in {final.seconds}s{skipped}" if ok
                                   else f"{final.errors} files could not be read{skipped}")}, force=True)
         log.info("%s: warmed %d bytes on %s", self.key, final.bytes_done, self.agent.node)

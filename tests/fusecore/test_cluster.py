@@ -220,14 +220,9 @@ def test_without_a_warm_owners_read_through_and_the_store_sends_each_block_once(
     pid = again[1]["pid"]
     subprocess.run([sys.executable, "-m", "stoker", "unmount", mps[1]], capture_output=True, timeout=60)
     began = time.monotonic()
-    while running(pid) and time.monotonic() - began < 15:
+    while not ended(pid) and time.monotonic() - began < 15:
         time.sleep(0.02)
     assert time.monotonic() - began < 3, "the unmounted member's process ended promptly"
-
-
-def running(pid: int) -> bool:
-    """Is `pid` alive (not ended, nor a zombie waiting to be reaped)?"""
-    return not ended(pid)
 
 
 def timed_read_all(mp: str, files: dict[str, bytes]) -> float:
