@@ -199,9 +199,10 @@ def parse_volume_context(context: dict[str, str]) -> VolumeSpec:
 
 
 def check_ranges(spec: VolumeSpec) -> MountConfig:
-    """Build the MountConfig the mount will get, so that range errors surface here, named."""
+    """Build the MountConfig the mount will get, so that range errors surface here, named (a volume that asks for
+    a disk tier is checked with one: the node gives its folder at stage)."""
     try:
-        return spec.mount_config("/", "/")
+        return spec.mount_config("/", "/", disk_cache="/" if "diskCacheSize" in dict(spec.knobs) else "")
     except ConfigError as exc:
         name = next((name for name, knob in KNOBS.items() if knob.config_name == exc.setting), exc.setting)
         raise AttributeProblem(f"volume attribute {name}: {exc.problem}") from None

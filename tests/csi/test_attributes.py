@@ -26,6 +26,8 @@ def test_parses_store_location_and_knobs():
     ({"bucket": "b", "blockSize": "1KiB"}, "blockSize"),
     ({"bucket": "b", "initialPrefetch": "lots"}, "initialPrefetch"),
     ({"bucket": "b", "cacheSize": "1MiB"}, "cacheSize"),
+    ({"bucket": "b", "diskCacheSize": "1MiB"}, "diskCacheSize: .*at least two blocks"),
+    ({"bucket": "b", "diskCacheSize": "many"}, "diskCacheSize"),
     ({"bucket": "b", "maxConcurrency": "many"}, "maxConcurrency"),
     ({"bucket": "b", "maxConcurrency": "5000"}, "maxConcurrency: must be between"),
     ({"bucket": "b", "kernelCache": "perhaps"}, "kernelCache"),

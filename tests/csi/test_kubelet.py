@@ -7,10 +7,12 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import stat
 import subprocess
 import threading
 import time
 
+import grpc
 import pytest
 
 from fusecore import control
@@ -66,10 +68,6 @@ def mount_pid(plugin, volume_id: str) -> int:
     return control.call(StateDir(plugin.state_dir).control_socket(volume_id), {"op": "stats"})["pid"]
 
 
-def process_gone(pid: int) -> bool:
-    return ended(pid)
-
-
 def test_the_emulated_refs_check_refuses_a_private_mount_elsewhere(tmp_path):
     """The rule the emulation applies can fail: a second mount of the staging filesystem outside
     kubelet's path (what the old private mount was) is a reference, kubelet's own binds are not."""
@@ -111,7 +109,7 @@ def test_two_pods_share_one_cache_and_the_volume_is_unstaged_after_both(node, mo
     assert b.container.read("data", "part-1.bin") == sha(dataset["train/part-1.bin"])
     kubelet.delete_pod(b)  # the refs check passes and NodeUnstageVolume runs
     assert kubelet.refused == [] and kubelet.staged == {}
-    assert wait_until(lambda: process_gone(pid), 10), "the mount process (and its cache) outlived the volume"
+    assert wait_until(lambda: ended(pid), 10), "the mount process (and its cache) outlived the volume"
     assert stoker_mounts(str(plugin.tmp_path)) == []
     assert not os.path.exists(os.path.dirname(staging))  # kubelet's removeMountDir cleaned up
 
@@ -189,7 +187,7 @@ def test_an_inline_volume_is_repaired_inside_the_container_and_cleaned_up(node, 
                       30, 0.2), plugin.log()
     pid = mount_pid(plugin, handle)
     kubelet.delete_pod(pod)
-    assert wait_until(lambda: process_gone(pid), 10) and stoker_mounts(str(plugin.tmp_path)) == []
+    assert wait_until(lambda: ended(pid), 10) and stoker_mounts(str(plugin.tmp_path)) == []
 
 
 def test_a_dataset_cache_holds_the_volume_across_pods(tmp_path, moto_server, bucket, dataset):
@@ -225,7 +223,7 @@ def test_a_dataset_cache_holds_the_volume_across_pods(tmp_path, moto_server, buc
             assert control.call(sock, {"op": "stats"})["pid"] == pid
         assert control.call(sock, {"op": "stats"})["requests"]["get"] == gets  # both pods read the warm cache
         volumes.release("pv-imagenet", "training/imagenet")
-        assert wait_until(lambda: process_gone(pid), 10) and stoker_mounts(str(plugin.tmp_path)) == []
+        assert wait_until(lambda: ended(pid), 10) and stoker_mounts(str(plugin.tmp_path)) == []
     finally:
         server.stop(0)
         kubelet.close()
@@ -292,3 +290,47 @@ def test_a_provisioned_volume_mounts_in_a_pod_and_deletes_with_one_credentials_s
         kubelet.close()
         plugin.stop()
 
+
+
+def test_a_volume_s_disk_cache_survives_its_mount_and_leaves_with_the_volume(tmp_path, moto_server, bucket, dataset):
+    """diskCacheSize as kubelet drives it: a 0700 folder of --disk-cache-root for the volume, within
+    --node-disk-cache (a second volume that does not fit is refused); after kill -9 of the mount, the container
+    reads through the repaired mount from that folder, not the store; after the pod, unstage removes it."""
+    from csi.state import StateDir
+
+    root, disk = str(tmp_path / "kubelet"), tmp_path / "nvme"
+    os.makedirs(root)
+    disk.mkdir()
+    plugin = Plugin(tmp_path, kubelet_dir=root, own_namespaces=True,
+                    args=("--disk-cache-root", str(disk), "--node-disk-cache", "96MiB"),
+                    mounter_args=("--disk-cache-root", str(disk)))
+    kubelet = Kubelet(root, plugin.socket)
+    plugin.start()
+    kubelet.reconnect(plugin.socket)
+    try:
+        volume = pv(bucket, moto_server.endpoint, diskCacheSize="64MiB", cacheSize="8MiB", kernelCache="false")
+        pod = kubelet.run_pod("trainer", [volume])
+        expected = {name.removeprefix("train/"): sha(body) for name, body in dataset.items()}
+        assert {name: pod.container.read("data", name) for name in expected} == expected
+        sock = StateDir(plugin.state_dir).control_socket("pv-imagenet")
+        folder = control.call(sock, {"op": "stats"})["disk"]["directory"]
+        assert os.path.dirname(folder) == str(disk) and stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+        assert wait_until(lambda: control.call(sock, {"op": "stats"})["disk"]["written"] >= 7, 15)
+
+        with pytest.raises(grpc.RpcError) as refused:
+            kubelet.run_pod("other", [pv(bucket, moto_server.endpoint, handle="pv-other", diskCacheSize="64MiB")])
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "64.0 MiB of 96.0 MiB" in refused.value.details() and os.listdir(disk) == [os.path.basename(folder)]
+
+        pid = mount_pid(plugin, "pv-imagenet")
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda: pod.container.read("data", "big.bin") == expected["big.bin"], 30, 0.2), plugin.log()
+        assert {name: pod.container.read("data", name) for name in expected} == expected
+        stats = control.call(sock, {"op": "stats"})
+        assert stats["pid"] != pid and stats["requests"]["get"] == 0 and stats["disk"]["directory"] == folder, stats
+
+        kubelet.delete_pod(pod)  # the refs check passes and NodeUnstageVolume runs
+        assert kubelet.refused == [] and not os.path.exists(folder) and os.listdir(disk) == []
+    finally:
+        kubelet.close()
+        plugin.stop()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import stat
 import threading
 import urllib.error
 import urllib.request
@@ -456,50 +455,3 @@ def test_caches_never_add_up_to_more_than_the_nodes_cache_memory(tmp_path, moto_
     finally:
         plugin.stop()
 
-
-def test_a_volume_s_disk_cache_is_its_own_folder_within_the_node_s_disk_and_goes_with_the_volume(
-        tmp_path, moto_server, bucket, dataset):
-    """diskCacheSize: a 0700 folder of --disk-cache-root per volume, within --node-disk-cache (RESOURCE_EXHAUSTED
-    past it); a killed mount is repaired onto the same folder and reads it, not the store; unstage removes it."""
-    from .conftest import Plugin
-
-    root = tmp_path / "nvme"
-    root.mkdir()
-    plugin = Plugin(tmp_path, args=("--disk-cache-root", str(root), "--node-disk-cache", "96MiB"),
-                    mounter_args=("--disk-cache-root", str(root)))
-    plugin.start()
-    try:
-        ctx = volume_context(bucket, moto_server.endpoint, diskCacheSize="64MiB", cacheSize="8MiB",
-                             kernelCache="false")
-        staging = plugin.staging("cached")
-        stage(plugin, "cached", staging, ctx)
-        for name, body in dataset.items():
-            assert read(os.path.join(staging, name)) == body
-        disk = control_stats(plugin, "cached")["disk"]
-        folder = disk["directory"]
-        assert os.path.dirname(folder) == str(root) and stat.S_IMODE(os.stat(folder).st_mode) == 0o700
-        assert wait_until(lambda: control_stats(plugin, "cached")["disk"]["written"] >= 9, 15)
-
-        code, details = code_of(lambda: stage(plugin, "second", plugin.staging("second"), ctx))
-        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "64.0 MiB of 96.0 MiB" in details, details
-        assert not os.path.exists(os.path.join(str(root), "second"))
-
-        old_pid = control_stats(plugin, "cached")["pid"]
-        os.kill(old_pid, signal.SIGKILL)
-        assert wait_until(lambda: _serving_pid(plugin, "cached") not in (None, old_pid), 60, 0.2), plugin.log()
-        for name, body in dataset.items():
-            assert read(os.path.join(staging, name)) == body
-        stats = control_stats(plugin, "cached")
-        assert stats["requests"]["get"] == 0 and stats["disk"]["directory"] == folder, stats
-
-        unstage(plugin, "cached", staging)
-        assert not os.path.exists(folder) and os.listdir(root) == []
-    finally:
-        plugin.stop()
-
-
-def _serving_pid(plugin, volume_id: str) -> int | None:
-    try:
-        return control_stats(plugin, volume_id)["pid"]
-    except Exception:  # noqa: BLE001 - not serving yet
-        return None
