@@ -6,6 +6,15 @@ the block they would evict (ties keep the incumbent). Reading a dataset slightly
 cache in the same order every epoch therefore keeps a stable subset cached (hit ratio close to
 cache/dataset) instead of collapsing to zero as plain LRU does.
 
+Main has room of its own (`_main_cap`): the budget less the window and the high-water mark of staged and
+in-flight bytes over the last two periods (a period: a budget's worth of blocks put). A block admitted past that
+room is *lent* the room that staging and GETs in flight leave free for now, and lent blocks are evicted first
+when those need it again. Without that split, room freed for a moment went to whatever left the window next
+(often a stream's block), and when the transient bytes came back they pushed out main's oldest blocks whatever
+they were worth: a sequential stream beside small files emptied the cache of the small files. A block leaving
+the window replaces main's oldest only if it was read more often by more than one (ADMIT_MARGIN): in a
+reshuffled epoch a block main holds that this pass has not reached yet counts one read less than one just read.
+
 A block put with `keep=False` (in a distributed cache, a block another node owns, fetched for a read
 here) lives in the window only: while its reader needs it, never displacing what this node owns.
 
@@ -30,7 +39,7 @@ from dataclasses import dataclass
 from typing import AbstractSet, Hashable
 
 from .blocks import CacheKey, RangeKey
-from .config import STAGED_FRACTION, WINDOW_FRACTION
+from .config import STAGED_FRACTION, WINDOW_FRACTION, kept_fraction
 
 Buffer = bytes | bytearray | memoryview | mmap.mmap
 
@@ -92,17 +101,24 @@ class FrequencySketch:
             self._counts.pop(key, None)
 
 
+ADMIT_MARGIN = 1  # reads by which a block leaving the window must outnumber main's oldest to take its place
+
+
 class BlockCache:
     """See the module docstring. `budget` bounds window + main + staged + reserved bytes."""
 
     def __init__(self, budget: int, *, window_fraction: float = WINDOW_FRACTION, staged_fraction: float = STAGED_FRACTION,
                  min_sample: int = 10_000):
         self._window_fraction, self._staged_fraction = window_fraction, staged_fraction
+        self._peak = self._last_peak = self._period_puts = 0
         self._set_budget(budget)
         self._window: OrderedDict[CacheKey, _Entry] = OrderedDict()
         self._main: OrderedDict[CacheKey, _Entry] = OrderedDict()
+        # Blocks admitted into room that the window, staged prefetches and GETs in flight leave free for now:
+        # given back first when those need it, so that they never push out main's blocks, whatever those are worth.
+        self._lent: OrderedDict[CacheKey, _Entry] = OrderedDict()
         self._staged: OrderedDict[CacheKey, _Entry] = OrderedDict()
-        self._window_bytes = self._main_bytes = self._staged_bytes = 0
+        self._window_bytes = self._main_bytes = self._staged_bytes = self._lent_bytes = 0
         self._reserved = 0
         self._by_object: dict[str, set[CacheKey]] = {}
         self._ranges: dict[tuple[str, str], list[tuple[int, int]]] = {}  # (key, etag) -> held ranges, sorted
@@ -117,6 +133,7 @@ class BlockCache:
         self.budget = budget
         self._window_cap = max(1, int(budget * self._window_fraction))
         self._staged_cap = max(1, int(budget * self._staged_fraction))
+        self._floor = max(1, int(budget * kept_fraction()))  # main's room when transient bytes are at their caps
 
     def resize(self, budget: int) -> None:
         """Change the budget of a live cache (the operator sizes node caches); evicts if it shrank."""
@@ -126,7 +143,7 @@ class BlockCache:
     # ---- queries -------------------------------------------------------------------------
     @property
     def used(self) -> int:
-        return self._window_bytes + self._main_bytes + self._staged_bytes + self._reserved
+        return self._window_bytes + self._main_bytes + self._lent_bytes + self._staged_bytes + self._reserved
 
     @property
     def transient_bytes(self) -> int:
@@ -140,13 +157,13 @@ class BlockCache:
 
     @property
     def resident_bytes(self) -> int:
-        return self._window_bytes + self._main_bytes + self._staged_bytes
+        return self._window_bytes + self._main_bytes + self._lent_bytes + self._staged_bytes
 
     def __len__(self) -> int:
-        return len(self._window) + len(self._main) + len(self._staged)
+        return len(self._window) + len(self._main) + len(self._lent) + len(self._staged)
 
     def __contains__(self, key: CacheKey) -> bool:
-        return key in self._window or key in self._main or key in self._staged
+        return key in self._window or key in self._main or key in self._lent or key in self._staged
 
     def stats(self) -> CacheStats:
         return CacheStats(self.budget, self.resident_bytes, len(self), self._reserved, self._staged_bytes,
@@ -162,6 +179,13 @@ class BlockCache:
             entry = self._main.get(key)
             if entry is not None:
                 self._main.move_to_end(key)
+            elif (entry := self._lent.get(key)) is not None:
+                self._lent.move_to_end(key)
+                if self._main_bytes + entry.size <= self._main_cap:  # main has room of its own again
+                    del self._lent[key]
+                    self._lent_bytes -= entry.size
+                    self._main[key] = entry
+                    self._main_bytes += entry.size
             else:
                 entry = self._staged.pop(key, None)
                 if entry is None:
@@ -232,11 +256,13 @@ class BlockCache:
             self._freq.increment(key, len(self))
             self._window[key] = entry
             self._window_bytes += entry.size
+        self._note_transient(entry.size)
         self._enforce()
 
     def reserve(self, nbytes: int) -> None:
         """Account for a GET about to bring `nbytes`; evicts so the budget holds."""
         self._reserved += nbytes
+        self._note_transient(0)
         self._enforce()
 
     def release(self, nbytes: int) -> None:
@@ -248,7 +274,7 @@ class BlockCache:
         for key in keys:
             if isinstance(key, RangeKey):
                 self._ranges.pop((key.key, key.etag), None)
-            for segment in (self._window, self._main, self._staged):
+            for segment in (self._window, self._main, self._lent, self._staged):
                 entry = segment.pop(key, None)
                 if entry is not None:
                     self._account(segment, -entry.size)
@@ -256,18 +282,33 @@ class BlockCache:
         return len(keys)
 
     def clear(self) -> None:
-        for segment in (self._window, self._main, self._staged):
+        for segment in (self._window, self._main, self._lent, self._staged):
             segment.clear()
-        self._window_bytes = self._main_bytes = self._staged_bytes = 0
+        self._window_bytes = self._main_bytes = self._lent_bytes = self._staged_bytes = 0
         self._by_object.clear()
         self._ranges.clear()
 
     # ---- policy --------------------------------------------------------------------------
+    @property
+    def _main_cap(self) -> int:
+        """Main's own room: what the window and the transient bytes of late (their high-water mark over this
+        period and the last) leave. A pure stream needs little and keeps a large main; a stream beside small files
+        needs more, and lends the rest."""
+        return max(self._floor, self.budget - self._window_cap - max(self._peak, self._last_peak))
+
+    def _note_transient(self, nbytes: int) -> None:
+        self._peak = max(self._peak, self.transient_bytes)
+        self._period_puts += nbytes
+        if self._period_puts >= self.budget:  # a period: a budget's worth of blocks put
+            self._last_peak, self._peak, self._period_puts = self._peak, self.transient_bytes, 0
+
     def _account(self, segment: OrderedDict, delta: int) -> None:
         if segment is self._window:
             self._window_bytes += delta
         elif segment is self._main:
             self._main_bytes += delta
+        elif segment is self._lent:
+            self._lent_bytes += delta
         else:
             self._staged_bytes += delta
 
@@ -327,7 +368,9 @@ class BlockCache:
             self._window_bytes -= entry.size
             self._admit(key, entry)
         while self.used > self.budget:
-            if len(self._window) > 1:
+            if self._lent:
+                self._drop(self._lent)
+            elif len(self._window) > 1:
                 self._drop(self._window)
             elif self._main:
                 self._drop(self._main)
@@ -345,20 +388,27 @@ class BlockCache:
             self.evictions += 1
             self._recycle(entry)
             return
-        room = self.budget - self.used
-        if entry.size > room:
-            candidate_freq = self._freq.frequency(key)
-            while self._main and entry.size > room:
-                victim = next(iter(self._main))
-                if candidate_freq <= self._freq.frequency(victim):
-                    break
+        candidate_freq = self._freq.frequency(key)
+        while True:
+            own = self._main_bytes + entry.size <= self._main_cap  # main has room of its own for it
+            if own and entry.size <= self.budget - self.used:
+                break
+            if own and self._lent:  # room main lent out comes back first
+                self._drop(self._lent)
+            # A margin of one: read in a reshuffled order, a block main holds that this pass has not reached yet
+            # counts one read less than the block just read, which is no reason to swap them.
+            elif self._main and candidate_freq > self._freq.frequency(next(iter(self._main))) + ADMIT_MARGIN:
                 self._drop(self._main)
-                room = self.budget - self.used
-            if entry.size > room:
-                self._forget(key)
-                self.rejections += 1
-                self.evictions += 1
-                self._recycle(entry)
-                return
-        self._main[key] = entry
-        self._main_bytes += entry.size
+            else:
+                break
+        if entry.size > self.budget - self.used:
+            self._forget(key)
+            self.rejections += 1
+            self.evictions += 1
+            self._recycle(entry)
+        elif own:
+            self._main[key] = entry
+            self._main_bytes += entry.size
+        else:
+            self._lent[key] = entry
+            self._lent_bytes += entry.size

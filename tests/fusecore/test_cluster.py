@@ -18,6 +18,7 @@ from fusecore.config import distributed_cache_size
 from fusecore.launch import ended
 from stoker.s3server import free_port
 from tests.conftest import requires_fuse
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, requires_fuse]
 MiB = 1024 * 1024
@@ -45,7 +46,9 @@ def dataset(s3, bucket):
     return files
 
 
-def start_cluster(mounts, bucket, tmp_path, key: bytes = b"a shared cache key, 32 bytes....", extra=()):
+def start_cluster(mounts, bucket, tmp_path, key: bytes = b"a shared cache key, 32 bytes....", extra=(),
+                  each=lambda i: ()):
+    """Three members on 127.0.0.2-4; `extra` flags for all, `each(i)` for member i alone."""
     port = free_port()
     members = [f"127.0.0.{i}:{port}" for i in (2, 3, 4)]
     key_file = tmp_path / "peer.key"
@@ -55,8 +58,8 @@ def start_cluster(mounts, bucket, tmp_path, key: bytes = b"a shared cache key, 3
     # peer answer into a store read (the bound itself is tested in test_peers.py).
     mps = [mounts.mount(f"s3://{bucket}", "--block-size", "1MiB", "--metadata-ttl", "3600", "--peers",
                         ",".join(members), "--peer-listen", member, "--peer-key-file", str(key_file),
-                        "--peer-timeout", "10", *extra)
-           for member in members]
+                        "--peer-timeout", "10", *extra, *each(i))
+           for i, member in enumerate(members)]
     return mps, members
 
 
@@ -78,6 +81,32 @@ def test_the_store_sends_the_dataset_once_and_nodes_read_the_rest_from_their_own
     assert sum(s["bytes_fetched"] for s in after) == total, "every read after the warm was answered by the cluster"
     assert all(s["cluster"]["bytes_from_peers"] > 0 for s in after)
     assert all(s["cluster"]["served_to_peers"] > 0 and not s["cluster"]["peer_failures"] for s in after)
+
+
+def test_a_share_larger_than_memory_lives_on_its_owners_disk_and_is_served_from_there(mounts, bucket, dataset,
+                                                                                    tmp_path):
+    """Each member's memory holds four blocks, its disk tier its whole share (a DatasetCache's share on disk,
+    issue 35): after the warm, with every memory emptied, every node reads everything and the store sends nothing
+    more; owners answer their peers from disk."""
+    disks = [tmp_path / f"disk-{i}" for i in range(3)]
+    for d in disks:
+        d.mkdir()
+    mps, members = start_cluster(mounts, bucket, tmp_path, extra=("--cache-size", "4MiB", "--no-kernel-cache"),
+                                 each=lambda i: ("--disk-cache", str(disks[i]), "--disk-cache-size", "16MiB"))
+    total = sum(len(b) for b in dataset.values())
+    for mp in mps:
+        for _ in control.warm(control.default_control_socket(mp), []):
+            pass
+    assert sum(stats(mp)["bytes_fetched"] for mp in mps) == total
+    for mp in mps:
+        assert wait_for(lambda: stats(mp)["disk"]["queued_bytes"] == 0, 15)
+        control.call(control.default_control_socket(mp), {"op": "drop"})
+    for mp in mps:
+        read_all(mp, dataset)
+    after = [stats(mp) for mp in mps]
+    assert sum(s["bytes_fetched"] for s in after) == total, "no byte came from the store after the warm"
+    assert all(s["bytes_by_source"]["disk"] > 0 and s["cluster"]["served_to_peers"] > 0 for s in after), after
+    assert not any(s["errors"] or s["cluster"]["peer_failures"] for s in after)
 
 
 def test_a_killed_member_costs_store_reads_never_a_failed_read(mounts, bucket, dataset, tmp_path):
