@@ -70,7 +70,7 @@ class DiskStats:
 
 
 class DiskTier:
-    """See the module docstring. `read` and `holds` may be called from any thread; `offer` from the event loop."""
+    """See the module docstring. `read` and `where` may be called from any thread; `offer` from the event loop."""
 
     def __init__(self, directory: str, budget: int, *, bucket: str, block_size: int, mountpoint: str = "",
                  huge_pages: bool = False, clock: Callable[[], float] = time.monotonic):
@@ -178,14 +178,16 @@ class DiskTier:
         what = repr((self._bucket, key.key, key.etag, key.index, self._block_size))
         return hashlib.sha256(what.encode("utf-8", "surrogatepass")).hexdigest()
 
-    def holds(self, key: BlockKey) -> bool:
-        return self.name(key) in self._index
+    def where(self, key: BlockKey) -> str | None:
+        """The block's file name if DIR holds it (for `read`, which then need not hash it again), else None."""
+        name = self.name(key)
+        return name if name in self._index else None
 
     # ---- reads -----------------------------------------------------------------------------
-    def read(self, key: BlockKey, length: int, into: Buffer | None = None) -> Buffer | None:
+    def read(self, key: BlockKey, length: int, into: Buffer | None = None, name: str | None = None) -> Buffer | None:
         """The block's bytes (`length` of them, in `into` if given) if DIR holds them whole and right, else None
-        (a miss)."""
-        name = self.name(key)
+        (a miss); `name`: the key's file name, from `where`."""
+        name = name or self.name(key)
         with self._lock:
             if name not in self._index:
                 self.misses += 1

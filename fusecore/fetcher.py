@@ -316,13 +316,14 @@ class Fetcher:
         if disk is None:
             return None
         block = BlockKey(obj.key, obj.etag, index)
-        if not disk.holds(block):  # a miss costs no thread hop
+        name = disk.where(block)
+        if name is None:  # a miss costs no thread hop
             return None
         lo, hi = block_extent(index, obj.size, self.block_size)
         # A small buffer comes from this thread's heap, as the store's do (malloc'ed in a worker thread, it would
         # spread the mount's small blocks over more arenas); a mapped one is made by the thread that fills it.
         into = allocate(hi - lo) if hi - lo < MMAP_MIN else None
-        data = await trio.to_thread.run_sync(disk.read, block, hi - lo, into, limiter=self._disk_readers,
+        data = await trio.to_thread.run_sync(disk.read, block, hi - lo, into, name, limiter=self._disk_readers,
                                              abandon_on_cancel=True)
         if data is None or (start, stop) == (lo, hi):
             return data

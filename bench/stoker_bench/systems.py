@@ -49,6 +49,13 @@ class MountedSystem:
         self.pid: int | None = None
         self.proc: subprocess.Popen | None = None
         self.log_path = os.path.join(workdir, f"{self.name}.log")
+        self.cache_dir: str | None = None  # a disk cache's folder (cache_folder), removed at stop
+
+    def cache_folder(self) -> str:
+        """A fresh folder in the workdir for this system's disk cache; `stop` removes it."""
+        self.cache_dir = os.path.join(self.workdir, f"{self.name}-cache")
+        os.makedirs(self.cache_dir, exist_ok=True)
+        return self.cache_dir
 
     def env(self) -> dict:
         return dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY,
@@ -64,6 +71,8 @@ class MountedSystem:
             deadline = time.monotonic() + 10
             while not ended(self.pid) and time.monotonic() < deadline:
                 time.sleep(0.02)
+        if self.cache_dir is not None:
+            shutil.rmtree(self.cache_dir, ignore_errors=True)
 
 
 class Stoker(MountedSystem):
@@ -95,14 +104,9 @@ class StokerDisk(Stoker):
     name = "stoker-disk"
 
     def start(self) -> None:
-        where = os.path.join(self.workdir, "stoker-disk-cache")
-        os.makedirs(where, exist_ok=True)
-        self.extra_args = (*self.extra_args, "--disk-cache", where, "--disk-cache-size", str(16 * self.cache_bytes))
+        self.extra_args = (*self.extra_args, "--disk-cache", self.cache_folder(),
+                           "--disk-cache-size", str(16 * self.cache_bytes))
         super().start()
-
-    def stop(self) -> None:
-        super().stop()
-        shutil.rmtree(os.path.join(self.workdir, "stoker-disk-cache"), ignore_errors=True)
 
 
 class S3fs(MountedSystem):
@@ -134,14 +138,8 @@ class S3fsDisk(S3fs):
     name = "s3fs-disk"
 
     def start(self) -> None:
-        where = os.path.join(self.workdir, "s3fs-disk-cache")
-        os.makedirs(where, exist_ok=True)
-        self.options = (f"use_cache={where}",)
+        self.options = (f"use_cache={self.cache_folder()}",)
         super().start()
-
-    def stop(self) -> None:
-        super().stop()
-        shutil.rmtree(os.path.join(self.workdir, "s3fs-disk-cache"), ignore_errors=True)
 
 
 class Rclone(MountedSystem):
@@ -151,7 +149,7 @@ class Rclone(MountedSystem):
         if not shutil.which("rclone"):
             raise Unavailable("rclone is not installed (Debian package rclone)")
         os.makedirs(self.mountpoint, exist_ok=True)
-        cache_dir = os.path.join(self.workdir, "rclone-cache")
+        cache_dir = self.cache_folder()
         env = self.env()
         env.pop("AWS_CA_BUNDLE", None)  # rclone fails at start-up on it
         cmd = ["rclone", "mount", f":s3:{self.bucket}", self.mountpoint, "--read-only",
@@ -163,10 +161,6 @@ class Rclone(MountedSystem):
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_mounted(self.mountpoint, self.proc)
         self.pid = self.proc.pid
-
-    def stop(self) -> None:
-        super().stop()
-        shutil.rmtree(os.path.join(self.workdir, "rclone-cache"), ignore_errors=True)
 
 
 class Boto3Baseline:
