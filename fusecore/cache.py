@@ -219,6 +219,13 @@ class BlockCache:
         self.misses += 1
         return None
 
+    def passed(self, key: CacheKey) -> None:
+        """Its reader read the block to its end: in the window it goes first when room is needed, before a block a
+        reader is still in the middle of (a stream's 4 MiB block, which small files read whole would push out
+        first, to be fetched again for the stream's next read)."""
+        if key in self._window:
+            self._window.move_to_end(key, last=False)
+
     def transient(self, key: CacheKey) -> bool:
         """Is the block held for its readers only (put with keep=False, still in the window)?"""
         entry = self._window.get(key)

@@ -86,6 +86,8 @@ class Reader:
             need = min(start + size, block_end - block_start)
             parts = FIRST_BLOCK_PARTS if f.readahead.opens_wide(offset) else 1
             data, hit = await self.fetcher.block(info, span[0], visit=fh, need=need, parts=parts)
+            if need == block_end - block_start:
+                self.fetcher.cache.passed(BlockKey(info.key, info.etag, span[0]))
             view = memoryview(data)[start:need]
             (self._served_cache if hit else self._served_network).inc(len(view))
             return view

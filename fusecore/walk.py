@@ -13,7 +13,7 @@ instead of fetching the directory (demand reads keep the connections).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .cache import BlockCache
 from .fetcher import Fetcher
@@ -33,6 +33,7 @@ class _DirState:
     next: int = 0  # files[:next] were issued
     hits: int = 0  # opened files the walk had issued
     index: dict[str, int] | None = None  # key -> position in files
+    opened_ahead: set[int] = field(default_factory=set)  # positions at or past `next` the reader opened first
 
     def position(self, key: str) -> int | None:
         if self.index is None:
@@ -76,6 +77,8 @@ class DirectoryPrefetcher:
         position = state.position(node.info.key)
         if position is not None and position < state.next:
             state.hits += 1
+        elif position is not None:
+            state.opened_ahead.add(position)  # read before the walk got there: it is not fetched again
         if state.opened >= self.trigger:
             self._issue(state)
 
@@ -83,6 +86,10 @@ class DirectoryPrefetcher:
         while state.next < len(state.files) and state.room() > 0:
             if self.cache.transient_bytes >= self.budget:
                 return
+            if state.next in state.opened_ahead:  # passed over as if issued (the room the walk takes is unchanged)
+                state.opened_ahead.discard(state.next)
+                state.next += 1
+                continue
             info = state.files[state.next]
             if not self.fetcher.prefetch(info, 0):
                 return

@@ -367,3 +367,52 @@ def test_an_owner_reads_through_for_a_member_but_only_serves_what_it_holds_to_an
     run(dp, go)
     assert out[0] is None and out[1] == out[2] == payload[256 * KiB:512 * KiB]
     assert store.calls["get"] == 1, "fetched once, for the member, and kept"
+
+
+def test_a_shuffled_pass_over_a_directory_larger_than_the_cache_fetches_each_file_once():
+    """The walk passes over files the reader opened before the walk got to them: with a cache that holds a fraction
+    of the directory, such a file is gone by then, and fetching it again cost a GET and its bytes (2% of an
+    epoch, issue 35)."""
+    store = FakeStore()
+    for i in range(200):
+        store.put(f"imgs/{i:03d}.jpg", random.Random(i).randbytes(100 * KiB))
+    dp = datapath(store, cache=4 * MiB, block=1 * MiB, prefetch=1 * MiB)
+
+    async def go():
+        imgs = await dp.namespace.lookup(1, "imgs")
+        order = [dp.namespace.node(inode) for _, inode in await dp.namespace.readdir(imgs.inode)]
+        random.Random(5).shuffle(order)
+        for node in order:
+            dp.walk.on_open(node)
+            await read_all(dp, node.info, 128 * KiB)()
+
+    run(dp, go)
+    assert store.calls["get"] == 200, store.calls["get"]
+
+
+def test_a_block_a_stream_is_in_the_middle_of_outlives_small_files_read_whole_meanwhile():
+    """Small files read whole beside a stream go first when the window needs room: the stream's block is not pushed
+    out between two of its reads, to be fetched again (issue 35: a stream beside a loader)."""
+    store = FakeStore()
+    big = random.Random(1).randbytes(8 * MiB)
+    store.put("big", big)
+    for i in range(300):
+        store.put(f"small/{i:03d}", random.Random(i).randbytes(60 * KiB))
+    dp = datapath(store, cache=20 * MiB, block=1 * MiB, prefetch=1 * MiB)  # a window of two blocks
+
+    async def go():
+        info = (await dp.namespace.lookup(1, "big")).info
+        small = await dp.namespace.lookup(1, "small")
+        smalls = [dp.namespace.node(inode).info for _, inode in await dp.namespace.readdir(small.inode)]
+        fh = dp.reader.open(info)
+        got = bytearray()
+        for n, off in enumerate(range(0, info.size, 128 * KiB)):
+            got += await dp.reader.read(fh, off, 128 * KiB)
+            for s in smalls[20 * n % len(smalls):][:20]:  # more than the window holds beside the stream's block
+                await read_all(dp, s, 64 * KiB)()
+        dp.reader.release(fh)
+        assert bytes(got) == big
+
+    run(dp, go)
+    fetched = sum(end - start for key, start, end in store.ranges if key == "big")
+    assert fetched == 8 * MiB, fetched / MiB
