@@ -30,6 +30,9 @@ from .store_errors import StoreError
 from .walk import DirectoryPrefetcher
 
 
+DISK_SETTLE = 10.0  # seconds a warm waits at its end for the disk tier to write what it fetched
+
+
 class DataPath:
     def __init__(self, cfg: MountConfig, store: ObjectStore, metrics: MountMetrics | None = None):
         self.cfg = cfg
@@ -263,6 +266,11 @@ class DataPath:
                             pass
                         nursery.start_soon(warm_block, info, index)
                     progress.files_done += 1
+            # Done means held where the mount says it holds them: the disk's writer takes the last blocks first
+            # (its queue is bounded, so this is short; a stalled disk is waited for no longer than DISK_SETTLE).
+            settle = trio.current_time() + DISK_SETTLE
+            while disk is not None and disk.queued_bytes and trio.current_time() < settle:
+                await trio.sleep(0.01)
             outer.cancel_scope.cancel()
         progress.seconds = round(time.monotonic() - started, 3)
         progress.done = True

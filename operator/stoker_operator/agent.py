@@ -113,14 +113,16 @@ class CacheWorker:
                 return  # waiting for the other nodes to publish their addresses
             membership_changed = joined != self.warmed_for
             goal = self.owned_bytes or goal
-        cached = control.stats(sock).held_bytes  # memory, or the disk tier where it holds more
+        now = control.stats(sock)
+        cached = now.held_bytes  # memory, or the disk tier where it holds more
         if plan.policy == "OnDemand":
             return self._on_demand(cached, goal, membership_changed)
         mine = self._current()  # a report about an earlier plan counts as none
         if not membership_changed and not node_should_warm(plan.policy, mine, cached, goal):
             evicted = cached < READY_AT * goal  # policy Once: say so, do not fetch again
             if mine and (evicted or abs(int(mine.get("cachedBytes", 0)) - cached) > 0.02 * max(goal, 1)):
-                self._report(dict(mine, cachedBytes=cached, phase="Evicted" if evicted else mine["phase"],
+                self._report(dict(mine, cachedBytes=cached, heldOn=now.held_on,
+                                  phase="Evicted" if evicted else mine["phase"],
                                   message="evicted from the cache; policy Once does not re-warm" if evicted
                                   else mine.get("message", "")), force=True)
             return
