@@ -125,6 +125,10 @@ class CacheMachine(RuleBasedStateMachine):
         if got is not None:
             assert bytes(got) == self.truth[k]
 
+    @rule(i=st.integers(0, 30), size=st.integers(1, 12 * KiB))
+    def passed(self, i, size):
+        self.cache.passed(key(i, etag=str(size)))
+
     @rule(n=st.integers(0, 16 * KiB))
     def reserve(self, n):
         if self.reserved + n <= self.cache.budget // 2:
@@ -143,9 +147,11 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def within_budget(self):
         assert self.cache.used <= self.cache.budget
-        assert self.cache.resident_bytes == sum(
-            e.size for seg in (self.cache._window, self.cache._main, self.cache._lent, self.cache._staged)
-            for e in seg.values())
+        segments = (self.cache._window, self.cache._main, self.cache._lent, self.cache._staged)
+        assert self.cache.resident_bytes == sum(e.size for seg in segments for e in seg.values())
+        assert sum(len(seg) for seg in segments) == len({k for seg in segments for k in seg}), "a block in one place"
+        assert self.cache._main_bytes == sum(e.size for e in self.cache._main.values())
+        assert self.cache._lent_bytes == sum(e.size for e in self.cache._lent.values())
 
 
 TestCacheMachine = CacheMachine.TestCase
