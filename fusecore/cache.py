@@ -64,6 +64,7 @@ class CacheStats:
     evictions: int
     rejections: int
     prefetch_dropped: int
+    lent: int = 0  # bytes admitted past main's own room, given back first (see the module docstring)
 
     @property
     def hit_ratio(self) -> float:
@@ -167,7 +168,8 @@ class BlockCache:
 
     def stats(self) -> CacheStats:
         return CacheStats(self.budget, self.resident_bytes, len(self), self._reserved, self._staged_bytes,
-                          self.hits, self.misses, self.evictions, self.rejections, self.prefetch_dropped)
+                          self.hits, self.misses, self.evictions, self.rejections, self.prefetch_dropped,
+                          self._lent_bytes)
 
     # ---- reads ---------------------------------------------------------------------------
     def get(self, key: CacheKey, visit: Hashable | None = None) -> Buffer | None:

@@ -120,7 +120,7 @@ class DataPath:
             "bucket": self.cfg.store.bucket,
             "prefix": self.cfg.store.prefix,
             "cache": {
-                "bytes": c.bytes, "budget": c.budget, "entries": c.entries, "staged_bytes": c.staged,
+                "bytes": c.bytes, "budget": c.budget, "entries": c.entries, "staged_bytes": c.staged, "lent_bytes": c.lent,
                 "hits": c.hits, "misses": c.misses, "hit_ratio": round(c.hit_ratio, 4),
                 "evictions": c.evictions, "prefetch_dropped": c.prefetch_dropped,
                 "recycled_buffers": self.cache.recycled,

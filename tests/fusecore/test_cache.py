@@ -151,7 +151,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.cache.resident_bytes == sum(e.size for seg in segments for e in seg.values())
         assert sum(len(seg) for seg in segments) == len({k for seg in segments for k in seg}), "a block in one place"
         assert self.cache._main_bytes == sum(e.size for e in self.cache._main.values())
-        assert self.cache._lent_bytes == sum(e.size for e in self.cache._lent.values())
+        assert self.cache.stats().lent == sum(e.size for e in self.cache._lent.values())
 
 
 TestCacheMachine = CacheMachine.TestCase
