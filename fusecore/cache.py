@@ -15,6 +15,9 @@ they were worth: a sequential stream beside small files emptied the cache of the
 the window replaces main's oldest only if it was read more often by more than one (ADMIT_MARGIN): in a
 reshuffled epoch a block main holds that this pass has not reached yet counts one read less than one just read.
 
+A member of a distributed cache never lends (`lends`): its main holds its share, sized to fit, and no other node
+has those blocks.
+
 A block put with `keep=False` (in a distributed cache, a block another node owns, fetched for a read
 here) lives in the window only: while its reader needs it, never displacing what this node owns.
 
@@ -112,6 +115,9 @@ class BlockCache:
                  min_sample: int = 10_000):
         self._window_fraction, self._staged_fraction = window_fraction, staged_fraction
         self._peak = self._last_peak = self._period_puts = 0
+        # A member of a distributed cache holds its share, sized to fit (fusecore.config.distributed_cache_size),
+        # and nobody else has those blocks: they are never lent, to be given back first (see `_main_cap`).
+        self.lends = True
         self._set_budget(budget)
         self._window: OrderedDict[CacheKey, _Entry] = OrderedDict()
         self._main: OrderedDict[CacheKey, _Entry] = OrderedDict()
@@ -303,6 +309,8 @@ class BlockCache:
         """Main's own room: what the window and the transient bytes of late (their high-water mark over this
         period and the last) leave. A pure stream needs little and keeps a large main; a stream beside small files
         needs more, and lends the rest."""
+        if not self.lends:
+            return self.budget
         return max(self._floor, self.budget - self._window_cap - max(self._peak, self._last_peak))
 
     def _note_transient(self, nbytes: int) -> None:

@@ -42,6 +42,7 @@ class DataPath:
         self.cache = BlockCache(cfg.cache_size)
         self.metrics.bind_cache(self.cache.stats)
         self.cluster = Cluster.from_config(cfg, read_key(cfg.peer_key_file), self.metrics) if cfg.peers else None
+        self.cache.lends = self.cluster is None
         self.pages = choose_pages(cfg.huge_pages, cfg.block_size)
         self.disk = DiskTier(cfg.disk_cache, cfg.disk_cache_size, bucket=cfg.store.bucket, block_size=cfg.block_size,
                              mountpoint=cfg.mountpoint, huge_pages=self.pages.huge) if cfg.disk_cache else None
@@ -187,6 +188,7 @@ class DataPath:
             cluster.changes = 0
             cluster.serve(self._for_peer, handoff=request.handoff)
             self.cluster = self.fetcher.cluster = cluster
+            self.cache.lends = False
             return answer
         cluster.rekey(request.me, request.key)
         return await trio.to_thread.run_sync(cluster.set_members, list(request.members), request.replicas)

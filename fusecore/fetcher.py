@@ -291,9 +291,15 @@ class Fetcher:
             self._admit()
 
     def _keeps(self, key: CacheKey, obj: ObjectInfo) -> bool:
-        """Does the cache keep this block past its readers? In a distributed cache only the blocks this node
-        owns (and ranges, which are never shared): the others belong to other nodes' shares."""
-        return self.cluster is None or isinstance(key, RangeKey) or self.cluster.owns(obj.key, obj.etag, key.index)
+        """Does the cache keep this block past its readers? In a distributed cache only what this node owns: its
+        blocks, and ranges inside them (an owner reads a range through and keeps it, so an asker that kept it too
+        would crowd its own share out); a range across two blocks has no owner and stays where it was read."""
+        if self.cluster is None:
+            return True
+        if isinstance(key, RangeKey):
+            first, last = key.start // self.block_size, (key.stop - 1) // self.block_size
+            return first != last or self.cluster.owns(obj.key, obj.etag, first)
+        return self.cluster.owns(obj.key, obj.etag, key.index)
 
     async def _nearer(self, obj: ObjectInfo, start: int, stop: int) -> tuple[Buffer, str] | None:
         """Bytes [start, stop) from the tiers between memory and the store, in the one read order (design §7):

@@ -299,3 +299,17 @@ def test_a_reshuffled_epoch_keeps_what_main_holds_until_it_is_read(monkeypatch):
     monkeypatch.setattr(fusecore.cache, "ADMIT_MARGIN", 0)
     without = second_epoch_hits()
     assert with_margin >= 80 > without, (with_margin, without)
+
+
+def test_a_member_of_a_distributed_cache_never_lends_its_share():
+    """Its blocks are the cluster's only copy: one admitted while GETs in flight were at their peak goes to main, not
+    to the lent room that is given back first (a two-node bench lost an owned block so, and its peer went to the
+    store in epoch 2)."""
+    for lends, lent_expected in ((True, True), (False, False)):
+        cache = BlockCache(400 * KiB)
+        cache.lends = lends
+        cache.reserve(80 * KiB)  # a warm's GETs in flight: a high-water mark of transient bytes
+        cache.release(80 * KiB)
+        for i in range(95):  # past what the window and that mark leave of the budget
+            cache.put(key(i, "share"), payload(i, 4 * KiB), visit="warm")
+        assert bool(cache._lent) == lent_expected, (lends, len(cache._lent))
