@@ -6,7 +6,9 @@ epoch as seed, node k taking every N-th from k) with 8 reader threads: ~2,000 sm
 and a few shards read sequentially. Before epoch 1 each node warms what its cache is meant to hold, as
 a DatasetCache does (the distributed cache: the blocks it owns; a per-node cache: what fits, in listing
 order). Both modes get the same cache memory per node: the distributed cache's budget
-(fusecore.config.distributed_cache_size: the share dataset x R / N, 10% headroom, room for reads). The kernel page cache is off (`--no-kernel-cache`) so the budget is the memory measured.
+(fusecore.config.distributed_cache_size: the share dataset x R / N, 10% headroom, room for reads), plus three
+standard deviations of a member's share (`cache_per_node`: few blocks split unevenly). The kernel page cache is off
+(`--no-kernel-cache`) so the budget is the memory measured.
 
 Reported per mode and epoch: store GETs and bytes (x the dataset), bytes from peers, files/s per node,
 peak RSS and cache bytes per node, the longest single file read; every byte read is checked. With
