@@ -296,16 +296,19 @@ class Fetcher:
         would crowd its own share out); a range across two blocks has no owner and stays where it was read."""
         if self.cluster is None:
             return True
-        if isinstance(key, RangeKey):
-            first, last = key.start // self.block_size, (key.stop - 1) // self.block_size
-            return first != last or self.cluster.owns(obj.key, obj.etag, first)
-        return self.cluster.owns(obj.key, obj.etag, key.index)
+        index = self._block_of(key.start, key.stop) if isinstance(key, RangeKey) else key.index
+        return index is None or self.cluster.owns(obj.key, obj.etag, index)
+
+    def _block_of(self, start: int, stop: int) -> int | None:
+        """The one block that holds bytes [start, stop), or None for a range across two blocks."""
+        index = start // self.block_size
+        return index if (stop - 1) // self.block_size == index else None
 
     async def _nearer(self, obj: ObjectInfo, start: int, stop: int) -> tuple[Buffer, str] | None:
         """Bytes [start, stop) from the tiers between memory and the store, in the one read order (design §7):
         this node's disk, then an owner of their block on another node; None: the store."""
-        index = start // self.block_size
-        if (stop - 1) // self.block_size != index:  # a range across two blocks: no tier holds it whole
+        index = self._block_of(start, stop)
+        if index is None:  # a range across two blocks: no tier holds it whole
             return None
         data = await self._from_disk(obj, index, start, stop)
         if data is not None:
