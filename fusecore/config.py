@@ -6,7 +6,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from .failures import StokerError
 
@@ -34,23 +34,49 @@ def kept_fraction() -> float:
     return 1 - WINDOW_FRACTION - STAGED_FRACTION - 1 / INFLIGHT_DIVISOR
 
 
-def distributed_cache_size(dataset_bytes: int, members: int, replicas: int = 1, headroom: float = 0.1) -> int:
+SPREAD_SIGMAS = 3  # a member's bytes pass its share's average by this many standard deviations at most (1 in ~740)
+DEFAULT_BLOCK_SIZE = 4 * 1024**2  # MountConfig.block_size's default (also what the CSI driver mounts with)
+
+
+def block_squares(sizes: Iterable[int], block_size: int) -> int:
+    """The sum of the squares of the blocks' lengths of objects of `sizes`: what a member's share varies by."""
+    total = 0
+    for size in sizes:
+        full, rest = divmod(size, block_size)
+        total += full * block_size * block_size + rest * rest
+    return total
+
+
+def estimated_block_squares(dataset_bytes: int, objects: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """block_squares from the dataset's size and object count alone (exact where the objects are alike)."""
+    return min(block_size, dataset_bytes // max(1, objects)) * dataset_bytes
+
+
+def distributed_cache_size(dataset_bytes: int, members: int, replicas: int = 1, headroom: float = 0.1,
+                           squares: int = 0) -> int:
     """The cache budget of one member of a distributed cache: its share of the dataset (R/N; Maglev keeps
-    shares within a few percent of it), `headroom` over it, kept through transient use (kept_fraction)."""
-    share = dataset_bytes * min(replicas, members) / max(1, members)
-    return int(math.ceil(share * (1 + headroom) / kept_fraction()))
+    the table's shares within a few percent of it), `headroom` over it, plus SPREAD_SIGMAS standard
+    deviations of what it owns (blocks land on owners by hash, so few blocks split unevenly: two members
+    and 32 blocks of 4 MiB vary by +-11 MiB; `squares` is block_squares of the dataset), all kept through
+    transient use (kept_fraction): an owner that cannot keep its share sends every other member to the store."""
+    p = min(replicas, members) / max(1, members)
+    spread = SPREAD_SIGMAS * math.sqrt(squares * p * (1 - p))
+    return int(math.ceil((dataset_bytes * p * (1 + headroom) + spread) / kept_fraction()))
 
 
 AUTO_MEMORY_FRACTION = 0.5  # `--cache-size auto` takes at most this share of the machine's memory
 
 
-def auto_cache_size(cfg: "MountConfig", dataset_bytes: int, memory_bytes: int) -> tuple[int, str]:
+def auto_cache_size(cfg: "MountConfig", sizes: list[int], memory_bytes: int) -> tuple[int, str]:
     """`--cache-size auto`: the budget that holds this mount's part of the dataset (all of it, or in a
     distributed cache its share, R/N) with headroom, as the operator sizes a DatasetCache; at least two
-    blocks, at most AUTO_MEMORY_FRACTION of the machine's memory. Returns it and a line that says why."""
+    blocks, at most AUTO_MEMORY_FRACTION of the machine's memory. `sizes`: the listed objects'. Returns it and a line
+    that says why."""
+    dataset_bytes = sum(sizes)
     members = len(cfg.peer_members) if cfg.peers else 1
     replicas = cfg.peer_replicas if cfg.peers else 1
-    wanted = max(2 * cfg.block_size, distributed_cache_size(dataset_bytes, members, replicas))
+    squares = block_squares(sizes, cfg.block_size) if members > 1 else 0
+    wanted = max(2 * cfg.block_size, distributed_cache_size(dataset_bytes, members, replicas, squares=squares))
     cap = int(memory_bytes * AUTO_MEMORY_FRACTION)
     part = f"a {replicas}/{members} share of " if cfg.peers else ""
     why = f"cache size auto: {wanted} bytes for {part}a dataset of {dataset_bytes} bytes"
@@ -177,7 +203,7 @@ class MountConfig:
     cache_size: int = 4 * 1024**3
     # `--cache-size auto`: sized at start from the dataset's listing (auto_cache_size); cache_size until then
     cache_size_auto: bool = False
-    block_size: int = 4 * 1024**2
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_prefetch: int = 256 * 1024**2  # bytes ahead of one sequential reader
     initial_prefetch: int = 16 * 1024**2  # first read-ahead of a file read from offset 0 (0: one block)
     max_inflight_bytes: int = 256 * 1024**2  # all GETs of the mount together

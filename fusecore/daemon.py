@@ -62,8 +62,8 @@ def machine_memory() -> int:
 
 def _sized(cfg: MountConfig, store: S3Store) -> MountConfig:
     """`--cache-size auto`: one listing of the dataset (no HEADs) before mounting, then the budget."""
-    dataset = sum(info.size for info in store.list_all(cfg.store.prefix))
-    size, why = auto_cache_size(cfg, dataset, machine_memory())
+    sizes = [info.size for info in store.list_all(cfg.store.prefix)]
+    size, why = auto_cache_size(cfg, sizes, machine_memory())
     log.info("%s", why)
     return dataclasses.replace(cfg, cache_size=size)
 

@@ -6,8 +6,8 @@ epoch as seed, node k taking every N-th from k) with 8 reader threads: ~2,000 sm
 and a few shards read sequentially. Before epoch 1 each node warms what its cache is meant to hold, as
 a DatasetCache does (the distributed cache: the blocks it owns; a per-node cache: what fits, in listing
 order). Both modes get the same cache memory per node: the distributed cache's budget
-(fusecore.config.distributed_cache_size: the share dataset x R / N, 10% headroom, room for reads), plus three
-standard deviations of a member's share (`cache_per_node`: few blocks split unevenly). The kernel page cache is off
+(fusecore.config.distributed_cache_size: the share dataset x R / N, 10% headroom, three standard deviations of what
+a member owns past it, room for reads), as `--cache-size auto` sizes a member. The kernel page cache is off
 (`--no-kernel-cache`) so the budget is the memory measured.
 
 Reported per mode and epoch: store GETs and bytes (x the dataset), bytes from peers, files/s per node,
@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from fusecore import control
-from fusecore.config import distributed_cache_size, kept_fraction
+from fusecore.config import block_squares, distributed_cache_size
 from fusecore.messages import WarmProgress
 from stoker.s3server import free_port
 
@@ -123,14 +123,9 @@ class ClusterResult:
 
 
 def cache_per_node(items: list[tuple[str, int]], nodes: int, replicas: int, block_size: int = 4 * MiB) -> int:
-    """The distributed cache's budget per node, as the operator sizes it (whole MiB), plus room for three standard
-    deviations of one member's share: blocks land on owners by hash, so with few blocks a member's share passes the
-    average by more than the operator's 10% headroom (two nodes and 32 blocks of 4 MiB: +-11 MiB), and a member
-    that cannot keep its share sends its peers to the store. Negligible for a dataset of thousands of blocks."""
-    p = min(replicas, nodes) / nodes
-    blocks = [min(block_size, size - start) for _, size in items for start in range(0, size, block_size)]
-    spread = 3 * math.sqrt(sum(b * b for b in blocks) * p * (1 - p))
-    need = distributed_cache_size(sum(size for _, size in items), nodes, replicas) + spread / kept_fraction()
+    """The distributed cache's budget per node, as a member sizes it (`--cache-size auto`), in whole MiB."""
+    sizes = [size for _, size in items]
+    need = distributed_cache_size(sum(sizes), nodes, replicas, squares=block_squares(sizes, block_size))
     return int(math.ceil(need / MiB)) * MiB
 
 

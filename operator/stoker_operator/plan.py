@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 
 from kubernetes.utils.quantity import parse_quantity
 
-from fusecore.config import WARM_FRACTION, distributed_cache_size, kept_fraction
+from fusecore.config import WARM_FRACTION, distributed_cache_size, estimated_block_squares, kept_fraction
 from fusecore.config import format_size as human
 
 from .failures import OperatorError
@@ -123,14 +123,16 @@ def size_cache(spec: dict, dataset_bytes: int, object_count: int, nodes: list[No
     """Per-node cache budget: the explicit cacheSize, or auto (what a node must hold plus headroom, capped
     by maxNodeMemoryFraction of the smallest target node's allocatable memory and by what other
     DatasetCaches left of the node cache memory, `room`). What a node must hold is the dataset, or in a
-    distributed cache its share: dataset x R / N (fusecore.config.distributed_cache_size)."""
+    distributed cache its share: dataset x R / N, and what it may own past that (fusecore.config.distributed_cache_size:
+    blocks split unevenly, estimated from the object count)."""
     requested = str(spec.get("cacheSize", "auto"))
     fraction = float(spec.get("maxNodeMemoryFraction", 0.5))
     headroom = int(spec.get("headroomPercent", 10))
     replicas = min(replicas_of(spec), len(nodes))  # 0: not distributed (or no nodes to spread it on)
     if replicas:  # a share per node: kept through transient use, since an owner's eviction costs every node
         goal = math.ceil(dataset_bytes * replicas / len(nodes))
-        need = distributed_cache_size(dataset_bytes, len(nodes), replicas, headroom / 100)
+        need = distributed_cache_size(dataset_bytes, len(nodes), replicas, headroom / 100,
+                                      squares=estimated_block_squares(dataset_bytes, object_count))
         holds = kept_fraction()
         what = f"a share of {human(goal)} (dataset {human(dataset_bytes)} x {replicas} / {len(nodes)} nodes)"
     else:

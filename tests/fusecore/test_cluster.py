@@ -14,7 +14,7 @@ import time
 import pytest
 
 from fusecore import control
-from fusecore.config import distributed_cache_size
+from fusecore.config import block_squares, distributed_cache_size
 from fusecore.launch import ended
 from fusecore.ownership import Owners, block_id
 from stoker.s3server import free_port
@@ -243,7 +243,10 @@ def test_without_a_warm_owners_read_through_and_the_store_sends_each_block_once(
     (`--cache-size auto`: a third of the listed dataset, with the operator's headroom)."""
     mps, members = start_cluster(mounts, bucket, tmp_path, extra=("--cache-size", "auto"))
     total = sum(len(b) for b in dataset.values())
-    assert stats(mps[0])["cache"]["budget"] == max(2 * MiB, distributed_cache_size(total, 3, 1))
+    sizes = [len(body) for body in dataset.values()]
+    assert stats(mps[0])["cache"]["budget"] == max(2 * MiB, distributed_cache_size(
+        total, 3, 1, squares=block_squares(sizes, MiB))), "its share, and what it may own past it"
+
     read_everywhere(mps, dataset)
     first = [stats(mp) for mp in mps]
     fetched = sum(s["bytes_fetched"] for s in first)

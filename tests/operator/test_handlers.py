@@ -200,7 +200,7 @@ def test_a_distributed_cache_plans_shares_and_hands_over_one_peer_key_it_keeps(k
     is distributed; the handover Secret carries a key of this cache, made once: a re-plan keeps it."""
     import base64
 
-    from fusecore.config import distributed_cache_size
+    from fusecore.config import distributed_cache_size, estimated_block_squares
     from stoker_operator.handover import handover_name
 
     from .conftest import RELEASE_NS, node_object
@@ -217,7 +217,8 @@ def test_a_distributed_cache_plans_shares_and_hands_over_one_peer_key_it_keeps(k
     assert st, status(kube, "d")
     assert st["distributed"] == {"replicas": 2, "nodes": 4, "shareBytes": 200_000}
     assert st["warmableBytes"] == 200_000
-    assert st["cacheBytesPerNode"] == max(64 * 1024**2, distributed_cache_size(400_000, 4, 2, 0.1))
+    assert st["cacheBytesPerNode"] == max(64 * 1024**2, distributed_cache_size(
+        400_000, 4, 2, 0.1, squares=estimated_block_squares(400_000, 2)))
     for n in ("n1", "n2", "n3", "n4"):
         spec = node_object(kube, "d", n)["spec"]
         assert spec["distributed"] == {"replicas": 2, "nodes": 4} and spec["warmableBytes"] == 200_000
