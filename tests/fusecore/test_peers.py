@@ -320,3 +320,70 @@ def test_a_refused_ask_is_answered_400_and_fetches_nothing():
         assert s.served == s.through == 0
     finally:
         s.close()
+
+
+def _raw(server, data: bytes) -> bytes:
+    """What the server answers to `data` sent on a fresh connection, up to its close."""
+    with socket.create_connection(server.address, timeout=5) as s:
+        s.sendall(data)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    return got
+
+
+def test_what_is_not_the_protocols_http_is_answered_400_and_the_connection_closed(server):
+    """The server parses requests itself (peers._Wire): anything but a bodiless GET of HTTP/1.x, with well-formed
+    headers and a head of at most MAX_HEAD bytes, is told 400 and closed, before any signature is looked at."""
+    from fusecore.peers import MAX_HEAD
+
+    target = BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK)).target()
+    signed = f"Authorization: {sign(KEY, target, time.time())}\r\n"
+    for bad in (f"POST {target} HTTP/1.1\r\n{signed}\r\n", f"GET {target} HTTP/2.0\r\n{signed}\r\n",
+                f"GET {target} HTTP/1.1\r\n{signed}no colon here\r\n\r\n",
+                f"GET {target} HTTP/1.1\r\n{signed}Content-Length: 5\r\n\r\nhello",
+                f"GET {target} HTTP/1.1\r\n{signed}X-Pad: {'a' * MAX_HEAD}\r\n\r\n"):
+        assert _raw(server, bad.encode()).startswith(b"HTTP/1.1 400 "), bad[:40]
+    answer = _raw(server, f"GET {target} HTTP/1.1\r\n{signed}Connection: close\r\n\r\n".encode())
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(BLOCK), "a well-formed one is answered"
+    assert server.served == 1 and server.refused == 0
+
+
+def test_an_etag_with_control_characters_is_refused_not_echoed(server):
+    """The ETag asked goes back in the X-Stoker-ETag header: one with CR or LF (a signed ask of a member gone
+    wrong) is refused, never written into an answer's head."""
+    evil = BlockAsk.block("train/shard-0.tar", "etag-1\r\nX-Injected: 1", 2, len(BLOCK))
+    with pytest.raises(ValueError, match="control characters"):
+        BlockAsk.parse(evil.target().split("?", 1)[1])
+    answer = _raw(server, f"GET {evil.target()} HTTP/1.1\r\nAuthorization: {sign(KEY, evil.target(), time.time())}"
+                          f"\r\nConnection: close\r\n\r\n".encode())
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"X-Injected" not in answer
+
+
+def test_an_answer_head_trickled_byte_by_byte_is_given_up_within_the_first_byte_bound():
+    """A peer that keeps each recv busy but never finishes its head is bounded as a silent one is."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    stop = threading.Event()
+
+    def trickle():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\n")
+            while not stop.wait(0.05):
+                try:
+                    conn.sendall(b"X")
+                except OSError:
+                    return
+
+    threading.Thread(target=trickle, daemon=True).start()
+    client = PeerClient(KEY, TIGHT)
+    try:
+        started = time.monotonic()
+        assert client.ask(f"127.0.0.1:{listener.getsockname()[1]}", BlockAsk.block("k", "e", 0, 10)) == ("failed", None)
+        assert time.monotonic() - started < 1.5
+    finally:
+        stop.set()
+        listener.close()
