@@ -81,20 +81,23 @@ class Liar(http.server.BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     mode = "corrupt"
+    checksum = "sha256"  # what an older member sends whatever it is asked
 
     def log_message(self, *args):
         pass
 
     def do_GET(self):
+        from fusecore.sums import CHECKSUMS
+
         body = bytearray(BLOCK)
-        digest = hashlib.sha256(BLOCK).hexdigest()
+        digest = CHECKSUMS[self.checksum](BLOCK).hex()
         if self.mode == "corrupt":
             body[12345] ^= 0xFF
         length = len(BLOCK) + (7 if self.mode == "longer" else 0)
         self.send_response(200)
         self.send_header("Content-Length", str(length))
         self.send_header("X-Stoker-ETag", "etag-1")
-        self.send_header("X-Stoker-SHA256", digest)
+        self.send_header(f"X-Stoker-{self.checksum.upper()}", digest)
         self.end_headers()
         self.wfile.write(body[: len(body) // 2] if self.mode == "short" else body)
         if self.mode == "short":
@@ -102,9 +105,10 @@ class Liar(http.server.BaseHTTPRequestHandler):
             self.connection.shutdown(socket.SHUT_RDWR)
 
 
-@pytest.mark.parametrize("mode", ["corrupt", "short", "longer"])
-def test_a_wrong_answer_is_refused_and_the_peer_avoided(mode):
-    handler = type("Handler", (Liar,), {"mode": mode})
+@pytest.mark.parametrize("mode,checksum", [("corrupt", "sha256"), ("corrupt", "crc64nvme"), ("short", "crc64nvme"),
+                                           ("longer", "crc64nvme")])
+def test_a_wrong_answer_is_refused_and_the_peer_avoided(mode, checksum):
+    handler = type("Handler", (Liar,), {"mode": mode, "checksum": checksum})
     liar = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=liar.serve_forever, daemon=True).start()
     try:
@@ -387,3 +391,21 @@ def test_an_answer_head_trickled_byte_by_byte_is_given_up_within_the_first_byte_
     finally:
         stop.set()
         listener.close()
+
+
+def test_members_of_the_older_version_are_answered_and_understood(server):
+    """Before CRC64-NVME, asks named no checksum and answers carried SHA-256: an older asker still gets
+    X-Stoker-SHA256, and an older owner's SHA-256 answer is checked and used (a rolling upgrade loses no hits)."""
+    target = BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK)).target().replace("&sum=crc64nvme", "")
+    answer = _raw(server, f"GET {target} HTTP/1.1\r\nAuthorization: {sign(KEY, target, time.time())}\r\n"
+                          f"Connection: close\r\n\r\n".encode())
+    assert f"X-Stoker-SHA256: {hashlib.sha256(BLOCK).hexdigest()}".encode() in answer and answer.endswith(BLOCK)
+    older = http.server.ThreadingHTTPServer(("127.0.0.1", 0), type("Handler", (Liar,), {"mode": "right"}))
+    threading.Thread(target=older.serve_forever, daemon=True).start()
+    try:
+        client = PeerClient(KEY, SLACK)
+        want = BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))
+        assert client.ask(f"127.0.0.1:{older.server_address[1]}", want) == ("hit", BLOCK)
+    finally:
+        older.shutdown()
+        older.server_close()
