@@ -2,7 +2,8 @@
 
 Blocks live as files under DIR/blocks, one per block, named by a digest of what names a block everywhere
 (bucket, object key, ETag, index, block size): a changed object, or another block size, never finds old
-bytes. A file is a header (magic, length, the name's digest, the SHA-256 of the bytes) and the bytes; a read
+bytes. A file is a header (magic, length, the name's digest, a checksum of the bytes: CRC64-NVME, or SHA-256 in a
+file of an older version) and the bytes; a read
 checks all of it and drops the file on any mismatch (counted, never served: the block is fetched again).
 
 Writes go behind the reader: the fetcher offers a block once its readers have it, a queue of bounded bytes
@@ -34,11 +35,16 @@ from .blocks import BlockKey
 from .buffers import allocate
 from .cache import Buffer
 from .config import ConfigError, format_size
+from .sums import CHECKSUMS
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"STKDISK1"
-HEADER = struct.Struct("<8sQ32s32s")  # magic, length of the bytes, the name's digest, SHA-256 of the bytes
+# magic, length of the bytes, the name's digest, the bytes' checksum: the magic names which (sums.CHECKSUMS). Blocks
+# are written with CRC64-NVME (a tenth of SHA-256's cost: 0.35 against 2.7 ms a 4 MiB block, on every read back);
+# blocks an older version wrote with SHA-256 are read as they are.
+HEADER = struct.Struct("<8sQ32s32s")
+MAGICS = {b"STKDISK2": "crc64nvme", b"STKDISK1": "sha256"}
+MAGIC = b"STKDISK2"  # what this version writes
 WRITE_QUEUE = 32 * 1024**2  # bytes offered and not written yet (or two blocks); more are skipped (readers never wait)
 STEP_ASIDE = 30.0  # seconds without writes after the disk failed one
 FLOOR_MAX = 1024**3  # writing pauses while the filesystem has less free than min(this, a 20th of its size)
@@ -219,11 +225,12 @@ class DiskTier:
                 self._corrupt(name, "short header")
                 return None
             magic, size, digest, checksum = HEADER.unpack(header)
-            if magic != MAGIC or digest != bytes.fromhex(name) or size != length:
+            kind = MAGICS.get(magic)
+            if kind is None or digest != bytes.fromhex(name) or size != length:
                 self._corrupt(name, "header does not name this block")
                 return None
             data = into if into is not None else allocate(length, self._huge)
-            if os.preadv(fd, [data], HEADER.size) != length or hashlib.sha256(data).digest() != checksum:
+            if os.preadv(fd, [data], HEADER.size) != length or _sum(kind, data) != checksum:
                 self._corrupt(name, "checksum mismatch")
                 return None
             os.utime(fd)  # its recency survives a restart (the scan orders by it)
@@ -294,8 +301,7 @@ class DiskTier:
                 return
             with self._lock:
                 self._evict_to(self.budget - need)
-            checksum = hashlib.sha256(data).digest()
-            header = HEADER.pack(MAGIC, len(data), bytes.fromhex(name), checksum)
+            header = HEADER.pack(MAGIC, len(data), bytes.fromhex(name), _sum(MAGICS[MAGIC], data))
             temp = os.path.join(self._blocks, f"{TEMP}{name}")
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
@@ -366,3 +372,8 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data).cast("B")
     while view:
         view = view[os.write(fd, view):]
+
+
+def _sum(kind: str, data: Buffer) -> bytes:
+    """The checksum field of a header: the sum named `kind`, padded to the field's 32 bytes."""
+    return CHECKSUMS[kind](data).ljust(32, b"\0")

@@ -283,3 +283,31 @@ def test_blocks_larger_than_the_write_queue_are_written_too(tmp_path):
     disk.offer(BlockKey("big", "e", 0), body)
     assert written(disk, 1) and bytes(disk.read(BlockKey("big", "e", 0), len(body))) == body
     disk.close()
+
+
+def test_a_block_an_older_version_wrote_with_sha256_is_still_served_and_checked(tmp_path):
+    """Files are written with CRC64-NVME now (STKDISK2); a DIR filled by an older version (STKDISK1, SHA-256) is
+    read as it is after an upgrade, and a damaged one of those is still dropped, never served."""
+    from fusecore.disk import HEADER, MAGIC
+
+    disk = tier(tmp_path)
+    keys = [BlockKey("obj", "etag-1", i) for i in range(2)]
+    bodies = [os.urandom(BLOCK) for _ in keys]
+    for key, body in zip(keys, bodies):
+        disk.offer(key, body)
+    assert written(disk, 2)
+    disk.close()
+    for n, (key, body) in enumerate(zip(keys, bodies)):  # rewrite both as the older version did
+        path = os.path.join(tmp_path, "blocks", disk.name(key))
+        with open(path, "rb") as f:
+            magic, size, digest, _ = HEADER.unpack(f.read(HEADER.size))
+        assert magic == MAGIC == b"STKDISK2"
+        stored = bytearray(body)
+        if n == 1:
+            stored[7] ^= 0xFF  # damaged after its checksum was taken
+        with open(path, "wb") as f:
+            f.write(HEADER.pack(b"STKDISK1", size, digest, hashlib.sha256(body).digest()) + stored)
+    again = tier(tmp_path)
+    assert bytes(again.read(keys[0], BLOCK)) == bodies[0]
+    assert again.read(keys[1], BLOCK) is None and again.stats().dropped == 1
+    again.close()
