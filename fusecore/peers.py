@@ -639,8 +639,9 @@ class PeerClient:
             name = _SUM_BY_LENGTH.get(size - 1 - want.length)  # an older owner answers SHA-256 whatever is asked
             if name is None:
                 raise ValueError("a read-through answer of another length")
-            body = wire.exactly(want.length, until=time.monotonic() + self.timeouts.body)
-            digest = bytes(wire.exactly(size - 1 - want.length))
+            until = time.monotonic() + self.timeouts.body  # for the bytes and their checksum
+            body = wire.exactly(want.length, until=until)
+            digest = bytes(wire.exactly(size - 1 - want.length, until=until))
             wire.crlf()
             if wire.line() != b"0":
                 raise ValueError("a read-through answer longer than asked")

@@ -13,6 +13,8 @@ import urllib.request
 from concurrent.futures import Future
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fusecore.peers import BlockAsk, PeerClient, PeerServer, PeerTimeouts, sign
 
@@ -409,3 +411,22 @@ def test_members_of_the_older_version_are_answered_and_understood(server):
     finally:
         older.shutdown()
         older.server_close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.binary(max_size=300) | st.lists(st.sampled_from([b"GET ", b"/v1/block?", b"key=a&etag=e&index=0", b" HTTP/1.1",
+                                                          b"\r\n", b":", b"Authorization: Stoker-Peer 1 ab",
+                                                          b"Transfer-Encoding: chunked", b"\r\n\r\n", b"\x00", b" "]),
+                                         max_size=12).map(b"".join))
+def test_any_bytes_sent_to_a_peer_are_answered_or_closed_never_served(server, data):
+    """Whatever an unsigned sender writes, the server answers with an error status or closes; it never sends a
+    block and never waits for more than the sender wrote."""
+    with socket.create_connection(server.address, timeout=5) as s:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)  # the sender is done: the server must not wait for more
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    assert BLOCK[:64] not in got
+    assert got == b"" or got.startswith((b"HTTP/1.1 400 ", b"HTTP/1.1 401 ")), got[:80]
+    assert server.served == 0
