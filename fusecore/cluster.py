@@ -12,7 +12,6 @@ owner when R > 1, else from the store).
 
 from __future__ import annotations
 
-import threading
 import time
 
 from .blocks import BlockKey, block_extent
@@ -48,7 +47,6 @@ class Cluster:
         self.client = PeerClient(key, PeerTimeouts(connect=timeout, first_byte=timeout, body=timeout + 2.0),
                                  prefix=self.prefix)  # (a read-through beats within first_byte: see peers.py)
         self.server: PeerServer | None = None
-        self._lock = threading.Lock()  # worker threads count blocks no peer answered
         self.peer_misses = 0
         self._show_owners()
 
@@ -102,13 +100,13 @@ class Cluster:
         owners = self.owners.of(block_id(key, etag, index))
         return [o for o in owners if o != self.me and not self.client.avoided(o)], self.me not in owners
 
-    def fetch(self, peers: list[str], want: BlockAsk) -> bytearray | None:
-        """From a worker thread: the bytes `want` from the first of `peers` (its block's `plan`) that answers
-        with them, or None (then the store)."""
+    async def fetch(self, peers: list[str], want: BlockAsk) -> bytearray | None:
+        """On the event loop: the bytes `want` from the first of `peers` (its block's `plan`) that answers with
+        them, or None (then the store)."""
         m = self.metrics
         for peer in peers:
             began = time.monotonic()
-            outcome, data = self.client.ask(peer, want)
+            outcome, data = await self.client.ask(peer, want)
             if outcome == "avoided":  # failed since `plan` was read: not asked
                 continue
             seconds = time.monotonic() - began
@@ -118,8 +116,7 @@ class Cluster:
             if data is not None:
                 m.peer_bytes.labels(peer=peer).inc(len(data))
                 return data
-        with self._lock:
-            self.peer_misses += 1
+        self.peer_misses += 1  # (on the event loop)
         return None
 
     def serve(self, lookup: Lookup, handoff: str | None = None) -> None:

@@ -346,9 +346,8 @@ class Fetcher:
         if not peers:  # this node is the only owner (or the others are avoided): no thread hop
             return None
         want = BlockAsk(obj.key, obj.etag, index, start, stop, obj.size, through)
-        # abandoned at unmount: the answer of a peer no reader waits for any more is not worth waiting for
-        return await trio.to_thread.run_sync(self.cluster.fetch, peers, want, limiter=self._threads,
-                                             abandon_on_cancel=True)
+        async with self._threads:  # the same bound on what is in flight as the store's GETs
+            return await self.cluster.fetch(peers, want)
 
     def _receive(self, obj: ObjectInfo, start: int, lo: int, hi: int, pending: _Pending, progress: Progress) -> None:
         """In a worker thread: the rest of bytes [lo, hi) of the block (which begins at `start`) into its

@@ -42,6 +42,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import math
 import os
 import socket
 import socketserver
@@ -51,13 +52,16 @@ import time
 import urllib.parse
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Generator, TypeVar
+
+import trio
 
 from .cache import Buffer
 from .failures import StokerError
 from .sums import CHECKSUMS
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PATH = "/v1/block"
 SCHEME = "Stoker-Peer"
@@ -173,19 +177,44 @@ class _Request:
     keep_alive: bool
 
 
-class _Wire:
-    """The bytes of one connection, read as heads, lines and exact lengths (both ends are Stoker's: the protocol's
-    few shapes of HTTP/1.1, parsed here because http.client's and http.server's parsing, through the email
-    package, was most of a peer request's CPU: ~0.4 of 0.75 ms for a 110 KB block, both ends, measured)."""
+@dataclass
+class _Recv:
+    """A step: the next bytes the connection has (b"" at its end), by the monotonic time `until` (None: the
+    socket's own timeout)."""
 
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
+    until: float | None
+
+
+@dataclass
+class _RecvInto:
+    """A step: bytes into `view`; their count (0 at the connection's end)."""
+
+    view: memoryview
+    until: float | None
+
+
+@dataclass
+class _SendAll:
+    data: bytes
+    until: float | None
+
+
+_Step = _Recv | _RecvInto | _SendAll
+Steps = Generator[_Step, Any, T]  # what a connection's protocol does, step by step; a driver does the I/O
+
+
+class _Wire:
+    """The bytes of one connection, read as heads, lines and exact lengths, as steps that a driver carries out on a
+    blocking socket (`_run`: the server's threads) or on the event loop (`_run_on_loop`: an asker). Both ends are
+    Stoker's: the protocol's few shapes of HTTP/1.1, parsed here because http.client's and http.server's parsing,
+    through the email package, was most of a peer request's CPU (~0.4 of 0.75 ms for a 110 KB block, both ends)."""
+
+    def __init__(self) -> None:
         self._buf = bytearray()  # received, not yet taken
 
-    def head(self, until: float | None = None) -> list[str] | None:
+    def head(self, until: float | None = None) -> Steps[list[str] | None]:
         """The lines of the next head (a request or status line and headers), None at a clean end of the
-        connection (nothing of a head received); ConnectionError at an end inside one, _Malformed past MAX_HEAD;
-        socket.timeout past the monotonic time `until`."""
+        connection (nothing of a head received); ConnectionError at an end inside one, _Malformed past MAX_HEAD."""
         while True:
             end = self._buf.find(b"\r\n\r\n")
             if end > MAX_HEAD or (end < 0 and len(self._buf) > MAX_HEAD):
@@ -194,64 +223,51 @@ class _Wire:
                 head = bytes(self._buf[:end])
                 del self._buf[:end + 4]
                 return head.decode("latin-1").split("\r\n")
-            if until is not None:
-                left = until - time.monotonic()
-                if left <= 0:
-                    raise socket.timeout("the head took too long")
-                self.sock.settimeout(left)
-            data = self.sock.recv(65536)
+            data = yield _Recv(until)
             if not data:
                 if self._buf:
                     raise ConnectionError("the connection ended inside a head")
                 return None
             self._buf += data
 
-    def line(self) -> bytes:
+    def line(self, until: float | None) -> Steps[bytes]:
         """One CRLF-ended line (a chunk's size), without its CRLF."""
         while (end := self._buf.find(b"\r\n")) < 0:
             if len(self._buf) > 1024:
                 raise _Malformed("a line longer than allowed")
-            self._fill()
+            data = yield _Recv(until)
+            if not data:
+                raise _Malformed("the connection ended inside an answer")
+            self._buf += data
         line = bytes(self._buf[:end])
         del self._buf[:end + 2]
         return line
 
-    def exactly(self, n: int, until: float | None = None) -> bytearray:
-        """The next `n` bytes, by the monotonic time `until`."""
+    def exactly(self, n: int, until: float | None) -> Steps[bytearray]:
+        """The next `n` bytes."""
         out = bytearray(n)
         into = memoryview(out)
         have = min(n, len(self._buf))
         into[:have] = self._buf[:have]
         del self._buf[:have]
         while have < n:
-            if until is not None:
-                left = until - time.monotonic()
-                if left <= 0:
-                    raise socket.timeout("the body took too long")
-                self.sock.settimeout(left)
-            got = self.sock.recv_into(into[have:n])
+            got = yield _RecvInto(into[have:n], until)
             if not got:
                 raise _Malformed(f"a short body ({have} of {n} bytes)")
             have += got
         return out
 
-    def crlf(self) -> None:
-        if self.line():
+    def crlf(self, until: float | None) -> Steps[None]:
+        if (yield from self.line(until)):
             raise _Malformed("a chunk not ended by CRLF")
 
     def drained(self) -> bool:
         """Nothing received past what was taken (a connection with more is not reused)."""
         return not self._buf
 
-    def _fill(self) -> None:
-        data = self.sock.recv(65536)
-        if not data:
-            raise _Malformed("the connection ended inside an answer")
-        self._buf += data
-
-    def request(self) -> _Request | None:
+    def request(self) -> Steps[_Request | None]:
         """The next request (a GET without a body), None at a clean end."""
-        lines = self.head()
+        lines = yield from self.head()
         if lines is None:
             return None
         parts = lines[0].split(" ")
@@ -264,16 +280,78 @@ class _Wire:
         keep = connection != "close" if parts[2] == "HTTP/1.1" else connection == "keep-alive"
         return _Request(parts[1], headers.get("authorization"), keep)
 
-    def answer_head(self, until: float) -> tuple[int, dict[str, str]]:
-        """The status and headers (names in lower case) of the next answer, by the monotonic time `until`;
-        ConnectionError if the connection ended before any byte of it (a kept-alive connection the peer closed)."""
-        lines = self.head(until)
+    def answer_head(self, until: float) -> Steps[tuple[int, dict[str, str]]]:
+        """The status and headers (names in lower case) of the next answer; ConnectionError if the connection
+        ended before any byte of it (a kept-alive connection the peer closed)."""
+        lines = yield from self.head(until)
         if lines is None:
             raise ConnectionError("the peer closed the connection")
         parts = lines[0].split(" ", 2)
         if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
             raise _Malformed(f"not a status line: {lines[0][:80]!r}")
         return int(parts[1]), _headers(lines[1:])
+
+
+def _left(until: float) -> float:
+    left = until - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("the peer took too long")
+    return left
+
+
+def _run(sock: socket.socket, steps: Steps[T]) -> T:
+    """Carry out `steps` on a blocking socket."""
+    try:
+        step = next(steps)
+        while True:
+            if step.until is not None:
+                sock.settimeout(_left(step.until))
+            if isinstance(step, _Recv):
+                result: Any = sock.recv(65536)
+            elif isinstance(step, _RecvInto):
+                result = sock.recv_into(step.view)
+            else:
+                sock.sendall(step.data)
+                result = None
+            step = steps.send(result)
+    except StopIteration as done:
+        return done.value
+    finally:
+        steps.close()
+
+
+async def _run_on_loop(sock: socket.socket, steps: Steps[T]) -> T:
+    """Carry out `steps` on a non-blocking socket from the event loop: each step is tried at once and waits for the
+    socket only when it cannot go on (no thread per ask: a hand-off to a worker thread cost an asker ~0.12 ms of
+    CPU, as much as the ask itself; nor a trio socket per step, whose cancel scopes and checkpoints cost as much).
+    A step past its time is a socket.timeout, as on a blocking socket."""
+    await trio.lowlevel.checkpoint_if_cancelled()
+    try:
+        step = next(steps)
+        while True:
+            try:
+                if isinstance(step, _Recv):
+                    result: Any = sock.recv(65536)
+                elif isinstance(step, _RecvInto):
+                    result = sock.recv_into(step.view)
+                else:
+                    sent = sock.send(step.data)
+                    if sent < len(step.data):
+                        step = _SendAll(step.data[sent:], step.until)
+                        raise BlockingIOError
+                    result = None
+            except BlockingIOError:
+                wait = trio.lowlevel.wait_writable if isinstance(step, _SendAll) else trio.lowlevel.wait_readable
+                with trio.move_on_after(_left(step.until) if step.until is not None else math.inf) as bound:
+                    await wait(sock)
+                if bound.cancelled_caught:
+                    raise socket.timeout("the peer took too long") from None
+                continue
+            step = steps.send(result)
+    except StopIteration as done:
+        return done.value
+    finally:
+        steps.close()
 
 
 def _headers(lines: list[str]) -> dict[str, str]:
@@ -398,10 +476,10 @@ class PeerServer:
         # one back until the asker's delayed ACK (up to 40 ms).
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        wire = _Wire(sock)
+        wire = _Wire()
         while True:
             try:
-                request = wire.request()
+                request = _run(sock, wire.request())
             except _Malformed as exc:
                 log.debug("peer %s: malformed request: %s", _name(sock), exc)
                 return _send(sock, _head(400, [("Content-Length", 0)], False))
@@ -522,8 +600,8 @@ class PeerTimeouts:
 
 
 class PeerClient:
-    """Asks a peer for bytes of one block; None unless the answer is exactly those bytes. A peer that failed is
-    avoided for `avoid` seconds, then asked again."""
+    """Asks a peer for bytes of one block, from the event loop; None unless the answer is exactly those bytes. A
+    peer that failed is avoided for `avoid` seconds, then asked again."""
 
     def __init__(self, key: bytes, timeouts: PeerTimeouts | None = None, avoid: float = AVOID,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
@@ -532,25 +610,25 @@ class PeerClient:
         self.clock, self.wall = clock, wall
         self._avoid_until: dict[str, float] = {}
         self.failures: dict[str, int] = {}
-        self._pool: dict[str, list[tuple[float, socket.socket]]] = {}  # idle connections by peer
-        self._pool_lock = threading.Lock()
+        # idle connections by peer, as plain sockets (wrapped for the loop per ask; closed from anywhere)
+        self._pool: dict[str, list[tuple[float, socket.socket]]] = {}
 
     def avoided(self, peer: str) -> bool:
         return self._avoid_until.get(peer, 0.0) > self.clock()
 
-    def fetch(self, peer: str, want: BlockAsk) -> bytearray | None:
+    async def fetch(self, peer: str, want: BlockAsk) -> bytearray | None:
         """The bytes `want` from `peer` ("host:port"); None if it cannot (a 404 is no failure: the peer just
         does not hold them)."""
-        return self.ask(peer, want)[1]
+        return (await self.ask(peer, want))[1]
 
-    def ask(self, peer: str, want: BlockAsk) -> tuple[str, bytearray | None]:
+    async def ask(self, peer: str, want: BlockAsk) -> tuple[str, bytearray | None]:
         """(outcome, bytes) of one request: "hit" (held) or "through" (the owner read them from the store for
         this asker) with the bytes; "miss" (neither held nor owned, busy, or the owner's own GET failed),
         "failed" (refused, timed out, silent, a wrong answer: the peer is avoided a while) or "avoided", with None."""
         if self.avoided(peer):
             return "avoided", None
         try:
-            return self._get(peer, want)
+            return await self._get(peer, want)
         except (OSError, ValueError) as exc:
             self._failed(peer, f"{type(exc).__name__}: {exc}")
             return "failed", None
@@ -564,88 +642,99 @@ class PeerClient:
         self._avoid_until[peer] = self.clock() + self.avoid
         log.info("peer %s failed (%s); avoided for %gs", peer, why, self.avoid)
 
-    def _get(self, peer: str, want: BlockAsk) -> tuple[str, bytearray | None]:
+    async def _get(self, peer: str, want: BlockAsk) -> tuple[str, bytearray | None]:
         sock = self._take(peer)
         if sock is not None:
             try:
-                return self._exchange(peer, sock, want)
+                return await self._exchange(peer, sock, want)
             except ConnectionError:
                 pass  # the peer closed the idle connection meanwhile: ask again on a new one (no failure)
         host, _, port = peer.rpartition(":")
-        sock = socket.create_connection((host, int(port)), timeout=self.timeouts.connect)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # (see the server's serve)
-        return self._exchange(peer, sock, want)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            with trio.move_on_after(self.timeouts.connect) as bound:
+                await trio.socket.from_stdlib_socket(sock).connect((host.strip("[]"), int(port)))  # (non-blocking now)
+            if bound.cancelled_caught:
+                raise socket.timeout(f"no connection within {self.timeouts.connect:g}s")
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # (see the server's serve)
+        except BaseException:
+            sock.close()
+            raise
+        return await self._exchange(peer, sock, want)
 
-    def _exchange(self, peer: str, sock: socket.socket, want: BlockAsk) -> tuple[str, bytearray | None]:
+    async def _exchange(self, peer: str, sock: socket.socket, want: BlockAsk) -> tuple[str, bytearray | None]:
         """One request on `sock`; the connection goes back to the pool after a complete answer, else is closed."""
-        target = want.target(self.prefix)
         reusable = False
         try:
-            sock.settimeout(self.timeouts.first_byte)
-            sock.sendall(f"GET {target} HTTP/1.1\r\nHost: {peer}\r\nAuthorization: "
-                         f"{sign(self.key, target, self.wall())}\r\n\r\n".encode())
-            wire = _Wire(sock)
-            status, headers = wire.answer_head(time.monotonic() + self.timeouts.first_byte)
-            keep = headers.get("connection", "").lower() != "close"
-            if status in (404, 503):  # not held, or busy: no failure, the store answers this one
-                if headers.get("content-length", "0") != "0" or "transfer-encoding" in headers:
-                    raise _Malformed(f"a {status} with a body")
-                reusable = keep and wire.drained()
-                return "miss", None
-            if status != 200:
-                raise ValueError(f"answered {status}")
-            if headers.get("x-stoker-etag") != want.etag:
-                raise ValueError("answered another version")
-            if headers.get("x-stoker-through"):
-                if headers.get("transfer-encoding", "").lower() != "chunked":
-                    raise _Malformed("a read-through answer that is not chunked")
-                outcome, body = self._through(wire, want)
-            else:
-                if headers.get("content-length") != str(want.length) or "transfer-encoding" in headers:
-                    raise ValueError("answered another length")
-                name, digest = _named_sum(headers)
-                outcome, body = "hit", wire.exactly(want.length, until=time.monotonic() + self.timeouts.body)
-                if not hmac.compare_digest(CHECKSUMS[name](body).hex(), digest):
-                    raise ValueError("checksum mismatch")
-            reusable = keep and wire.drained()  # the whole answer was read: the connection can carry the next ask
+            outcome, body, reusable = await _run_on_loop(sock, self._answer(peer, want))
             return outcome, body
         finally:
             if reusable:
                 self._give(peer, sock)
             else:
-                sock.close()
+                sock.close()  # (no task waits on it any more: the ask ended)
 
-    def _through(self, wire: _Wire, want: BlockAsk) -> tuple[str, bytearray | None]:
+    def _answer(self, peer: str, want: BlockAsk) -> Steps[tuple[str, bytearray | None, bool]]:
+        """One ask and its answer, checked: (outcome, bytes, whether the connection can carry the next ask)."""
+        target = want.target(self.prefix)
+        yield _SendAll(f"GET {target} HTTP/1.1\r\nHost: {peer}\r\nAuthorization: "
+                       f"{sign(self.key, target, self.wall())}\r\n\r\n".encode(),
+                       time.monotonic() + self.timeouts.first_byte)
+        wire = _Wire()
+        status, headers = yield from wire.answer_head(time.monotonic() + self.timeouts.first_byte)
+        keep = headers.get("connection", "").lower() != "close"
+        if status in (404, 503):  # not held, or busy: no failure, the store answers this one
+            if headers.get("content-length", "0") != "0" or "transfer-encoding" in headers:
+                raise _Malformed(f"a {status} with a body")
+            return "miss", None, keep and wire.drained()
+        if status != 200:
+            raise ValueError(f"answered {status}")
+        if headers.get("x-stoker-etag") != want.etag:
+            raise ValueError("answered another version")
+        if headers.get("x-stoker-through"):
+            if headers.get("transfer-encoding", "").lower() != "chunked":
+                raise _Malformed("a read-through answer that is not chunked")
+            outcome, body = yield from self._through(wire, want)
+        else:
+            if headers.get("content-length") != str(want.length) or "transfer-encoding" in headers:
+                raise ValueError("answered another length")
+            name, digest = _named_sum(headers)
+            outcome, body = "hit", (yield from wire.exactly(want.length, time.monotonic() + self.timeouts.body))
+            if not hmac.compare_digest(CHECKSUMS[name](body).hex(), digest):
+                raise ValueError("checksum mismatch")
+        return outcome, body, keep and wire.drained()  # the whole answer was read: the connection carries the next
+
+    def _through(self, wire: _Wire, want: BlockAsk) -> Steps[tuple[str, bytearray | None]]:
         """A read-through answer: beats while the owner fetches (each within the first-byte bound: a silent owner
         is gone), then the bytes and their checksum, or FAILED (a miss: the owner's store did not answer it)."""
-        wire.sock.settimeout(max(self.timeouts.first_byte, 3 * HEARTBEAT))
+        beat = max(self.timeouts.first_byte, 3 * HEARTBEAT)
         give_up = self.clock() + self.timeouts.through
         while True:
-            size = int(wire.line().split(b";")[0], 16)
-            mark = bytes(wire.exactly(1)) if size else b""
+            size = int((yield from wire.line(time.monotonic() + beat)).split(b";")[0], 16)
+            mark = bytes((yield from wire.exactly(1, time.monotonic() + beat))) if size else b""
             if mark == FETCHING and size == 1:
-                wire.crlf()
+                yield from wire.crlf(time.monotonic() + beat)
                 if self.clock() > give_up:
                     raise socket.timeout("the owner's read-through took too long")
                 continue
             if mark == FAILED and size == 1:
-                wire.crlf()
-                if wire.line() != b"0":
+                yield from wire.crlf(time.monotonic() + beat)
+                if (yield from wire.line(time.monotonic() + beat)) != b"0":
                     raise _Malformed("a FAILED read-through answer that goes on")
-                wire.crlf()
+                yield from wire.crlf(time.monotonic() + beat)
                 return "miss", None
             if mark != OK:
                 raise ValueError(f"a read-through answer marked {mark!r}")
             name = _SUM_BY_LENGTH.get(size - 1 - want.length)  # an older owner answers SHA-256 whatever is asked
             if name is None:
                 raise ValueError("a read-through answer of another length")
-            until = time.monotonic() + self.timeouts.body  # for the bytes and their checksum
-            body = wire.exactly(want.length, until=until)
-            digest = bytes(wire.exactly(size - 1 - want.length, until=until))
-            wire.crlf()
-            if wire.line() != b"0":
+            until = time.monotonic() + self.timeouts.body  # for the bytes, their checksum and the answer's end
+            body = yield from wire.exactly(want.length, until)
+            digest = bytes((yield from wire.exactly(size - 1 - want.length, until)))
+            yield from wire.crlf(until)
+            if (yield from wire.line(until)) != b"0":
                 raise ValueError("a read-through answer longer than asked")
-            wire.crlf()
+            yield from wire.crlf(until)
             if not hmac.compare_digest(CHECKSUMS[name](body), digest):
                 raise ValueError("checksum mismatch")
             return "through", body
@@ -653,27 +742,24 @@ class PeerClient:
     def _take(self, peer: str) -> socket.socket | None:
         """An idle connection to `peer` used less than POOL_IDLE seconds ago, if there is one."""
         now = self.clock()
-        with self._pool_lock:
-            idle = self._pool.get(peer) or []
-            while idle:
-                since, sock = idle.pop()
-                if now - since < POOL_IDLE:
-                    return sock
-                sock.close()
+        idle = self._pool.get(peer) or []
+        while idle:
+            since, sock = idle.pop()
+            if now - since < POOL_IDLE:
+                return sock
+            sock.close()
         return None
 
     def _give(self, peer: str, sock: socket.socket) -> None:
-        with self._pool_lock:
-            idle = self._pool.setdefault(peer, [])
-            if len(idle) < POOLED:
-                idle.append((self.clock(), sock))
-                return
+        idle = self._pool.setdefault(peer, [])
+        if len(idle) < POOLED:
+            idle.append((self.clock(), sock))
+            return
         sock.close()
 
     def close(self) -> None:
         """Close the idle connections."""
-        with self._pool_lock:
-            pools, self._pool = self._pool, {}
+        pools, self._pool = self._pool, {}
         for idle in pools.values():
-            for _, conn in idle:
-                conn.close()
+            for _, sock in idle:
+                sock.close()

@@ -10,6 +10,7 @@ import socket
 import time
 
 import pytest
+import trio
 
 from fusecore.peer_router import PeerRouter
 from fusecore.peers import BlockAsk, PeerClient, PeerServer, PeerTimeouts, cache_prefix
@@ -47,9 +48,9 @@ def here(router) -> str:
 def test_each_cache_s_requests_reach_its_own_mount_with_the_bytes_exact(node):
     router, a, b = node
     for _ in range(3):  # several connections each: every one is handed over and answered
-        assert PeerClient(KEY_A, SLACK, prefix=cache_prefix(A)).ask(here(router), BlockAsk.block("x", "e1", 0, len(BLOCK_A))) \
+        assert trio.run(PeerClient(KEY_A, SLACK, prefix=cache_prefix(A)).ask, here(router), BlockAsk.block("x", "e1", 0, len(BLOCK_A))) \
             == ("hit", BLOCK_A)
-        assert PeerClient(KEY_B, SLACK, prefix=cache_prefix(B)).ask(here(router), BlockAsk.block("x", "e1", 0, len(BLOCK_B))) \
+        assert trio.run(PeerClient(KEY_B, SLACK, prefix=cache_prefix(B)).ask, here(router), BlockAsk.block("x", "e1", 0, len(BLOCK_B))) \
             == ("hit", BLOCK_B)
     assert (a.served, b.served, router.handed) == (3, 3, 6)
 
@@ -57,26 +58,26 @@ def test_each_cache_s_requests_reach_its_own_mount_with_the_bytes_exact(node):
 def test_one_cache_s_key_opens_no_other_cache_s_blocks(node):
     router, a, b = node
     intruder = PeerClient(KEY_B, SLACK, prefix=cache_prefix(A))  # tenant 2's key, asking cache A's mount
-    assert intruder.ask(here(router), BlockAsk.block("x", "e1", 0, len(BLOCK_A))) == ("failed", None)
+    assert trio.run(intruder.ask, here(router), BlockAsk.block("x", "e1", 0, len(BLOCK_A))) == ("failed", None)
     assert a.refused == 1 and a.served == 0
     # A request signed for cache B, with its path rewritten to A's prefix: A's mount checks A's key.
     plain = PeerClient(KEY_B, SLACK, prefix="")  # no prefix: the router cannot route it at all
-    assert plain.ask(here(router), BlockAsk.block("x", "e1", 0, len(BLOCK_B))) == ("failed", None)
+    assert trio.run(plain.ask, here(router), BlockAsk.block("x", "e1", 0, len(BLOCK_B))) == ("failed", None)
     assert router.malformed == 1
 
 
 def test_an_unknown_cache_or_a_gone_mount_is_a_miss_not_a_failure(node, tmp_path):
     router, a, b = node
     client = PeerClient(KEY_A, SLACK, prefix=cache_prefix("c" * 32))
-    assert client.ask(here(router), BlockAsk.block("x", "e1", 0, 10)) == ("miss", None)
+    assert trio.run(client.ask, here(router), BlockAsk.block("x", "e1", 0, 10)) == ("miss", None)
     assert router.unknown == 1 and not client.avoided(here(router))
     a.close()  # the mount of cache A stopped (killed, or released): its socket is gone
     client = PeerClient(KEY_A, SLACK, prefix=cache_prefix(A))
     for _ in range(3):  # the router's answer closes the connection: the next ask opens a new one
-        assert client.ask(here(router), BlockAsk.block("x", "e1", 0, len(BLOCK_A))) == ("miss", None)
+        assert trio.run(client.ask, here(router), BlockAsk.block("x", "e1", 0, len(BLOCK_A))) == ("miss", None)
     assert router.unreachable == 3 and not client.failures
     router.unroute(B)
-    assert PeerClient(KEY_B, SLACK, prefix=cache_prefix(B)).ask(here(router), BlockAsk.block("x", "e1", 0, 5)) == ("miss", None)
+    assert trio.run(PeerClient(KEY_B, SLACK, prefix=cache_prefix(B)).ask, here(router), BlockAsk.block("x", "e1", 0, 5)) == ("miss", None)
 
 
 def test_silent_and_slow_connections_do_not_stall_the_router(tmp_path):
@@ -96,7 +97,7 @@ def test_silent_and_slow_connections_do_not_stall_the_router(tmp_path):
         assert time.monotonic() - started < 3
         # A request line sent in pieces is still routed.
         client = PeerClient(KEY_A, SLACK, prefix=cache_prefix(A))
-        assert client.ask(here(router), BlockAsk.block("x", "e1", 0, len(BLOCK_A))) == ("hit", BLOCK_A)
+        assert trio.run(client.ask, here(router), BlockAsk.block("x", "e1", 0, len(BLOCK_A))) == ("hit", BLOCK_A)
         slow = socket.create_connection(router.address)
         slow.sendall(b"GET /c/" + A.encode())
         time.sleep(0.2)
@@ -114,6 +115,6 @@ def test_a_kept_alive_connection_is_handed_over_once_and_carries_the_next_reques
     router, a, b = node
     client = PeerClient(KEY_A, SLACK, prefix=cache_prefix(A))
     for _ in range(4):
-        assert client.ask(here(router), BlockAsk.block("x", "e1", 0, len(BLOCK_A))) == ("hit", BLOCK_A)
+        assert trio.run(client.ask, here(router), BlockAsk.block("x", "e1", 0, len(BLOCK_A))) == ("hit", BLOCK_A)
     assert (router.handed, a.connections, a.served) == (1, 1, 4)
     client.close()

@@ -13,6 +13,7 @@ import urllib.request
 from concurrent.futures import Future
 
 import pytest
+import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -48,21 +49,21 @@ SLACK = PeerTimeouts(connect=10, first_byte=10, body=20)  # correctness tests; t
 
 def test_a_held_block_is_served_exactly_to_a_member(server):
     client = PeerClient(KEY, SLACK)
-    assert client.fetch(addr(server), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == BLOCK
+    assert trio.run(client.fetch, addr(server), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == BLOCK
     assert server.served == 1
 
 
 def test_another_version_or_a_block_not_held_is_not_served_and_is_no_failure(server):
     client = PeerClient(KEY, SLACK)
-    assert client.fetch(addr(server), BlockAsk.block("train/shard-0.tar", "etag-2", 2, len(BLOCK))) is None
-    assert client.ask(addr(server), BlockAsk.block("train/shard-0.tar", "etag-1", 3, len(BLOCK))) == ("miss", None)
+    assert trio.run(client.fetch, addr(server), BlockAsk.block("train/shard-0.tar", "etag-2", 2, len(BLOCK))) is None
+    assert trio.run(client.ask, addr(server), BlockAsk.block("train/shard-0.tar", "etag-1", 3, len(BLOCK))) == ("miss", None)
     assert server.missed == 2 and not client.failures and not client.avoided(addr(server))
-    assert client.ask(addr(server), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == ("hit", BLOCK)
+    assert trio.run(client.ask, addr(server), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == ("hit", BLOCK)
 
 
 def test_a_request_without_the_caches_key_is_refused(server):
     other_tenant = PeerClient(b"cache-key-of-tenant-b", SLACK)
-    assert other_tenant.fetch(addr(server), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) is None
+    assert trio.run(other_tenant.fetch, addr(server), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) is None
     target = BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK)).target()
     for headers in ({}, {"Authorization": sign(KEY, target, time.time() - 3600)},  # unsigned; an old signature
                     {"Authorization": sign(KEY, BlockAsk.block("other", "etag-1", 2, len(BLOCK)).target(), time.time())}):  # another's
@@ -116,9 +117,9 @@ def test_a_wrong_answer_is_refused_and_the_peer_avoided(mode, checksum):
     try:
         peer = f"127.0.0.1:{liar.server_address[1]}"
         client = PeerClient(KEY, SLACK)
-        assert client.ask(peer, BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == ("failed", None)
+        assert trio.run(client.ask, peer, BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == ("failed", None)
         assert client.failures[peer] == 1 and client.avoided(peer)
-        assert client.ask(peer, BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == ("avoided", None)
+        assert trio.run(client.ask, peer, BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == ("avoided", None)
     finally:
         liar.shutdown()
         liar.server_close()
@@ -133,14 +134,14 @@ def test_a_stalled_peer_costs_a_bounded_wait_then_is_avoided_and_later_tried_aga
     client = PeerClient(KEY, PeerTimeouts(connect=0.2, first_byte=0.3, body=1.0), avoid=30, clock=lambda: now[0])
     try:
         started = time.monotonic()
-        assert client.fetch(peer, BlockAsk.block("k", "e", 0, 10)) is None
+        assert trio.run(client.fetch, peer, BlockAsk.block("k", "e", 0, 10)) is None
         assert time.monotonic() - started < 1.5, "bounded by the first-byte timeout"
         started = time.monotonic()
-        assert client.fetch(peer, BlockAsk.block("k", "e", 0, 10)) is None and time.monotonic() - started < 0.05, "avoided"
+        assert trio.run(client.fetch, peer, BlockAsk.block("k", "e", 0, 10)) is None and time.monotonic() - started < 0.05, "avoided"
         assert client.failures[peer] == 1
         now[0] += 31
         assert not client.avoided(peer)
-        assert client.fetch(peer, BlockAsk.block("k", "e", 0, 10)) is None and client.failures[peer] == 2, "tried again"
+        assert trio.run(client.fetch, peer, BlockAsk.block("k", "e", 0, 10)) is None and client.failures[peer] == 2, "tried again"
     finally:
         silent.close()
 
@@ -152,7 +153,7 @@ def test_a_refused_connection_is_a_quick_failure():
     s.close()  # nothing listens there now
     client = PeerClient(KEY)
     started = time.monotonic()
-    assert client.fetch(f"127.0.0.1:{port}", BlockAsk.block("k", "e", 0, 10)) is None
+    assert trio.run(client.fetch, f"127.0.0.1:{port}", BlockAsk.block("k", "e", 0, 10)) is None
     assert time.monotonic() - started < 1 and client.avoided(f"127.0.0.1:{port}")
 
 
@@ -165,14 +166,14 @@ def test_a_busy_peer_answers_503_at_once_and_is_not_avoided():
 
     s = PeerServer(("127.0.0.1", 0), KEY, slow, max_clients=1).start()
     try:
-        first = threading.Thread(target=PeerClient(KEY, SLACK).fetch,
-                                 args=(addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))))
+        first = threading.Thread(target=trio.run, args=(PeerClient(KEY, SLACK).fetch, addr(s),
+                                                        BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))))
         first.start()
         deadline = time.monotonic() + 5
         while s._slots._value and time.monotonic() < deadline:  # the first request holds the only slot
             time.sleep(0.01)
         client = PeerClient(KEY, SLACK)
-        assert client.fetch(addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) is None
+        assert trio.run(client.fetch, addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) is None
         assert s.busy == 1 and not client.avoided(addr(s)) and not client.failures
         gate.set()
         first.join(10)
@@ -190,15 +191,15 @@ def test_an_asker_keeps_its_connection_and_a_closed_idle_one_costs_no_failure():
     try:
         client = PeerClient(KEY, SLACK)
         for _ in range(3):
-            assert client.ask(addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == ("hit", BLOCK)
-        assert client.ask(addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 3, len(BLOCK))) == ("miss", None)  # a 404 keeps it
+            assert trio.run(client.ask, addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == ("hit", BLOCK)
+        assert trio.run(client.ask, addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 3, len(BLOCK))) == ("miss", None)  # a 404 keeps it
         assert (s.served, s.connections) == (3, 1)
         time.sleep(0.8)  # the server closes the idle connection
-        assert client.ask(addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == ("hit", BLOCK)
+        assert trio.run(client.ask, addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == ("hit", BLOCK)
         assert s.connections == 2 and not client.failures and not client.avoided(addr(s))
         # A wrong answer closes the connection (it is never reused after a failure).
         other = PeerClient(KEY, SLACK)
-        assert other.ask(addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK) + 1)) == ("failed", None)
+        assert trio.run(other.ask, addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK) + 1)) == ("failed", None)
         assert other._take(addr(s)) is None
         client.close()
     finally:
@@ -210,11 +211,11 @@ def test_anything_unexpected_while_asking_a_peer_is_a_failure_never_an_error_for
     store: an exception escaping here would reach the reader as EIO."""
     client = PeerClient(KEY, SLACK)
 
-    def broken(*args):
+    async def broken(*args):
         raise RuntimeError("a bug in the asking")
 
     monkeypatch.setattr(client, "_get", broken)
-    assert client.ask(addr(server), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == ("failed", None)
+    assert trio.run(client.ask, addr(server), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == ("failed", None)
     assert client.avoided(addr(server))
 
 
@@ -250,9 +251,9 @@ def test_an_owner_reads_through_beating_meanwhile_and_the_connection_carries_the
     try:
         client = PeerClient(KEY, TIGHT)
         want = BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))
-        assert client.ask(addr(s), want) == ("through", BLOCK)
+        assert trio.run(client.ask, addr(s), want) == ("through", BLOCK)
         assert owner.asks[-1] == want and owner.asks[-1].through
-        assert client.ask(addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 2, 1000)) == ("through", BLOCK[:1000])
+        assert trio.run(client.ask, addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 2, 1000)) == ("through", BLOCK[:1000])
         assert (s.through, s.served, s.connections) == (2, 2, 1) and not client.failures
         assert metrics.value(metrics.peer_read_through, outcome="served") == 2
     finally:
@@ -263,7 +264,7 @@ def test_an_owner_whose_own_get_fails_is_a_miss_not_a_failure():
     s = PeerServer(("127.0.0.1", 0), KEY, Owner(delay=0.2, fail=True)).start()
     try:
         client = PeerClient(KEY, TIGHT)
-        assert client.ask(addr(s), BlockAsk.block("k", "e", 0, 10)) == ("miss", None)
+        assert trio.run(client.ask, addr(s), BlockAsk.block("k", "e", 0, 10)) == ("miss", None)
         assert s.through_failed == 1 and not client.failures and not client.avoided(addr(s))
         assert client._take(addr(s)) is not None, "the answer ended cleanly: the connection is kept"
     finally:
@@ -290,7 +291,7 @@ def test_an_owner_that_goes_silent_while_reading_through_is_given_up_within_the_
     client = PeerClient(KEY, TIGHT)
     try:
         started = time.monotonic()
-        assert client.ask(peer, BlockAsk.block("k", "e", 0, 10)) == ("failed", None)
+        assert trio.run(client.ask, peer, BlockAsk.block("k", "e", 0, 10)) == ("failed", None)
         assert time.monotonic() - started < 2, "bounded by the silence, not by the owner's wait"
         assert client.avoided(peer)
     finally:
@@ -322,7 +323,7 @@ def test_a_refused_ask_is_answered_400_and_fetches_nothing():
 
     s = PeerServer(("127.0.0.1", 0), KEY, refuse).start()
     try:
-        assert PeerClient(KEY, SLACK).ask(addr(s), BlockAsk.block("secret/other", "e", 0, 10)) == ("failed", None)
+        assert trio.run(PeerClient(KEY, SLACK).ask, addr(s), BlockAsk.block("secret/other", "e", 0, 10)) == ("failed", None)
         assert s.served == s.through == 0
     finally:
         s.close()
@@ -388,7 +389,7 @@ def test_an_answer_head_trickled_byte_by_byte_is_given_up_within_the_first_byte_
     client = PeerClient(KEY, TIGHT)
     try:
         started = time.monotonic()
-        assert client.ask(f"127.0.0.1:{listener.getsockname()[1]}", BlockAsk.block("k", "e", 0, 10)) == ("failed", None)
+        assert trio.run(client.ask, f"127.0.0.1:{listener.getsockname()[1]}", BlockAsk.block("k", "e", 0, 10)) == ("failed", None)
         assert time.monotonic() - started < 1.5
     finally:
         stop.set()
@@ -407,7 +408,7 @@ def test_members_of_the_older_version_are_answered_and_understood(server):
     try:
         client = PeerClient(KEY, SLACK)
         want = BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))
-        assert client.ask(f"127.0.0.1:{older.server_address[1]}", want) == ("hit", BLOCK)
+        assert trio.run(client.ask, f"127.0.0.1:{older.server_address[1]}", want) == ("hit", BLOCK)
     finally:
         older.shutdown()
         older.server_close()
