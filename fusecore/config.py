@@ -67,16 +67,15 @@ def distributed_cache_size(dataset_bytes: int, members: int, replicas: int = 1, 
 AUTO_MEMORY_FRACTION = 0.5  # `--cache-size auto` takes at most this share of the machine's memory
 
 
-def auto_cache_size(cfg: "MountConfig", sizes: list[int], memory_bytes: int) -> tuple[int, str]:
+def auto_cache_size(cfg: "MountConfig", dataset_bytes: int, memory_bytes: int, squares: int = 0) -> tuple[int, str]:
     """`--cache-size auto`: the budget that holds this mount's part of the dataset (all of it, or in a
     distributed cache its share, R/N) with headroom, as the operator sizes a DatasetCache; at least two
-    blocks, at most AUTO_MEMORY_FRACTION of the machine's memory. `sizes`: the listed objects'. Returns it and a line
-    that says why."""
-    dataset_bytes = sum(sizes)
+    blocks, at most AUTO_MEMORY_FRACTION of the machine's memory. `squares`: block_squares of the listed objects (a
+    distributed member's spread). Returns it and a line that says why."""
     members = len(cfg.peer_members) if cfg.peers else 1
     replicas = cfg.peer_replicas if cfg.peers else 1
-    squares = block_squares(sizes, cfg.block_size) if members > 1 else 0
-    wanted = max(2 * cfg.block_size, distributed_cache_size(dataset_bytes, members, replicas, squares=squares))
+    wanted = max(2 * cfg.block_size, distributed_cache_size(dataset_bytes, members, replicas,
+                                                            squares=squares if members > 1 else 0))
     cap = int(memory_bytes * AUTO_MEMORY_FRACTION)
     part = f"a {replicas}/{members} share of " if cfg.peers else ""
     why = f"cache size auto: {wanted} bytes for {part}a dataset of {dataset_bytes} bytes"

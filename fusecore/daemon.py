@@ -16,7 +16,7 @@ import trio
 
 from .failures import StokerError
 from . import control
-from .config import ConfigError, MountConfig, auto_cache_size
+from .config import ConfigError, MountConfig, auto_cache_size, block_squares
 from .datapath import DataPath
 from .fs import StokerFS
 from .mounts import is_mounted
@@ -62,8 +62,11 @@ def machine_memory() -> int:
 
 def _sized(cfg: MountConfig, store: S3Store) -> MountConfig:
     """`--cache-size auto`: one listing of the dataset (no HEADs) before mounting, then the budget."""
-    sizes = [info.size for info in store.list_all(cfg.store.prefix)]
-    size, why = auto_cache_size(cfg, sizes, machine_memory())
+    dataset = squares = 0  # in one pass over the listing, whatever its length
+    for info in store.list_all(cfg.store.prefix):
+        dataset += info.size
+        squares += block_squares((info.size,), cfg.block_size)
+    size, why = auto_cache_size(cfg, dataset, machine_memory(), squares)
     log.info("%s", why)
     return dataclasses.replace(cfg, cache_size=size)
 

@@ -343,7 +343,7 @@ class Fetcher:
         exactly them, reading them through if it does not hold them (else the store)."""
         assert self.cluster is not None
         peers, through = self.cluster.plan(obj.key, obj.etag, index)
-        if not peers:  # this node is the only owner (or the others are avoided): no thread hop
+        if not peers:  # this node is the only owner (or the others are avoided): nobody to ask
             return None
         want = BlockAsk(obj.key, obj.etag, index, start, stop, obj.size, through)
         async with self._threads:  # the same bound on what is in flight as the store's GETs

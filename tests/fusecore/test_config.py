@@ -91,16 +91,17 @@ def test_cache_size_auto_holds_this_mounts_part_of_the_dataset_within_half_the_m
     store = StoreConfig(bucket="b")
     alone = MountConfig(store=store, block_size=1024**2)
     ten = [1024**3] * 10
-    size, why = auto_cache_size(alone, ten, 64 * 1024**3)
+    squares = block_squares(ten, 1024**2)
+    size, why = auto_cache_size(alone, 10 * 1024**3, 64 * 1024**3, squares)
     assert size == distributed_cache_size(10 * 1024**3, 1, 1) and "dataset of 10737418240 bytes" in why
     member = MountConfig(store=store, block_size=1024**2, peers="10.0.0.1:7070,10.0.0.2:7070,10.0.0.3:7070,"
                          "10.0.0.4:7070", peer_listen="10.0.0.1:7070", peer_key_file="/k", peer_replicas=2)
-    size, why = auto_cache_size(member, ten, 64 * 1024**3)
+    size, why = auto_cache_size(member, 10 * 1024**3, 64 * 1024**3, squares)
     assert size == distributed_cache_size(10 * 1024**3, 4, 2, squares=10 * 1024**3 * 1024**2) and "a 2/4 share" in why
-    assert block_squares(ten, 1024**2) == 10 * 1024**3 * 1024**2
-    size, why = auto_cache_size(alone, [100 * 1024**3], 64 * 1024**3)
+    assert squares == 10 * 1024**3 * 1024**2
+    size, why = auto_cache_size(alone, 100 * 1024**3, 64 * 1024**3)
     assert size == 32 * 1024**3 and "capped at 50%" in why
-    assert auto_cache_size(alone, [1000], 64 * 1024**3)[0] == 2 * 1024**2, "at least two blocks"
+    assert auto_cache_size(alone, 1000, 64 * 1024**3)[0] == 2 * 1024**2, "at least two blocks"
 
 
 def test_a_member_is_sized_for_what_it_may_own_not_only_for_its_average_share():
