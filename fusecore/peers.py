@@ -387,7 +387,8 @@ def _send(sock: socket.socket, *parts: bytes | memoryview) -> None:
                 sent = 0
 
 
-_SUM_BY_LENGTH = {8: "crc64nvme", 32: "sha256"}  # a read-through answer's sum, by its length
+# a read-through answer's checksum, by its length (they differ: 8 and 32 bytes)
+_SUM_BY_LENGTH = {len(digest(b"")): name for name, digest in CHECKSUMS.items()}
 
 
 def _named_sum(headers: dict[str, str]) -> tuple[str, str]:
