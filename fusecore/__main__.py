@@ -7,7 +7,9 @@ import os
 import sys
 
 from .cli import serve_main
+from .native_http import hold_thread_states
 
+hold_thread_states()  # safe here: this process never finalizes (below)
 code = serve_main(sys.argv[1:])
 # Unmounted and closed: all the mount's state was in memory, so the process ends here rather than finalize
 # its heap (a collection of every module's objects took 1.7 s after an unmount here, longer under load, and

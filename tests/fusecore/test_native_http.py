@@ -4,10 +4,12 @@ refuses connections."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import ssl
 import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -278,3 +280,47 @@ def test_on_the_loop_a_cancelled_get_writes_nothing_after_and_the_loop_goes_on(s
     assert progress.received == received and buf[received:] == bytearray(len(BODY) - received)
     buf2 = bytearray(len(BODY))
     assert on_loop(http, f"{server.url}/ok", buf2, Progress()).status == 200 and bytes(buf2) == BODY
+
+
+_THREAD_STATE_PROBE = r"""
+import os, sys, threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from fusecore import native_http
+from fusecore.objects import Progress
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *args):
+        pass
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "1000")
+        self.end_headers()
+        self.wfile.write(bytes(1000))
+
+httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+threading.Thread(target=httpd.serve_forever, daemon=True).start()
+if sys.argv[1] == "hold":
+    native_http.hold_thread_states()
+mine = threading.local()  # a thread state's own: what one call back leaves here, the next sees only if it is kept
+seen = []
+def accept(status, headers):
+    seen.append(getattr(mine, "calls", 0))
+    mine.calls = len(seen)
+http = native_http.NativeHttp(connect_timeout=2.0, request_timeout=2.0, ca_file=None, max_idle=4)
+for _ in range(3):
+    http.get_into(f"http://127.0.0.1:{httpd.server_address[1]}/x", {}, memoryview(bytearray(1000)), Progress(),
+                  accept, "get")
+print(seen, flush=True)
+os._exit(0)  # as the mount's process ends: never finalized with thread states kept
+"""
+
+
+@pytest.mark.parametrize("mode,expected", [("hold", "[0, 1, 2]"), ("default", "[0, 0, 0]")])
+def test_a_mount_keeps_the_thread_state_of_awscrts_thread_between_call_backs(mode, expected):
+    """The mount's process (and only it: it never finalizes) keeps one thread state for awscrt's thread instead of
+    CPython making and freeing one around each call back; by default each call back starts afresh."""
+    done = subprocess.run([sys.executable, "-c", _THREAD_STATE_PROBE, mode], capture_output=True, text=True,
+                          timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == expected
