@@ -3,6 +3,7 @@
 import datetime
 
 import botocore.auth
+import botocore.crt.auth
 import botocore.config
 import botocore.session
 import pytest
@@ -10,7 +11,8 @@ import pytest
 from fusecore.signing import REFERENCE_KEY, ObjectUrls, learn_form
 
 KEYS = ["small/train/007/img-000123.jpg", "a b/c+d=e&f?g#h", "ünï/cødé~x.bin", "100%/x;y,z:@!$'()*", "k/"]
-NOW = datetime.datetime(2026, 12, 4, 12, 0, 0)
+T = 1_796_400_000.0
+NOW = datetime.datetime.fromtimestamp(T, datetime.timezone.utc)
 
 
 def client(signature_version=None, endpoint="http://127.0.0.1:9000", region="us-east-1", token=None,
@@ -24,9 +26,15 @@ def client(signature_version=None, endpoint="http://127.0.0.1:9000", region="us-
 
 @pytest.fixture
 def frozen(monkeypatch):
-    """Both ways of signing read one clock (SigV2 reads time.time, SigV4 botocore's current datetime)."""
-    monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda: NOW)
-    monkeypatch.setattr(botocore.auth.time, "time", lambda: 1_796_400_000.0)
+    """Every way of signing reads one instant (botocore's SigV2 reads time.time, its SigV4 its current datetime,
+    ObjectUrls time.time)."""
+    def now(remove_tzinfo=True):
+        return NOW.replace(tzinfo=None) if remove_tzinfo else NOW
+
+    monkeypatch.setattr(botocore.auth, "get_current_datetime", now)
+    if botocore.auth.HAS_CRT:  # where awscrt is installed (it is a dependency), botocore signs SigV4 through it
+        monkeypatch.setattr(botocore.crt.auth, "get_current_datetime", now)
+    monkeypatch.setattr(botocore.auth.time, "time", lambda: T)
 
 
 @pytest.mark.parametrize("make", [
@@ -88,3 +96,18 @@ def test_signed_urls_are_what_the_real_pipeline_makes_unfrozen():
     """Without a frozen clock: the run-time check itself accepts botocore's forms here."""
     for make in (client, lambda: client("s3v4")):
         assert ObjectUrls(make(), "b", 3600).form is not None
+
+
+def test_credentials_that_gained_a_token_since_the_form_was_learnt_sign_through_the_pipeline(frozen, monkeypatch):
+    """The form's parameters are the learnt credentials' (a token adds one): other credentials, until the form is
+    learnt again, sign on the pipeline rather than drop or invent a parameter."""
+    from fusecore.signing import _Keys
+    c = client("s3v4")
+    urls = ObjectUrls(c, "b", 3600)
+    assert urls.form is not None
+    monkeypatch.setattr(ObjectUrls, "_credentials", lambda self, form, now: _Keys(now, "AKIDEXAMPLE", "s", "tok"))
+    calls = []
+    original = c.generate_presigned_url
+    monkeypatch.setattr(c, "generate_presigned_url", lambda *a, **k: calls.append(a) or original(*a, **k))
+    assert urls.url("x") == original("get_object", Params={"Bucket": "b", "Key": "x"}, ExpiresIn=3600)
+    assert len(calls) == 1
