@@ -130,7 +130,7 @@ class PresignedGets:
         """The first page of a delimiter listing of the names that start with `key`: the object `key` (if
         any) and the prefix `key/` (if any) in one request, instead of a HEAD and a one-key LIST."""
         what = f"list {key!r}"
-        return parse_listing(self._list_body({"Prefix": key, "Delimiter": "/"}, what), what)
+        return parse_listing(self._get_small(lambda: self._signer.listing(key), what), what)
 
     def _list_body(self, params: dict[str, object], what: str) -> bytes:
         """One ListObjectsV2 answer (keys URL-encoded) of this bucket, signed afresh for each attempt."""

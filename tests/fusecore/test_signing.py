@@ -52,6 +52,10 @@ def test_direct_urls_are_the_pipelines_urls(make, frozen):
     for key in KEYS:
         assert urls.url(key) == c.generate_presigned_url(
             "get_object", Params={"Bucket": "my-bucket", "Key": key}, ExpiresIn=3600), key
+    assert urls.listing_form is not None, "the form of probe listings is reproduced"
+    for prefix in [*KEYS, ""]:
+        assert urls.listing(prefix) == c.generate_presigned_url("list_objects_v2", Params={
+            "Bucket": "my-bucket", "EncodingType": "url", "Prefix": prefix, "Delimiter": "/"}, ExpiresIn=3600), prefix
 
 
 def test_a_fresh_url_goes_through_the_whole_pipeline(frozen, monkeypatch):
@@ -95,7 +99,8 @@ def test_a_signer_that_differs_from_the_pipeline_is_not_used(monkeypatch):
 def test_signed_urls_are_what_the_real_pipeline_makes_unfrozen():
     """Without a frozen clock: the run-time check itself accepts botocore's forms here."""
     for make in (client, lambda: client("s3v4")):
-        assert ObjectUrls(make(), "b", 3600).form is not None
+        urls = ObjectUrls(make(), "b", 3600)
+        assert urls.form is not None and urls.listing_form is not None
 
 
 def test_credentials_that_gained_a_token_since_the_form_was_learnt_sign_through_the_pipeline(frozen, monkeypatch):
@@ -111,3 +116,22 @@ def test_credentials_that_gained_a_token_since_the_form_was_learnt_sign_through_
     monkeypatch.setattr(c, "generate_presigned_url", lambda *a, **k: calls.append(a) or original(*a, **k))
     assert urls.url("x") == original("get_object", Params={"Bucket": "b", "Key": "x"}, ExpiresIn=3600)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("url", [
+    "http://h/b?list-type=2&prefix=other&delimiter=%2F&X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=a%2F20261204%2Fus-east-1%2Fs3%2Faws4_request",
+    "http://h/b?list-type=2&delimiter=%2F&X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=a%2F20261204%2Fus-east-1%2Fs3%2Faws4_request",
+    "http://h/b?list-type=2&prefix=stoker%2Freference%20key%2B~%C3%A9.bin&x-s3session=1",
+], ids=["prefix-elsewhere", "no-prefix", "unknown-auth"])
+def test_a_listing_form_not_reproduced_stays_on_the_pipeline(url):
+    from fusecore.signing import learn_listing_form
+    assert learn_listing_form(url, "b") is None
+
+
+def test_a_listing_signer_that_differs_from_the_pipeline_is_not_used(monkeypatch):
+    c = client("s3v4")
+    monkeypatch.setattr(ObjectUrls, "_sign_listing",
+                        lambda self, form, prefix: self._full_listing(prefix).replace("X-Amz-Signature=", "X-Amz-Signature=0"))
+    urls = ObjectUrls(c, "b", 3600)
+    assert urls.listing_form is None and urls.form is not None
+    assert "X-Amz-Signature=0" not in urls.listing("p/")
