@@ -42,7 +42,6 @@ import contextlib
 import hashlib
 import hmac
 import logging
-import math
 import os
 import socket
 import socketserver
@@ -52,21 +51,19 @@ import time
 import urllib.parse
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, TypeVar
+from typing import Callable
 
 import trio
 
 from .cache import Buffer
-from .failures import StokerError
 from .sums import CHECKSUMS
+from .wire import Malformed, Request, SendAll, Steps, Wire, run_on_loop, run_steps
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 PATH = "/v1/block"
 SCHEME = "Stoker-Peer"
 MAX_SKEW = 60.0  # seconds a signed request stays valid (clocks of a cluster's nodes agree within that)
-MAX_HEAD = 16 * 1024  # bytes of a request's or an answer's head (its first line and headers) at most
 MAX_CLIENTS = 256  # requests a node answers at once; more are told 503 (threads and memory stay bounded); a
 # read-through answer holds its thread while the owner's GET runs, and every member's read-ahead may ask at once
 IDLE_TIMEOUT = 10.0  # seconds a peer connection may stay silent (or not take its answer) before it is closed
@@ -164,204 +161,6 @@ def verify(key: bytes, target: str, header: str | None, now: float) -> bool:
 def cache_prefix(cache_id: str) -> str:
     """The path prefix of one distributed cache's requests on a node's shared peer port."""
     return f"/c/{cache_id}"
-
-
-class _Malformed(StokerError, ValueError):
-    """A request or an answer that is not the protocol's HTTP/1.1."""
-
-
-@dataclass
-class _Request:
-    target: str
-    authorization: str | None
-    keep_alive: bool
-
-
-@dataclass
-class _Recv:
-    """A step: the next bytes the connection has (b"" at its end), by the monotonic time `until` (None: the
-    socket's own timeout)."""
-
-    until: float | None
-
-
-@dataclass
-class _RecvInto:
-    """A step: bytes into `view`; their count (0 at the connection's end)."""
-
-    view: memoryview
-    until: float | None
-
-
-@dataclass
-class _SendAll:
-    data: bytes
-    until: float | None
-
-
-_Step = _Recv | _RecvInto | _SendAll
-Steps = Generator[_Step, Any, T]  # what a connection's protocol does, step by step; a driver does the I/O
-
-
-class _Wire:
-    """The bytes of one connection, read as heads, lines and exact lengths, as steps that a driver carries out on a
-    blocking socket (`_run`: the server's threads) or on the event loop (`_run_on_loop`: an asker). Both ends are
-    Stoker's: the protocol's few shapes of HTTP/1.1, parsed here because http.client's and http.server's parsing,
-    through the email package, was most of a peer request's CPU (~0.4 of 0.75 ms for a 110 KB block, both ends)."""
-
-    def __init__(self) -> None:
-        self._buf = bytearray()  # received, not yet taken
-
-    def head(self, until: float | None = None) -> Steps[list[str] | None]:
-        """The lines of the next head (a request or status line and headers), None at a clean end of the
-        connection (nothing of a head received); ConnectionError at an end inside one, _Malformed past MAX_HEAD."""
-        while True:
-            end = self._buf.find(b"\r\n\r\n")
-            if end > MAX_HEAD or (end < 0 and len(self._buf) > MAX_HEAD):
-                raise _Malformed("a head longer than allowed")
-            if end >= 0:
-                head = bytes(self._buf[:end])
-                del self._buf[:end + 4]
-                return head.decode("latin-1").split("\r\n")
-            data = yield _Recv(until)
-            if not data:
-                if self._buf:
-                    raise ConnectionError("the connection ended inside a head")
-                return None
-            self._buf += data
-
-    def line(self, until: float | None) -> Steps[bytes]:
-        """One CRLF-ended line (a chunk's size), without its CRLF."""
-        while (end := self._buf.find(b"\r\n")) < 0:
-            if len(self._buf) > 1024:
-                raise _Malformed("a line longer than allowed")
-            data = yield _Recv(until)
-            if not data:
-                raise _Malformed("the connection ended inside an answer")
-            self._buf += data
-        line = bytes(self._buf[:end])
-        del self._buf[:end + 2]
-        return line
-
-    def exactly(self, n: int, until: float | None) -> Steps[bytearray]:
-        """The next `n` bytes."""
-        out = bytearray(n)
-        into = memoryview(out)
-        have = min(n, len(self._buf))
-        into[:have] = self._buf[:have]
-        del self._buf[:have]
-        while have < n:
-            got = yield _RecvInto(into[have:n], until)
-            if not got:
-                raise _Malformed(f"a short body ({have} of {n} bytes)")
-            have += got
-        return out
-
-    def crlf(self, until: float | None) -> Steps[None]:
-        if (yield from self.line(until)):
-            raise _Malformed("a chunk not ended by CRLF")
-
-    def drained(self) -> bool:
-        """Nothing received past what was taken (a connection with more is not reused)."""
-        return not self._buf
-
-    def request(self) -> Steps[_Request | None]:
-        """The next request (a GET without a body), None at a clean end."""
-        lines = yield from self.head()
-        if lines is None:
-            return None
-        parts = lines[0].split(" ")
-        if len(parts) != 3 or parts[0] != "GET" or parts[2] not in ("HTTP/1.1", "HTTP/1.0"):
-            raise _Malformed(f"not a GET request line: {lines[0][:80]!r}")
-        headers = _headers(lines[1:])
-        if headers.get("content-length", "0") != "0" or "transfer-encoding" in headers:
-            raise _Malformed("a request with a body")
-        connection = headers.get("connection", "").lower()
-        keep = connection != "close" if parts[2] == "HTTP/1.1" else connection == "keep-alive"
-        return _Request(parts[1], headers.get("authorization"), keep)
-
-    def answer_head(self, until: float) -> Steps[tuple[int, dict[str, str]]]:
-        """The status and headers (names in lower case) of the next answer; ConnectionError if the connection
-        ended before any byte of it (a kept-alive connection the peer closed)."""
-        lines = yield from self.head(until)
-        if lines is None:
-            raise ConnectionError("the peer closed the connection")
-        parts = lines[0].split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
-            raise _Malformed(f"not a status line: {lines[0][:80]!r}")
-        return int(parts[1]), _headers(lines[1:])
-
-
-def _left(until: float) -> float:
-    left = until - time.monotonic()
-    if left <= 0:
-        raise socket.timeout("the peer took too long")
-    return left
-
-
-def _run(sock: socket.socket, steps: Steps[T]) -> T:
-    """Carry out `steps` on a blocking socket."""
-    try:
-        step = next(steps)
-        while True:
-            if step.until is not None:
-                sock.settimeout(_left(step.until))
-            if isinstance(step, _Recv):
-                result: Any = sock.recv(65536)
-            elif isinstance(step, _RecvInto):
-                result = sock.recv_into(step.view)
-            else:
-                sock.sendall(step.data)
-                result = None
-            step = steps.send(result)
-    except StopIteration as done:
-        return done.value
-    finally:
-        steps.close()
-
-
-async def _run_on_loop(sock: socket.socket, steps: Steps[T]) -> T:
-    """Carry out `steps` on a non-blocking socket from the event loop: each step is tried at once and waits for the
-    socket only when it cannot go on (no thread per ask: a hand-off to a worker thread cost an asker ~0.12 ms of
-    CPU, as much as the ask itself; nor a trio socket per step, whose cancel scopes and checkpoints cost as much).
-    A step past its time is a socket.timeout, as on a blocking socket."""
-    await trio.lowlevel.checkpoint_if_cancelled()
-    try:
-        step = next(steps)
-        while True:
-            try:
-                if isinstance(step, _Recv):
-                    result: Any = sock.recv(65536)
-                elif isinstance(step, _RecvInto):
-                    result = sock.recv_into(step.view)
-                else:
-                    sent = sock.send(step.data)
-                    if sent < len(step.data):
-                        step = _SendAll(step.data[sent:], step.until)
-                        raise BlockingIOError
-                    result = None
-            except BlockingIOError:
-                wait = trio.lowlevel.wait_writable if isinstance(step, _SendAll) else trio.lowlevel.wait_readable
-                with trio.move_on_after(_left(step.until) if step.until is not None else math.inf) as bound:
-                    await wait(sock)
-                if bound.cancelled_caught:
-                    raise socket.timeout("the peer took too long") from None
-                continue
-            step = steps.send(result)
-    except StopIteration as done:
-        return done.value
-    finally:
-        steps.close()
-
-
-def _headers(lines: list[str]) -> dict[str, str]:
-    headers = {}
-    for line in lines:
-        name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip():
-            raise _Malformed(f"a malformed header: {line[:80]!r}")
-        headers[name.lower()] = value.strip()
-    return headers
 
 
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 503: "Service Unavailable"}
@@ -477,11 +276,11 @@ class PeerServer:
         # one back until the asker's delayed ACK (up to 40 ms).
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        wire = _Wire()
+        wire = Wire()
         while True:
             try:
-                request = _run(sock, wire.request())
-            except _Malformed as exc:
+                request = run_steps(sock, wire.request())
+            except Malformed as exc:
                 log.debug("peer %s: malformed request: %s", _name(sock), exc)
                 return _send(sock, _head(400, [("Content-Length", 0)], False))
             except (TimeoutError, ConnectionError):
@@ -499,7 +298,7 @@ class PeerServer:
             if not request.keep_alive:
                 return
 
-    def answer(self, sock: socket.socket, request: _Request) -> None:
+    def answer(self, sock: socket.socket, request: Request) -> None:
         if not verify(self.key, request.target, request.authorization, self.clock()):
             self.refused += 1
             return _send(sock, _head(401, [("Content-Length", 0)], request.keep_alive))
@@ -667,7 +466,7 @@ class PeerClient:
         """One request on `sock`; the connection goes back to the pool after a complete answer, else is closed."""
         reusable = False
         try:
-            outcome, body, reusable = await _run_on_loop(sock, self._answer(peer, want))
+            outcome, body, reusable = await run_on_loop(sock, self._answer(peer, want))
             return outcome, body
         finally:
             if reusable:
@@ -678,15 +477,15 @@ class PeerClient:
     def _answer(self, peer: str, want: BlockAsk) -> Steps[tuple[str, bytearray | None, bool]]:
         """One ask and its answer, checked: (outcome, bytes, whether the connection can carry the next ask)."""
         target = want.target(self.prefix)
-        yield _SendAll(f"GET {target} HTTP/1.1\r\nHost: {peer}\r\nAuthorization: "
+        yield SendAll(f"GET {target} HTTP/1.1\r\nHost: {peer}\r\nAuthorization: "
                        f"{sign(self.key, target, self.wall())}\r\n\r\n".encode(),
                        time.monotonic() + self.timeouts.first_byte)
-        wire = _Wire()
+        wire = Wire()
         status, headers = yield from wire.answer_head(time.monotonic() + self.timeouts.first_byte)
         keep = headers.get("connection", "").lower() != "close"
         if status in (404, 503):  # not held, or busy: no failure, the store answers this one
             if headers.get("content-length", "0") != "0" or "transfer-encoding" in headers:
-                raise _Malformed(f"a {status} with a body")
+                raise Malformed(f"a {status} with a body")
             return "miss", None, keep and wire.drained()
         if status != 200:
             raise ValueError(f"answered {status}")
@@ -694,7 +493,7 @@ class PeerClient:
             raise ValueError("answered another version")
         if headers.get("x-stoker-through"):
             if headers.get("transfer-encoding", "").lower() != "chunked":
-                raise _Malformed("a read-through answer that is not chunked")
+                raise Malformed("a read-through answer that is not chunked")
             outcome, body = yield from self._through(wire, want)
         else:
             if headers.get("content-length") != str(want.length) or "transfer-encoding" in headers:
@@ -705,7 +504,7 @@ class PeerClient:
                 raise ValueError("checksum mismatch")
         return outcome, body, keep and wire.drained()  # the whole answer was read: the connection carries the next
 
-    def _through(self, wire: _Wire, want: BlockAsk) -> Steps[tuple[str, bytearray | None]]:
+    def _through(self, wire: Wire, want: BlockAsk) -> Steps[tuple[str, bytearray | None]]:
         """A read-through answer: beats while the owner fetches (each within the first-byte bound: a silent owner
         is gone), then the bytes and their checksum, or FAILED (a miss: the owner's store did not answer it)."""
         beat = max(self.timeouts.first_byte, 3 * HEARTBEAT)
@@ -721,7 +520,7 @@ class PeerClient:
             if mark == FAILED and size == 1:
                 yield from wire.crlf(time.monotonic() + beat)
                 if (yield from wire.line(time.monotonic() + beat)) != b"0":
-                    raise _Malformed("a FAILED read-through answer that goes on")
+                    raise Malformed("a FAILED read-through answer that goes on")
                 yield from wire.crlf(time.monotonic() + beat)
                 return "miss", None
             if mark != OK:

@@ -27,6 +27,7 @@ import urllib3
 
 from .bodies import read_body, socket_readinto
 from .config import StoreConfig
+from .loop_http import LoopHttp, loop_gets_possible
 from .native_http import MAX_BODY as MAX_NATIVE_BODY, Accept, Answer, NativeHttp, native_gets_possible
 from .objects import Listing, ObjectInfo, Progress
 from .signing import ObjectUrls
@@ -83,6 +84,9 @@ class PresignedGets:
             timeout=urllib3.Timeout(connect=cfg.connect_timeout, read=cfg.request_timeout))
         self._native = NativeHttp(connect_timeout=cfg.connect_timeout, request_timeout=cfg.request_timeout,
                                   ca_file=ca, max_idle=cfg.max_concurrency + 8) if native_gets_possible() else None
+        self._loop = LoopHttp(connect_timeout=cfg.connect_timeout, request_timeout=cfg.request_timeout,
+                              ca_file=ca, max_idle=cfg.max_concurrency + 8) \
+            if self._native is not None and loop_gets_possible() else None
 
     def list_pages(self, prefix: str, delimiter: str | None) -> Iterator[Listing]:
         """ListObjectsV2 pages through presigned URLs, parsed with the C XML parser while the next page
@@ -244,13 +248,18 @@ class PresignedGets:
 
     async def read_range_on_loop(self, key: str, start: int, end: int, etag: str, into: memoryview,
                                  progress: Progress) -> None:
-        """`read_range` of a small range (up to `loop_range_limit`) from a trio event loop: signed there (a URL is
-        0.1-0.3 ms, reused for URL_REUSE), sent and received on awscrt's thread; the same checks and errors."""
+        """`read_range` of a small range (up to `loop_range_limit`) from a trio event loop: signed there (~15 us,
+        reused for URL_REUSE), sent and received on the loop's own kept-alive sockets (loop_http; on awscrt's
+        thread where STOKER_LOOP_HTTP=0); the same checks and errors."""
         assert self._native is not None and end - start <= MAX_NATIVE_BODY
         what, headers, accept = _native_range(key, start, end, etag)
         for fresh in (False, True):
             url = self._signed(lambda: self._url(key, fresh=fresh), what)
-            if _taken(await self._native.get_into_async(url, headers, into, progress, accept, what), fresh, what):
+            if self._loop is not None:
+                answer = await self._loop.get_into(url, headers, into, progress, accept, what)
+            else:
+                answer = await self._native.get_into_async(url, headers, into, progress, accept, what)
+            if _taken(answer, fresh, what):
                 return
 
     def _read_native(self, key: str, start: int, end: int, etag: str, into: memoryview, progress: Progress) -> None:

@@ -26,7 +26,8 @@ BODY = bytes(range(256)) * 400  # 102,400 bytes, more than one 16 KiB piece from
 
 class Server:
     """Answers GET /<mode>: "ok" (the body), "error" (503 SlowDown), "stall" (half the body, then silence),
-    "long" (a Content-Length longer than asked for) — and counts connections and requests."""
+    "long" (a Content-Length longer than asked for), "chunked" (403 AccessDenied in chunks), "chunked-ok" and
+    "chunked-long" (the body, or a longer one, in chunks), "once" (the body, then the connection closed unannounced) — and counts connections and requests."""
 
     def __init__(self):
         self.connections = 0
@@ -55,6 +56,25 @@ class Server:
                     self.end_headers()
                     self.wfile.write(body)
                     return
+                if mode == "chunked":  # an error answer whose body comes in chunks
+                    self.send_response(403)
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    for part in (b"<Error><Code>Access", b"Denied</Code></Error>"):
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                    self.wfile.write(b"0\r\n\r\n")
+                    return
+                if mode in ("chunked-ok", "chunked-long"):  # a body in chunks, without a Content-Length
+                    self.send_response(200)
+                    self.send_header("ETag", '"v1"')
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    body = BODY + b"extra" if mode == "chunked-long" else BODY
+                    for at in range(0, len(body), 40_000):
+                        part = body[at:at + 40_000]
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                    self.wfile.write(b"0\r\n\r\n")
+                    return
                 body = BODY + b"extra" if mode == "long" else BODY
                 self.send_response(200)
                 self.send_header("ETag", '"v1"')
@@ -67,6 +87,8 @@ class Server:
                     self.close_connection = True
                     return
                 self.wfile.write(body)
+                if mode == "once":  # closed after the answer without saying so (a store's idle timeout, early)
+                    self.close_connection = True
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True

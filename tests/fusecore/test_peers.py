@@ -340,9 +340,9 @@ def _raw(server, data: bytes) -> bytes:
 
 
 def test_what_is_not_the_protocols_http_is_answered_400_and_the_connection_closed(server):
-    """The server parses requests itself (peers._Wire): anything but a bodiless GET of HTTP/1.x, with well-formed
+    """The server parses requests itself (wire.Wire): anything but a bodiless GET of HTTP/1.x, with well-formed
     headers and a head of at most MAX_HEAD bytes, is told 400 and closed, before any signature is looked at."""
-    from fusecore.peers import MAX_HEAD
+    from fusecore.wire import MAX_HEAD
 
     target = BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK)).target()
     signed = f"Authorization: {sign(KEY, target, time.time())}\r\n"
