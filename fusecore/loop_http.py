@@ -30,6 +30,7 @@ from .store_errors import StoreError, TransientError, Unavailable
 from .wire import Malformed, SendAll, Steps, Wire, parse_headers, run_on_loop
 
 ERROR_BODY = 64 * 1024  # bytes of an error answer's body kept, enough for its code
+WAKE_BYTES = 64 * 1024  # bytes of a body the loop is woken for at once, at least (or the rest of it)
 
 Endpoint = tuple[str, str, int]  # scheme, host, port
 
@@ -40,13 +41,23 @@ def loop_gets_possible() -> bool:
 
 
 class _Connection:
-    __slots__ = ("sock", "wire", "used", "heard")
+    __slots__ = ("sock", "wire", "used", "heard", "lowat")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.wire = Wire()
         self.used = False  # it carried a whole answer before (kept alive: the store may have closed it since)
         self.heard = False  # the head of the answer now due came
+        self.lowat = 1
+
+    def awaiting(self, due: int) -> None:
+        """Be woken for a body only once WAKE_BYTES of it (or all that is still due) arrived: a store that sends at
+        its per-connection rate would otherwise wake the loop for each few KiB (SO_RCVLOWAT; the socket reads
+        whatever is there whenever it is asked)."""
+        lowat = max(1, min(due, WAKE_BYTES))
+        if lowat != self.lowat:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+            self.lowat = lowat
 
 
 class LoopHttp:
@@ -123,7 +134,10 @@ class LoopHttp:
                 length = _length(headers["content-length"], what)
                 if length > len(into):
                     raise TransientError(f"{what}: a body longer than the {len(into)} bytes asked for")
-                got = yield from wire.into(into[:length], timeout, progress.advance)
+                try:
+                    got = yield from wire.into(into[:length], timeout, progress.advance, conn.awaiting)
+                finally:
+                    conn.awaiting(1)  # the next answer's head is woken for at its first byte
             elif headers.get("transfer-encoding", "").lower() == "chunked":
                 got = yield from wire.chunked_into(into, timeout, progress.advance)
             else:

@@ -114,15 +114,19 @@ class Wire:
             have += got
         return out
 
-    def into(self, view: memoryview, timeout: float, advance: Callable[[int], None]) -> Steps[int]:
+    def into(self, view: memoryview, timeout: float, advance: Callable[[int], None],
+             awaiting: Callable[[int], None] | None = None) -> Steps[int]:
         """Bytes into all of `view` (those received past the head first), waiting at most `timeout` seconds of
-        silence each time, `advance` told of each arrival; how many came (fewer at the connection's end)."""
+        silence each time, `advance` told of each arrival and `awaiting` of the bytes still due before each
+        receive; how many came (fewer at the connection's end)."""
         have = min(len(view), len(self._buf))
         if have:
             view[:have] = self._buf[:have]
             del self._buf[:have]
             advance(have)
         while have < len(view):
+            if awaiting is not None:
+                awaiting(len(view) - have)
             got = yield RecvInto(view[have:], time.monotonic() + timeout)
             if not got:
                 break
@@ -239,6 +243,7 @@ async def run_on_loop(sock: socket.socket, steps: Steps[T]) -> T:
     A step past its time is a socket.timeout, as on a blocking socket. A TLS socket (ssl.SSLSocket, non-blocking)
     works the same way: what it has decrypted already is taken before any wait."""
     await trio.lowlevel.checkpoint_if_cancelled()
+    expired = False  # the socket was waited for until the step's time: one more try at once, then a timeout
     try:
         step = next(steps)
         while True:
@@ -258,11 +263,14 @@ async def run_on_loop(sock: socket.socket, steps: Steps[T]) -> T:
                 writable = isinstance(blocked, ssl.SSLWantWriteError) or (
                     isinstance(step, SendAll) and not isinstance(blocked, ssl.SSLWantReadError))
                 wait = trio.lowlevel.wait_writable if writable else trio.lowlevel.wait_readable
+                if expired:
+                    raise socket.timeout("the other end took too long") from None
                 with trio.move_on_after(left(step.until) if step.until is not None else math.inf) as bound:
                     await wait(sock)
-                if bound.cancelled_caught:
-                    raise socket.timeout("the other end took too long") from None
+                # (bytes below a socket's low-water mark wake nobody, and still show the other end is alive)
+                expired = bound.cancelled_caught
                 continue
+            expired = False
             step = steps.send(result)
     except StopIteration as done:
         return done.value
