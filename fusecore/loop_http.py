@@ -53,7 +53,11 @@ class _Connection:
     def awaiting(self, due: int) -> None:
         """Be woken for a body only once WAKE_BYTES of it (or all that is still due) arrived: a store that sends at
         its per-connection rate would otherwise wake the loop for each few KiB (SO_RCVLOWAT; the socket reads
-        whatever is there whenever it is asked)."""
+        whatever is there whenever it is asked). Not over TLS: there the bytes still to come on the socket may be
+        fewer than those due (ssl holds part of a record already), and a mark above them would wait for the
+        request timeout."""
+        if isinstance(self.sock, ssl.SSLSocket):
+            return
         lowat = max(1, min(due, WAKE_BYTES))
         if lowat != self.lowat:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
