@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import time
 
+import trio
+
 from .blocks import BlockKey, block_extent
 from .cache import BlockCache, Buffer
 from .config import ConfigError, MountConfig, check_member
@@ -119,14 +121,15 @@ class Cluster:
         self.peer_misses += 1  # (on the event loop)
         return None
 
-    def serve(self, lookup: Lookup, handoff: str | None = None) -> None:
-        """Serve what this node holds or owns (`lookup(ask)`, thread-safe: see peers.Lookup): on its own address,
-        or on the connections the node's peer router hands to the unix socket `handoff`."""
+    def serve(self, lookup: Lookup, nursery: trio.Nursery, handoff: str | None = None) -> None:
+        """Serve what this node holds or owns (`lookup(ask)`, called on `nursery`'s event loop: see peers.Lookup): on
+        its own address, or on the connections the node's peer router hands to the unix socket `handoff`."""
         if handoff is None:
             host, _, port = self.me.rpartition(":")
-            self.server = PeerServer((host, int(port)), self.key, lookup, metrics=self.metrics).start()
+            self.server = PeerServer((host, int(port)), self.key, lookup, metrics=self.metrics).start(nursery)
         else:
-            self.server = PeerServer(None, self.key, lookup, metrics=self.metrics, prefix=self.prefix).receive(handoff)
+            self.server = PeerServer(None, self.key, lookup, metrics=self.metrics,
+                                     prefix=self.prefix).receive(handoff).start(nursery)
 
     def close(self) -> None:
         self.client.close()

@@ -61,21 +61,17 @@ class DataPath:
     def start(self, nursery: trio.Nursery) -> None:
         self.fetcher.start(nursery)
         self._nursery = nursery
-        self._token = trio.lowlevel.current_trio_token()
         if self.cluster is not None:
             try:
-                self.cluster.serve(self._for_peer)
+                self.cluster.serve(self._for_peer, nursery)
             except OSError as exc:
                 raise ConfigError("peer-listen", f"cannot serve peers on {self.cfg.peer_listen}: {exc.strerror}") \
                     from None
 
     def _for_peer(self, want: BlockAsk) -> "Buffer | Future | None":
-        """From a peer server's thread: the bytes this node holds, a Future of the bytes it reads through (its own
-        block), or None; ValueError for an ask outside this node's dataset or blocks."""
+        """On the event loop (the peer server runs on it): the bytes this node holds, a Future of the bytes it reads
+        through (its own block), or None; ValueError for an ask outside this node's dataset or blocks."""
         check_ask(want, self.cfg.block_size, self.cfg.store.prefix)
-        return trio.from_thread.run_sync(self._answer_peer, want, trio_token=self._token)
-
-    def _answer_peer(self, want: BlockAsk) -> "Buffer | Future | None":
         found = held(self.cache, want, self.cfg.block_size)
         cluster = self.cluster
         if found is not None or not want.through or cluster is None \
@@ -186,7 +182,7 @@ class DataPath:
                               name=request.name)
             answer = await trio.to_thread.run_sync(cluster.set_members, list(request.members), request.replicas)
             cluster.changes = 0
-            cluster.serve(self._for_peer, handoff=request.handoff)
+            cluster.serve(self._for_peer, self._nursery, handoff=request.handoff)
             self.cluster = self.fetcher.cluster = cluster
             self.cache.lends = False
             return answer

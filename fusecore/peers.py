@@ -39,13 +39,12 @@ Traffic is not encrypted: see docs/security.md.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import hmac
 import logging
 import os
 import socket
-import socketserver
-import sys
 import threading
 import time
 import urllib.parse
@@ -57,18 +56,18 @@ import trio
 
 from .cache import Buffer
 from .sums import CHECKSUMS
-from .wire import Malformed, Request, SendAll, Steps, Wire, run_on_loop, run_steps
+from .wire import Malformed, Request, SendAll, Steps, Wire, left, run_on_loop
 
 log = logging.getLogger(__name__)
 
 PATH = "/v1/block"
 SCHEME = "Stoker-Peer"
 MAX_SKEW = 60.0  # seconds a signed request stays valid (clocks of a cluster's nodes agree within that)
-MAX_CLIENTS = 256  # requests a node answers at once; more are told 503 (threads and memory stay bounded); a
-# read-through answer holds its thread while the owner's GET runs, and every member's read-ahead may ask at once
+MAX_CLIENTS = 256  # requests a node answers at once; more are told 503 (memory stays bounded); a read-through
+# answer is one of them while the owner's GET runs, and every member's read-ahead may ask at once
 IDLE_TIMEOUT = 10.0  # seconds a peer connection may stay silent (or not take its answer) before it is closed
-POOLED = 2  # idle connections an asker keeps to each peer (a connection and a server thread per block cost
-# about as much CPU as the block's bytes: keep-alive halves the CPU of a 100 KB peer read)
+POOLED = 2  # idle connections an asker keeps to each peer (a connection per block cost about as much CPU as the
+# block's bytes: keep-alive halves the CPU of a 100 KB peer read)
 POOL_IDLE = 5.0  # seconds an idle connection is kept; less than IDLE_TIMEOUT, so a peer rarely closes one first
 
 AVOID = 5.0  # seconds a failed peer is not asked: a dead one then costs a connection refused (or one bound) per
@@ -134,6 +133,7 @@ class BlockAsk:
 
 # A node's answer to an ask: the bytes it holds, a Future of the bytes it reads through for the asker
 # (its block, owned here), or None (neither). ValueError: the ask does not fit this node's dataset or blocks.
+# Called on the server's event loop (the mount's own): it must answer at once, never block.
 Lookup = Callable[[BlockAsk], "Buffer | Future | None"]
 
 
@@ -173,11 +173,21 @@ def _head(status: int, headers: list[tuple[str, object]], keep_alive: bool) -> b
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
-def _send(sock: socket.socket, *parts: bytes | memoryview) -> None:
-    """All of `parts` in as few system calls as the socket takes (a head and its block in one sendmsg)."""
+async def _send(sock: socket.socket, *parts: bytes | memoryview, timeout: float = IDLE_TIMEOUT) -> None:
+    """All of `parts` in as few system calls as the socket takes (a head and its block in one sendmsg), from the event
+    loop; socket.timeout if the asker takes nothing for `timeout` seconds."""
     views = [memoryview(part).cast("B") for part in parts if len(part)]
+    until = time.monotonic() + timeout
     while views:
-        sent = sock.sendmsg(views)
+        try:
+            sent = sock.sendmsg(views)
+        except BlockingIOError:
+            with trio.move_on_after(left(until)) as bound:
+                await trio.lowlevel.wait_writable(sock)
+            if bound.cancelled_caught:
+                raise socket.timeout("the asker took nothing") from None
+            until = time.monotonic() + timeout
+            continue
         while sent and views:
             if sent >= len(views[0]):
                 sent -= len(views.pop(0))
@@ -199,8 +209,10 @@ def _named_sum(headers: dict[str, str]) -> tuple[str, str]:
 
 
 class PeerServer:
-    """Serves held blocks to the cache's other members: on `address` (host, port; port 0 picks one), or,
-    with `address` None, on the connections a node's peer router hands over (`receive`)."""
+    """Serves held blocks to the cache's other members from a trio event loop: the mount's (`start(nursery)`: a lookup
+    is then a plain call on the loop that owns the cache, no hand-off between threads per request), or one of its
+    own in a thread (`start()`). On `address` (host, port; port 0 picks one), or, with `address` None, on the
+    connections a node's peer router hands over (`receive`, before `start`)."""
 
     def __init__(self, address: tuple[str, int] | None, key: bytes, lookup: Lookup,
                  clock: Callable[[], float] = time.time, metrics=None, max_clients: int = MAX_CLIENTS,
@@ -213,18 +225,22 @@ class PeerServer:
         self.through = self.through_failed = 0  # answers read through for a peer (its store GET), and failed ones
         self.through_wait = THROUGH_WAIT
         self.idle_timeout = idle_timeout
-        self._slots = threading.BoundedSemaphore(max_clients)
-        self._listening = address is not None
-        self._server = _Server(address or ("127.0.0.1", 0), _Connection, bind_and_activate=self._listening)
-        self._server.peer = self
-        self.address = self._server.server_address[:2]
+        self.max_clients = max_clients
+        self.answering = 0  # requests being answered now
+        self._listener: socket.socket | None = None
+        self.address: tuple[str, int] = ("127.0.0.1", 0)
+        if address is not None:
+            # The listen backlog: with a small one, a burst of members' requests overflows it and the kernel drops
+            # SYNs, which costs the asker a one-second retransmit (past its connect timeout).
+            self._listener = socket.create_server(address, backlog=256)
+            self._listener.setblocking(False)
+            self.address = self._listener.getsockname()[:2]
         self._handoff: socket.socket | None = None
-        self._thread = threading.Thread(target=self._server.serve_forever, name="peer-server", daemon=True)
-
-    def start(self) -> "PeerServer":
-        if self._listening:
-            self._thread.start()
-        return self
+        self._handoff_path: str | None = None
+        self._scope: trio.CancelScope | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
 
     def receive(self, path: str) -> "PeerServer":
         """Answer the connections a peer router sends to the unix socket `path` (one descriptor a datagram)."""
@@ -233,75 +249,136 @@ class PeerServer:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.bind(path)
         os.chmod(path, 0o600)
-        self._handoff = sock
-        threading.Thread(target=self._receive, args=(sock,), name="peer-handoff", daemon=True).start()
+        sock.setblocking(False)
+        self._handoff, self._handoff_path = sock, path
         return self
 
-    def _receive(self, sock: socket.socket) -> None:
+    def start(self, nursery: trio.Nursery | None = None) -> "PeerServer":
+        """Serve from `nursery`'s event loop (called on it), or from a loop of this server's own in a thread."""
+        if nursery is not None:
+            self._token = trio.lowlevel.current_trio_token()
+            nursery.start_soon(self._serve)
+            return self
+        started = threading.Event()
+        self._thread = threading.Thread(target=trio.run, args=(self._serve, started), name="peer-server", daemon=True)
+        self._thread.start()
+        started.wait(10)
+        return self
+
+    def close(self) -> None:
+        """Stop serving (from any thread; the mount's loop may have ended already) and close the sockets."""
+        self._closed = True
+        scope, token = self._scope, self._token
+        if scope is not None and token is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(scope.cancel)
+        if self._thread is not None:
+            self._thread.join(5)
+        if self._scope is None:
+            self._close_sockets()  # never served: nothing waits on them (else the serving task closes them)
+        if self._handoff_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._handoff_path)
+
+    def _close_sockets(self) -> None:
+        for sock in (self._listener, self._handoff):
+            if sock is not None:
+                sock.close()
+
+    async def _serve(self, started: threading.Event | None = None) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        try:
+            with trio.CancelScope() as scope:
+                self._scope = scope
+                if started is not None:
+                    started.set()
+                if self._closed:
+                    return
+                async with trio.open_nursery() as nursery:
+                    if self._listener is not None:
+                        nursery.start_soon(self._accept, self._listener, nursery)
+                    if self._handoff is not None:
+                        nursery.start_soon(self._take_handed, self._handoff, nursery)
+        finally:
+            self._close_sockets()
+
+    async def _accept(self, listener: socket.socket, nursery: trio.Nursery) -> None:
         while True:
+            await trio.lowlevel.wait_readable(listener)
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except BlockingIOError:
+                    break
+                except OSError as exc:  # out of descriptors, say: the asker reads the store meanwhile
+                    log.warning("peer server: cannot accept a connection: %s", exc)
+                    await trio.sleep(0.1)
+                    break
+                nursery.start_soon(self._connection, conn)
+
+    async def _take_handed(self, handoff: socket.socket, nursery: trio.Nursery) -> None:
+        while True:
+            await trio.lowlevel.wait_readable(handoff)
             try:
-                data, fds, _, _ = socket.recv_fds(sock, 16, 4)
+                data, fds, _, _ = socket.recv_fds(handoff, 16, 4)
+            except BlockingIOError:
+                continue
             except OSError:
                 return  # closed
-            if not data and not fds:
-                return  # shut down (close)
             for fd in fds:
                 try:
                     conn = socket.socket(fileno=fd)
-                    peer = conn.getpeername()
+                    conn.getpeername()
                 except OSError:
                     os.close(fd)
                     continue
-                self._server.process_request(conn, peer)  # a thread of its own, like an accepted connection
+                nursery.start_soon(self._connection, conn)
 
-    def close(self) -> None:
-        if self._listening:
-            self._server.shutdown()
-        handoff, self._handoff = self._handoff, None
-        if handoff is not None:
-            path = handoff.getsockname()
-            with contextlib.suppress(OSError):
-                handoff.shutdown(socket.SHUT_RDWR)  # wakes the receiving thread (a close alone would not)
-            handoff.close()
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        self._server.server_close()
-
-    def serve(self, sock: socket.socket) -> None:
-        """One asker's connection: its requests answered in turn (keep-alive) until it closes, sends something
-        that is not a request, or stays silent for idle_timeout."""
+    async def _connection(self, sock: socket.socket) -> None:
+        """One asker's connection: its requests answered in turn (keep-alive) until it closes, sends something that is
+        not a request, stays silent for idle_timeout, or takes no answer for as long."""
         self.connections += 1
-        sock.settimeout(self.idle_timeout)  # also bounds an asker that does not take its answer
-        # A head and its body go in one sendmsg, but beats are small writes: without NODELAY, Nagle would hold
-        # one back until the asker's delayed ACK (up to 40 ms).
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        wire = Wire()
-        while True:
-            try:
-                request = run_steps(sock, wire.request())
-            except Malformed as exc:
-                log.debug("peer %s: malformed request: %s", _name(sock), exc)
-                return _send(sock, _head(400, [("Content-Length", 0)], False))
-            except (TimeoutError, ConnectionError):
-                return  # idle past the bound, or gone
-            if request is None:
-                return
-            if not self._slots.acquire(blocking=False):
-                self.busy += 1
-                _send(sock, _head(503, [("Content-Length", 0)], request.keep_alive))
-            else:
+        name = _name(sock)
+        try:
+            sock.setblocking(False)
+            # A head and its body go in one sendmsg, but beats are small writes: without NODELAY, Nagle would hold
+            # one back until the asker's delayed ACK (up to 40 ms).
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            wire = Wire()
+            while True:
                 try:
-                    self.answer(sock, request)
-                finally:
-                    self._slots.release()
-            if not request.keep_alive:
-                return
+                    request = await run_on_loop(sock, wire.request(time.monotonic() + self.idle_timeout))
+                except Malformed as exc:
+                    log.debug("peer %s: malformed request: %s", name, exc)
+                    return await _send(sock, _head(400, [("Content-Length", 0)], False), timeout=self.idle_timeout)
+                if request is None:
+                    return
+                if self.answering >= self.max_clients:
+                    self.busy += 1
+                    await _send(sock, _head(503, [("Content-Length", 0)], request.keep_alive), timeout=self.idle_timeout)
+                else:
+                    self.answering += 1
+                    try:
+                        await self.answer(sock, request)
+                    finally:
+                        self.answering -= 1
+                if not request.keep_alive:
+                    return
+        except (ConnectionError, TimeoutError):
+            log.debug("peer %s: connection ended", name)  # idle past the bound, gone, or gone mid-answer
+        except OSError as exc:
+            log.debug("peer %s: connection failed: %s", name, exc)
+        except Exception:  # noqa: BLE001 - one connection never ends the server
+            log.warning("peer request from %s failed", name, exc_info=True)
+        finally:
+            sock.close()
 
-    def answer(self, sock: socket.socket, request: Request) -> None:
+    async def answer(self, sock: socket.socket, request: Request) -> None:
+        send = functools.partial(_send, sock, timeout=self.idle_timeout)
         if not verify(self.key, request.target, request.authorization, self.clock()):
             self.refused += 1
-            return _send(sock, _head(401, [("Content-Length", 0)], request.keep_alive))
+            return await send(_head(401, [("Content-Length", 0)], request.keep_alive))
         url = urllib.parse.urlsplit(request.target)
         try:
             if url.path != self.path:
@@ -310,17 +387,17 @@ class PeerServer:
             found = self.lookup(ask)
         except ValueError as exc:
             log.debug("peer %s: bad request: %s", _name(sock), exc)
-            return _send(sock, _head(400, [("Content-Length", 0)], request.keep_alive))
+            return await send(_head(400, [("Content-Length", 0)], request.keep_alive))
         if found is None:
             self.missed += 1
-            return _send(sock, _head(404, [("Content-Length", 0)], request.keep_alive))
+            return await send(_head(404, [("Content-Length", 0)], request.keep_alive))
         if isinstance(found, Future):
-            return self._read_through(sock, ask, found, request.keep_alive)
+            return await self._read_through(sock, ask, found, request.keep_alive)
         body = memoryview(found)
         head = _head(200, [("Content-Length", len(body)), ("X-Stoker-ETag", ask.etag),
                            (f"X-Stoker-{ask.checksum.upper()}", CHECKSUMS[ask.checksum](body).hex())], request.keep_alive)
-        self._count(len(body))  # before the body: a client may have it all before this thread goes on
-        _send(sock, head, body)
+        self._count(len(body))  # before the body: a client may have it all before this task goes on
+        await send(head, body)
 
     def _count(self, nbytes: int) -> None:
         self.served += 1
@@ -328,34 +405,39 @@ class PeerServer:
         if self.metrics is not None:
             self.metrics.peer_served_bytes.inc(nbytes)
 
-    def _read_through(self, sock: socket.socket, ask: BlockAsk, pending: Future, keep_alive: bool) -> None:
+    async def _read_through(self, sock: socket.socket, ask: BlockAsk, pending: Future, keep_alive: bool) -> None:
         """Say at once that the bytes are coming, beat while this node's GET runs, then send them (or FAILED)."""
-        _send(sock, _head(200, [("Transfer-Encoding", "chunked"), ("X-Stoker-ETag", ask.etag),
-                                ("X-Stoker-Through", 1)], keep_alive))
+        send = functools.partial(_send, sock, timeout=self.idle_timeout)
+        await send(_head(200, [("Transfer-Encoding", "chunked"), ("X-Stoker-ETag", ask.etag),
+                               ("X-Stoker-Through", 1)], keep_alive))
+        done = trio.Event()
+        token = trio.lowlevel.current_trio_token()
+
+        def wake(_: Future) -> None:  # (on whichever thread completes it: the loop's own, in a mount)
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(done.set)
+
+        pending.add_done_callback(wake)
         give_up = time.monotonic() + self.through_wait
-        data = None
-        while True:
-            try:
-                data = pending.result(timeout=HEARTBEAT)
-                break
-            except TimeoutError:
-                if time.monotonic() >= give_up:
-                    break
-                _send(sock, b"1\r\n" + FETCHING + b"\r\n")
-            except Exception:  # noqa: BLE001 - its GET failed (logged where it ran): the asker reads the store
-                break
+        while not done.is_set() and time.monotonic() < give_up:
+            with trio.move_on_after(HEARTBEAT):
+                await done.wait()
+            if not done.is_set() and time.monotonic() < give_up:
+                await send(b"1\r\n" + FETCHING + b"\r\n")
+        data = pending.result() if pending.done() and not pending.cancelled() and pending.exception() is None else None
+        # (a GET that failed was logged where it ran: the asker reads the store)
         if data is None or len(data) != ask.length:
             self.through_failed += 1
             if self.metrics is not None:
                 self.metrics.peer_read_through.labels(outcome="failed").inc()
-            return _send(sock, b"1\r\n" + FAILED + b"\r\n0\r\n\r\n")
+            return await send(b"1\r\n" + FAILED + b"\r\n0\r\n\r\n")
         body = memoryview(data)
         digest = CHECKSUMS[ask.checksum](body)
         self.through += 1
         if self.metrics is not None:
             self.metrics.peer_read_through.labels(outcome="served").inc()
         self._count(len(body))
-        _send(sock, f"{1 + len(body) + len(digest):x}\r\n".encode() + OK, body, digest + b"\r\n0\r\n\r\n")
+        await send(f"{1 + len(body) + len(digest):x}\r\n".encode() + OK, body, digest + b"\r\n0\r\n\r\n")
 
 
 def _name(sock: socket.socket) -> str:
@@ -363,32 +445,6 @@ def _name(sock: socket.socket) -> str:
         return str(sock.getpeername()[0])
     except OSError:
         return "?"
-
-
-class _Connection(socketserver.BaseRequestHandler):
-    server: "_Server"
-
-    def handle(self) -> None:
-        self.server.peer.serve(self.request)
-
-
-class _Server(socketserver.ThreadingTCPServer):
-    allow_reuse_address = True
-    # The listen backlog: with the default of 5, a burst of members' requests overflows it and the kernel
-    # drops SYNs, which costs the asker a one-second retransmit (past its connect timeout).
-    request_queue_size = 256
-    daemon_threads = True
-    # Closing does not wait for the connections' threads: a kept-alive connection idles up to IDLE_TIMEOUT,
-    # and an unmount would wait that long (seconds after umount, under load 15 s) for nothing it needs.
-    block_on_close = False
-    peer: PeerServer
-
-    def handle_error(self, request, client_address) -> None:
-        """An asker that went away mid-answer is no error worth a traceback."""
-        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
-            log.debug("peer %s: connection ended", client_address[0])
-        else:
-            log.warning("peer request from %s failed", client_address[0], exc_info=True)
 
 
 @dataclass

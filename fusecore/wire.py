@@ -1,6 +1,6 @@
 """HTTP/1.1 as steps: a connection's heads, lines and exact lengths read by a generator that yields what it needs
-(receive, receive into, send) to a driver that does the I/O, on a blocking socket (`run_steps`) or from the event loop on
-a non-blocking one (`run_on_loop`: each step tried at once, the socket waited for only when it cannot go on).
+(receive, receive into, send) to a driver that does the I/O from the event loop on a non-blocking socket
+(`run_on_loop`: each step tried at once, the socket waited for only when it cannot go on).
 
 Both ends of the peer protocol and the store's small GETs use it: http.client's and http.server's parsing, through the
 email package, was most of a peer request's CPU (~0.4 of 0.75 ms for a 110 KB block, both ends), and awscrt's
@@ -62,9 +62,8 @@ Steps = Generator[Step, Any, T]  # what a connection's protocol does, step by st
 
 
 class Wire:
-    """The bytes of one connection, read as heads, lines and exact lengths, as steps that a driver carries out on a
-    blocking socket (`run_steps`: the peer server's threads) or on the event loop (`run_on_loop`: a peer asker, the
-    store's small GETs)."""
+    """The bytes of one connection, read as heads, lines and exact lengths, as steps that `run_on_loop` carries out
+    from the event loop (both ends of the peer protocol, the store's small GETs)."""
 
     def __init__(self) -> None:
         self._buf = bytearray()  # received, not yet taken
@@ -181,9 +180,9 @@ class Wire:
         """Nothing received past what was taken (a connection with more is not reused)."""
         return not self._buf
 
-    def request(self) -> Steps[Request | None]:
+    def request(self, until: float | None = None) -> Steps[Request | None]:
         """The next request (a GET without a body), None at a clean end."""
-        lines = yield from self.head()
+        lines = yield from self.head(until)
         if lines is None:
             return None
         parts = lines[0].split(" ")
@@ -213,27 +212,6 @@ def left(until: float) -> float:
     if left <= 0:
         raise socket.timeout("the other end took too long")
     return left
-
-
-def run_steps(sock: socket.socket, steps: Steps[T]) -> T:
-    """Carry out `steps` on a blocking socket."""
-    try:
-        step = next(steps)
-        while True:
-            if step.until is not None:
-                sock.settimeout(left(step.until))
-            if isinstance(step, Recv):
-                result: Any = sock.recv(65536)
-            elif isinstance(step, RecvInto):
-                result = sock.recv_into(step.view)
-            else:
-                sock.sendall(step.data)
-                result = None
-            step = steps.send(result)
-    except StopIteration as done:
-        return done.value
-    finally:
-        steps.close()
 
 
 async def run_on_loop(sock: socket.socket, steps: Steps[T]) -> T:

@@ -24,7 +24,7 @@ BLOCK_A, BLOCK_B = os.urandom(1_500_001), os.urandom(700_000)
 def mount(tmp_path, cache: str, key: bytes, blocks: dict) -> tuple[PeerServer, str]:
     """A mount's peer server taking the connections the router hands to its unix socket."""
     handoff = str(tmp_path / f"{cache[:4]}.peer")
-    server = PeerServer(None, key, lambda want: blocks.get((want.key, want.etag, want.index)), prefix=cache_prefix(cache)).receive(handoff)
+    server = PeerServer(None, key, lambda want: blocks.get((want.key, want.etag, want.index)), prefix=cache_prefix(cache)).receive(handoff).start()
     return server, handoff
 
 
