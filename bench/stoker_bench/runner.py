@@ -89,6 +89,8 @@ UNTHROTTLED = {"ceiling"}  # workloads run against a store of their own, with no
 def headline(workload: str, o: Outcome) -> tuple[float, str]:
     if workload in ("small", "ceiling", "disk"):
         return o.files / o.seconds, "files/s"
+    if workload == "dataloader":
+        return o.files / o.seconds, "samples/s"
     if workload == "metadata":
         return o.files / o.seconds, "entries/s"
     if workload == "ttfb":
@@ -152,6 +154,14 @@ def run_all(*, scale: float, systems: list[str], workloads: list[str], workdir: 
     return cells, info
 
 
+def _runs(kind, workload: str) -> bool:
+    """Does this system run this cell? s3torchconnector runs only the dataset cells (it reads datasets, not files),
+    and a DataLoader needs a mount or a dataset of the system's own (boto3 has none)."""
+    if workload == "dataloader" and not kind.is_mount and not hasattr(kind, "dataset"):
+        return False
+    return workload in getattr(kind, "workloads", (workload,))
+
+
 def _run_workload(store: StoreProcess, workload: str, systems: list[str], d: Dataset, workdir: str, cache_bytes: int,
                   cells: list[Cell], log, *, kernel_cache: bool) -> None:
     """One workload through every system, cold then warm (boto3 once)."""
@@ -159,6 +169,8 @@ def _run_workload(store: StoreProcess, workload: str, systems: list[str], d: Dat
         else [SYSTEMS[name] for name in systems]
     for kind in kinds:
         name = kind.name
+        if not _runs(kind, workload):
+            continue
         cache = {"epochs": d.epoch_cache, "disk": d.disk_cache}.get(workload, cache_bytes)
         # The multi-epoch cells measure the budgeted cache itself: with the kernel page cache
         # on, this 24 GiB machine would serve every epoch from memory whatever the budget.

@@ -1,4 +1,4 @@
-"""The systems under test: Stoker, s3fs-fuse, rclone mount (FUSE mounts) and plain boto3."""
+"""The systems under test: Stoker, s3fs-fuse, rclone mount (FUSE mounts), plain boto3, and s3torchconnector."""
 
 from __future__ import annotations
 
@@ -200,7 +200,42 @@ class Boto3Baseline:
         return n
 
 
-SYSTEMS: dict[str, type] = {"stoker": Stoker, "s3fs": S3fs, "rclone": Rclone, "boto3": Boto3Baseline}
+def _key_and_bytes(reader) -> tuple[str, bytes]:
+    return reader.key, reader.read()
+
+
+class S3TorchConnector:
+    """AWS's s3torchconnector (the CRT-based S3 client PyTorch users read datasets with): its S3MapDataset under a
+    DataLoader. It runs the cells a dataset reader runs (WORKLOADS), and only where it is installed."""
+
+    name = "s3torch"
+    is_mount = False
+    workloads = ("dataloader",)
+
+    def __init__(self, endpoint: str, bucket: str, workdir: str, cache_bytes: int, **_: object):
+        self.endpoint, self.bucket = endpoint, bucket
+        self.pid = os.getpid()
+
+    def start(self) -> None:
+        try:
+            import s3torchconnector  # noqa: F401
+        except ImportError:
+            raise Unavailable("s3torchconnector is not installed (pip install torch s3torchconnector)") from None
+        os.environ.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)  # (its client reads them)
+
+    def stop(self) -> None:
+        return None
+
+    def dataset(self, items: list[tuple[str, int]]):
+        from s3torchconnector import S3ClientConfig, S3MapDataset
+
+        return S3MapDataset.from_objects([f"s3://{self.bucket}/{key}" for key, _ in items], region="us-east-1",
+                                         endpoint=self.endpoint, transform=_key_and_bytes,
+                                         s3client_config=S3ClientConfig(force_path_style=True))
+
+
+SYSTEMS: dict[str, type] = {"stoker": Stoker, "s3fs": S3fs, "rclone": Rclone, "boto3": Boto3Baseline,
+                            "s3torch": S3TorchConnector}
 # The `disk` workload runs each system asked for as these (rclone's full VFS cache is on disk already)
 DISK_VARIANTS: dict[str, tuple[type, ...]] = {"stoker": (Stoker, StokerDisk), "s3fs": (S3fsDisk,), "rclone": (Rclone,),
-                                             "boto3": ()}
+                                             "boto3": (), "s3torch": ()}

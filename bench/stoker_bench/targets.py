@@ -34,6 +34,9 @@ def evaluate(cells: list[Cell], info: dict) -> list[str]:
     st, s3 = _value(cells, "small", "stoker", "cold"), _value(cells, "small", "s3fs", "cold")
     if st is not None and s3 is not None:
         check("small files cold >= 10x s3fs", st >= 10 * s3, _times(st, s3))
+    st, s3t = _value(cells, "dataloader", "stoker", "cold"), _value(cells, "dataloader", "s3torch", "cold")
+    if st is not None and s3t is not None:
+        check("PyTorch DataLoader epoch 1 >= 3x s3torchconnector", st >= 3 * s3t, _times(st, s3t))
     _random_targets(cells, check)
     _disk_targets(cells, check)
     st, s3 = _value(cells, "ceiling", "stoker", "cold"), _value(cells, "ceiling", "s3fs", "cold")

@@ -342,6 +342,12 @@ def disk_epochs(system, d: Dataset, run: int) -> Outcome:
                    wrong=sum(w for _, w in results))
 
 
+def _dataloader(system, d: Dataset, run: int) -> Outcome:
+    from .dataloader import dataloader_epoch  # (PyTorch is imported only where this cell runs)
+
+    return dataloader_epoch(system, d, run)
+
+
 WORKLOADS = {
     "seq1": ("large sequential, 1 reader (MB/s)", seq1),
     "seq4": ("large sequential, 4 readers (MB/s)", seq4),
@@ -359,4 +365,5 @@ WORKLOADS = {
     "bigdir": ("huge directory: list, then random files, 8 threads (s, lower is better)", huge_directory),
     "mixed": ("2 large + 8 small-file readers, then warm (MB/s)", mixed),
     "disk": ("small files beside a stream, dataset ~4x memory, with and without disk caches (files/s)", disk_epochs),
+    "dataloader": ("PyTorch DataLoader, 8 workers, small files (samples/s)", _dataloader),
 }
