@@ -127,6 +127,21 @@ def _stamp(url: str) -> str | None:
     return params.get("X-Amz-Date") or params.get("Expires")
 
 
+@dataclass
+class _Learnt:
+    """A URL form learnt at its first use, and again after `learned` is cleared."""
+
+    learn: Callable[[], UrlForm | None]
+    learned: bool = False
+    _form: UrlForm | None = None
+
+    def form(self) -> UrlForm | None:
+        if not self.learned:
+            self._form = self.learn()
+            self.learned = True
+        return self._form
+
+
 class ObjectUrls:
     """GET URLs of `bucket`'s objects, presigned for `lifetime` seconds by `client` (a botocore S3 client)."""
 
@@ -135,10 +150,8 @@ class ObjectUrls:
         self._bucket = bucket
         self._lifetime = lifetime
         self._clock = clock or time.time  # (looked up here: a test's frozen clock is botocore's too)
-        self._form: UrlForm | None = None
-        self._learned = False
-        self._listing_form: UrlForm | None = None
-        self._listing_learned = False
+        self._objects = _Learnt(self._learn)
+        self._listings = _Learnt(self._learn_listing)
         self._keys: _Keys | None = None
         self._signing_key: tuple[tuple[str, str, str, str], bytes] | None = None
         self._v4_cache: tuple[tuple, tuple[dict[str, str], str, str, str, bytes]] | None = None
@@ -146,10 +159,7 @@ class ObjectUrls:
     @property
     def form(self) -> UrlForm | None:
         """The form signed directly (None: every URL goes through botocore's whole pipeline)."""
-        if not self._learned:
-            self._form = self._learn()
-            self._learned = True
-        return self._form
+        return self._objects.form()
 
     def url(self, key: str, *, fresh: bool = False) -> str:
         """The presigned GET URL of `key`; `fresh`: through botocore's whole pipeline (a refused URL's retry)."""
@@ -160,10 +170,7 @@ class ObjectUrls:
     @property
     def listing_form(self) -> UrlForm | None:
         """The form of probe listings signed directly (None: each goes through botocore's whole pipeline)."""
-        if not self._listing_learned:
-            self._listing_form = self._learn_listing()
-            self._listing_learned = True
-        return self._listing_form
+        return self._listings.form()
 
     def listing(self, prefix: str, *, fresh: bool = False) -> str:
         """The presigned URL of a probe listing: the first page of ListObjectsV2 of the names that start with
@@ -174,7 +181,7 @@ class ObjectUrls:
 
     def forget(self) -> None:
         """Learn the forms again at the next URL (the credentials changed)."""
-        self._learned = self._listing_learned = False
+        self._objects.learned = self._listings.learned = False
         self._keys = None
 
     def _full_listing(self, prefix: str) -> str:
