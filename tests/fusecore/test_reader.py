@@ -356,13 +356,13 @@ def test_an_owner_reads_through_for_a_member_but_only_serves_what_it_holds_to_an
     async def go():
         dp.cluster = dp.fetcher.cluster = Cluster(me, [me, other], 2, b"a key of sixteen bytes")
         owner_ask = BlockAsk.block(info.key, info.etag, 1, 256 * KiB, 256 * KiB, info.size, through=False)
-        out.append(dp._answer_peer(owner_ask))
-        pending = dp._answer_peer(BlockAsk.block(info.key, info.etag, 1, 256 * KiB, 256 * KiB, info.size))
+        out.append(dp._for_peer(owner_ask))
+        pending = dp._for_peer(BlockAsk.block(info.key, info.etag, 1, 256 * KiB, 256 * KiB, info.size))
         assert isinstance(pending, Future)
         while not pending.done():
             await trio.sleep(0.01)
         out.append(bytes(pending.result()))
-        out.append(bytes(dp._answer_peer(owner_ask)))  # now held: served to an owner too
+        out.append(bytes(dp._for_peer(owner_ask)))  # now held: served to an owner too
 
     run(dp, go)
     assert out[0] is None and out[1] == out[2] == payload[256 * KiB:512 * KiB]
