@@ -24,15 +24,13 @@ from typing import Mapping
 
 import trio
 
-from .native_http import Accept, Answer
+from .native_http import Accept, Answer, Endpoint, endpoint_of
 from .objects import Progress
 from .store_errors import StoreError, TransientError, Unavailable
-from .wire import Malformed, SendAll, Steps, Wire, parse_headers, run_on_loop
+from .wire import Malformed, SendAll, Steps, Wire, parse_answer, run_on_loop
 
 ERROR_BODY = 64 * 1024  # bytes of an error answer's body kept, enough for its code
 WAKE_BYTES = 64 * 1024  # bytes of a body the loop is woken for at once, at least (or the rest of it)
-
-Endpoint = tuple[str, str, int]  # scheme, host, port
 
 
 def loop_gets_possible() -> bool:
@@ -130,7 +128,7 @@ class LoopHttp:
                 raise _Stale("a kept-alive connection closed by the store")
             raise TransientError(f"{what}: the store closed the connection without an answer")
         conn.heard = True
-        status, headers = _status(lines)
+        status, headers = parse_answer(lines)
         keep = headers.get("connection", "").lower() != "close"
         if status in (200, 206):
             accept(status, headers)  # the version, range and length asked for, or a StoreError
@@ -154,8 +152,9 @@ class LoopHttp:
             some = yield from wire.exactly(min(length, ERROR_BODY), time.monotonic() + timeout)
             return Answer(status, headers, bytes(some)), keep and length <= ERROR_BODY and wire.drained()
         if headers.get("transfer-encoding", "").lower() == "chunked":
-            whole = yield from wire.chunked(ERROR_BODY, timeout)
-            return Answer(status, headers, whole), keep and wire.drained()
+            kept = bytearray(ERROR_BODY)
+            got = yield from wire.chunked_into(memoryview(kept), timeout, lambda n: None)
+            return Answer(status, headers, bytes(kept[:got])), keep and wire.drained()
         return Answer(status, headers), False  # a body up to the connection's end: not read, not reused
 
     def _idle_connection(self, endpoint: Endpoint) -> _Connection | None:
@@ -204,21 +203,13 @@ class _Stale(TransientError):
 
 def _parts(url: str) -> tuple[Endpoint, str, str]:
     parts = urllib.parse.urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
     target = f"{parts.path}?{parts.query}" if parts.query else parts.path
-    return (parts.scheme, parts.hostname or "", port), parts.netloc, target
+    return endpoint_of(parts), parts.netloc, target
 
 
 def _request(target: str, netloc: str, headers: Mapping[str, str]) -> bytes:
     lines = [f"GET {target} HTTP/1.1", f"Host: {netloc}", *(f"{name}: {value}" for name, value in headers.items())]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-
-def _status(lines: list[str]) -> tuple[int, dict[str, str]]:
-    parts = lines[0].split(" ", 2)
-    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
-        raise Malformed(f"not a status line: {lines[0][:80]!r}")
-    return int(parts[1]), parse_headers(lines[1:])
 
 
 def _length(value: str, what: str) -> int:

@@ -46,6 +46,7 @@ class Answer:
 
 
 Accept = Callable[[int, Mapping[str, str]], None]
+Endpoint = tuple[str, str, int]  # scheme, host, port: connections are pooled by it
 
 _held = threading.local()  # a thread state's own: set once this awscrt thread keeps its thread state
 _holding = False
@@ -140,7 +141,7 @@ class NativeHttp:
         self._request_timeout = request_timeout  # the longest silence while an answer is due
         self._ca_file = ca_file
         self._max_idle = max_idle
-        self._idle: dict[tuple[str, str, int], list[HttpClientConnection]] = {}
+        self._idle: dict[Endpoint, list[HttpClientConnection]] = {}
         self._lock = threading.Lock()
         self._bootstrap: ClientBootstrap | None = None  # made at first use, in the process that sends
         self._tls: ClientTlsContext | None = None
@@ -193,7 +194,7 @@ class NativeHttp:
             raise TransientError(f"{what}: connection failed ({getattr(exc, 'name', type(exc).__name__)})") from None
         return stream
 
-    def _finish(self, endpoint: tuple[str, str, int], conn: HttpClientConnection, exchange: _Exchange,
+    def _finish(self, endpoint: Endpoint, conn: HttpClientConnection, exchange: _Exchange,
                 what: str) -> Answer:
         """The answer is complete: the connection goes back to the pool only after a complete answer whose body
         was taken whole (a 200 or 206 that filled less than its buffer is a TransientError)."""
@@ -228,7 +229,7 @@ class NativeHttp:
                 raise Unavailable(f"{what}: store stopped sending")
         _outcome(done, exchange, what)
 
-    async def _connection_async(self, url: str, what: str) -> tuple[tuple[str, str, int], HttpClientConnection]:
+    async def _connection_async(self, url: str, what: str) -> tuple[Endpoint, HttpClientConnection]:
         """An idle pooled connection at once, else a new one made in a worker thread (rare once the pool is warm)."""
         endpoint = _endpoint(url)
         conn = self._idle_connection(endpoint)
@@ -251,7 +252,7 @@ class NativeHttp:
                 break
         _outcome(done, exchange, what)
 
-    def _idle_connection(self, endpoint: tuple[str, str, int]) -> HttpClientConnection | None:
+    def _idle_connection(self, endpoint: Endpoint) -> HttpClientConnection | None:
         with self._lock:
             idle = self._idle.get(endpoint)
             while idle:
@@ -260,7 +261,7 @@ class NativeHttp:
                     return conn
         return None
 
-    def _connection(self, endpoint: tuple[str, str, int], what: str) -> HttpClientConnection:
+    def _connection(self, endpoint: Endpoint, what: str) -> HttpClientConnection:
         conn = self._idle_connection(endpoint)
         if conn is not None:
             return conn
@@ -282,7 +283,7 @@ class NativeHttp:
                 raise Unavailable(f"{what}: could not connect in time") from None
             raise Unavailable(f"{what}: cannot reach the endpoint ({name})") from None
 
-    def _put_back(self, endpoint: tuple[str, str, int], conn: HttpClientConnection) -> None:
+    def _put_back(self, endpoint: Endpoint, conn: HttpClientConnection) -> None:
         with self._lock:
             idle = self._idle.setdefault(endpoint, [])
             if len(idle) < self._max_idle:
@@ -315,8 +316,12 @@ class NativeHttp:
         return options
 
 
-def _endpoint(url: str) -> tuple[str, str, int]:
-    parts = urllib.parse.urlsplit(url)
+def _endpoint(url: str) -> Endpoint:
+    return endpoint_of(urllib.parse.urlsplit(url))
+
+
+def endpoint_of(parts: urllib.parse.SplitResult) -> Endpoint:
+    """Where a URL's connections go: its scheme, host and port (the scheme's own if it names none)."""
     return parts.scheme, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
 
 

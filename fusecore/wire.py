@@ -159,19 +159,6 @@ class Wire:
         while (yield from self.line(time.monotonic() + timeout)):
             pass  # trailer fields, up to the empty line
 
-    def chunked(self, limit: int, timeout: float) -> Steps[bytes]:
-        """A chunked body whole, its first `limit` bytes kept; Malformed past 64 KiB of chunks and sizes."""
-        kept = bytearray()
-        while True:
-            size = yield from self._chunk_size(timeout)
-            if size == 0:
-                yield from self._trailer(timeout)
-                return bytes(kept[:limit])
-            if len(kept) + size > 64 * 1024:
-                raise Malformed("a chunked body longer than allowed")
-            kept += yield from self.exactly(size, time.monotonic() + timeout)
-            yield from self.crlf(time.monotonic() + timeout)
-
     def crlf(self, until: float | None) -> Steps[None]:
         if (yield from self.line(until)):
             raise Malformed("a chunk not ended by CRLF")
@@ -201,10 +188,7 @@ class Wire:
         lines = yield from self.head(until)
         if lines is None:
             raise ConnectionError("the peer closed the connection")
-        parts = lines[0].split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
-            raise Malformed(f"not a status line: {lines[0][:80]!r}")
-        return int(parts[1]), parse_headers(lines[1:])
+        return parse_answer(lines)
 
 
 def left(until: float) -> float:
@@ -254,6 +238,14 @@ async def run_on_loop(sock: socket.socket, steps: Steps[T]) -> T:
         return done.value
     finally:
         steps.close()
+
+
+def parse_answer(lines: list[str]) -> tuple[int, dict[str, str]]:
+    """The status and headers (names in lower case) of an answer's head."""
+    parts = lines[0].split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+        raise Malformed(f"not a status line: {lines[0][:80]!r}")
+    return int(parts[1]), parse_headers(lines[1:])
 
 
 def parse_headers(lines: list[str]) -> dict[str, str]:
