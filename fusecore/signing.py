@@ -72,6 +72,19 @@ class _Keys(NamedTuple):
         return f"_Keys(access_key={self.access_key!r}, ...)"  # never the secret or the token, in any log
 
 
+class _V4Second(NamedTuple):
+    """What SigV4 URLs signed in one second with one set of keys share."""
+
+    params: dict[str, str]  # the signature's own query parameters, encoded
+    query: str  # those, in canonical order
+    stamp: str
+    scope: str
+    key: bytes  # the day's signing key
+
+    def __repr__(self) -> str:
+        return f"_V4Second(stamp={self.stamp!r}, scope={self.scope!r}, ...)"  # never the signing key, in any log
+
+
 def _quote(value: str) -> str:
     """A query value as botocore encodes it (percent_encode_sequence)."""
     return urllib.parse.quote(value, safe="-_.~")
@@ -154,7 +167,7 @@ class ObjectUrls:
         self._listings = _Learnt(self._learn_listing)
         self._keys: _Keys | None = None
         self._signing_key: tuple[tuple[str, str, str, str], bytes] | None = None
-        self._v4_cache: tuple[tuple, tuple[dict[str, str], str, str, str, bytes]] | None = None
+        self._v4_cache: tuple[tuple, _V4Second] | None = None
 
     @property
     def form(self) -> UrlForm | None:
@@ -233,17 +246,16 @@ class ObjectUrls:
             keys: _Keys) -> tuple[dict[str, str], str]:
         """Query-string authentication of signature version 4, its payload unsigned (as S3 defines presigned
         URLs), the host its one signed header."""
-        params, query, stamp, scope, signing_key = self._v4_second(form, now, keys)
+        second = self._v4_second(form, now, keys)
+        query = second.query
         if operation:  # (sorted by name, then value: botocore's canonical order)
-            pairs = [tuple(pair.split("=", 1)) for pair in query.split("&")]
-            query = "&".join(f"{name}={value}" for name, value in sorted([*operation, *pairs]))
+            query = "&".join(f"{name}={value}" for name, value in sorted([*operation, *second.params.items()]))
         canonical = f"GET\n{path}\n{query}\nhost:{form.host}\n\nhost\nUNSIGNED-PAYLOAD"
-        to_sign = f"AWS4-HMAC-SHA256\n{stamp}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
-        return params, hmac.new(signing_key, to_sign.encode(), hashlib.sha256).hexdigest()
+        to_sign = f"AWS4-HMAC-SHA256\n{second.stamp}\n{second.scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
+        return second.params, hmac.new(second.key, to_sign.encode(), hashlib.sha256).hexdigest()
 
-    def _v4_second(self, form: UrlForm, now: int, keys: _Keys) -> tuple[dict[str, str], str, str, str, bytes]:
-        """What every URL signed in this second with these keys shares: the parameters, the canonical query, the
-        time stamp, the scope and the signing key."""
+    def _v4_second(self, form: UrlForm, now: int, keys: _Keys) -> "_V4Second":
+        """What every URL signed in this second with these keys shares."""
         cached = self._v4_cache  # (read once: a worker thread's listing may sign beside the event loop's GETs)
         if cached is not None and cached[0] == (now, keys, form.region, form.service):
             return cached[1]
@@ -254,7 +266,7 @@ class ObjectUrls:
         if keys.token:
             params["X-Amz-Security-Token"] = _quote(keys.token)
         query = "&".join(f"{name}={value}" for name, value in sorted(params.items()))
-        shared = (params, query, stamp, scope, self._v4_key(keys.secret_key, stamp[:8], form))
+        shared = _V4Second(params, query, stamp, scope, self._v4_key(keys.secret_key, stamp[:8], form))
         self._v4_cache = ((now, keys, form.region, form.service), shared)
         return shared
 
