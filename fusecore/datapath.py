@@ -60,6 +60,7 @@ class DataPath:
 
     def start(self, nursery: trio.Nursery) -> None:
         self.fetcher.start(nursery)
+        self.walk.start(nursery)
         self._nursery = nursery
         if self.cluster is not None:
             try:
@@ -146,6 +147,7 @@ class DataPath:
             "inflight": {"requests": self.fetcher.inflight, "bytes": int(m.value(m.inflight_bytes))},
             "open_files": self.reader.open_files,
             "walk_prefetches": self.walk.issued,
+            "walk_dirs_ahead": self.walk.dirs_ahead,
             "fuse_reads": {"count": self.reader.read_calls, "bytes_requested": self.reader.read_bytes},
             "errors": errors,
             "skipped_names": self.namespace.skipped_names,

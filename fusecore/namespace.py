@@ -106,6 +106,9 @@ class Namespace:
         except KeyError:
             raise NotFound(f"inode {inode} is unknown") from None
 
+    def find(self, inode: int) -> Node | None:
+        return self._nodes.get(inode)
+
     def parent_of(self, node: Node) -> Node | None:
         if not node.path:
             return None
@@ -119,6 +122,13 @@ class Namespace:
             return None
         nodes = (self._nodes[inode] for _, inode in node.sorted_children())
         return [n.info for n in nodes if not n.is_dir and n.info is not None]
+
+    def listed_entries(self, node: Node) -> list[tuple[str, int]] | None:
+        """A directory's (name, inode) pairs in name order (the list readdir pages from: not copied), or None unless
+        a fresh listing is at hand."""
+        if not node.is_dir or not self._fresh(node.listed_at):
+            return None
+        return node.sorted_children()
 
     @property
     def entries(self) -> int:

@@ -8,21 +8,37 @@ what the reader takes: at most WALK_START files the reader has not opened yet, p
 file it opened that the walk had fetched. A loader going through the directory keeps the walk far
 ahead; one opening a few random files of a huge directory costs at most WALK_START extra GETs
 instead of fetching the directory (demand reads keep the connections).
+
+A directory's walk starts at its second open (one open says nothing of the next), or at its first once the
+reader opened TRUST_HITS files the walks of its sibling directories had fetched: a shuffled epoch over class
+folders shows that within its first few dozen samples. The walk then also goes ahead of the reader into sibling
+directories it has not opened yet (listing each), so a folder's first sample is not a LIST and a GET in a row:
+TREE_START directories ahead, plus TREE_GROWTH for each of them the reader then reached (the per-directory
+rule, one level up; each directory's walk keeps its own bound, and all of it the byte budget). A reader of one
+file per directory (a label file per sample folder) never earns the trust, so it never pays for either.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+import trio
 
 from .cache import BlockCache
 from .fetcher import Fetcher
 from .namespace import Namespace, Node
 from .objects import ObjectInfo
 
+log = logging.getLogger(__name__)
+
 MAX_TRACKED_DIRS = 4096
 WALK_START = 32  # files fetched ahead before the reader showed it reads what the walk fetches
 WALK_GROWTH = 8  # more files ahead for each opened file the walk had fetched
+TRUST_HITS = 4  # opened files the walks of one directory's subdirectories fetched before those walk at a first open
+TREE_START = 16  # sibling directories walked ahead of the reader once they are trusted
+TREE_GROWTH = 2  # more for each directory walked ahead that the reader then opened
 
 
 @dataclass
@@ -45,6 +61,19 @@ class _DirState:
         return WALK_START + WALK_GROWTH * self.hits - (self.next - self.hits)
 
 
+@dataclass
+class _Family:
+    """The subdirectories of one directory (class folders of a split), as the walk sees them."""
+
+    hits: int = 0  # opened files that the walks of its subdirectories had fetched
+    ahead: set[int] = field(default_factory=set)  # subdirectories walked before the reader opened a file of them
+    reached: int = 0  # of those, how many the reader then opened
+    next: int = 0  # its subdirectories (in name order) up to here were considered for a walk ahead
+
+    def room(self) -> int:
+        return TREE_START + TREE_GROWTH * self.reached - len(self.ahead)
+
+
 class DirectoryPrefetcher:
     def __init__(self, namespace: Namespace, fetcher: Fetcher, cache: BlockCache, *, small_file_max: int,
                  budget: int, trigger: int = 2):
@@ -55,7 +84,14 @@ class DirectoryPrefetcher:
         self.budget = budget
         self.trigger = trigger
         self._dirs: OrderedDict[int, _DirState] = OrderedDict()
+        self._families: OrderedDict[int, _Family] = OrderedDict()  # by the inode of the subdirectories' parent
+        self._nursery: trio.Nursery | None = None
         self.issued = 0
+        self.dirs_ahead = 0  # directories listed and walked before the reader opened a file of them
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Where walks ahead into sibling directories list them (without it, the walk never goes ahead)."""
+        self._nursery = nursery
 
     def on_open(self, node: Node) -> None:
         if node.info is None or node.info.size > self.small_file_max:
@@ -68,19 +104,70 @@ class DirectoryPrefetcher:
             files = self.ns.listed_files(parent)
             if files is None:
                 return
-            state = _DirState(parent.listed_at, [f for f in files if 0 < f.size <= self.small_file_max])
-            self._dirs[parent.inode] = state
-            while len(self._dirs) > MAX_TRACKED_DIRS:
-                self._dirs.popitem(last=False)
+            state = self._state(parent, files)
         self._dirs.move_to_end(parent.inode)
         state.opened += 1
         position = state.position(node.info.key)
+        grandparent = self.ns.parent_of(parent)
+        family = self._family(grandparent) if grandparent is not None else None
+        if family is not None and parent.inode in family.ahead:
+            family.ahead.discard(parent.inode)
+            family.reached += 1
         if position is not None and position < state.next:
             state.hits += 1
+            if family is not None:
+                family.hits += 1
         elif position is not None:
             state.opened_ahead.add(position)  # read before the walk got there: it is not fetched again
-        if state.opened >= self.trigger:
+        trusted = family is not None and family.hits >= TRUST_HITS
+        if state.opened >= self.trigger or trusted:
             self._issue(state)
+        if trusted:
+            self._go_ahead(grandparent, family)
+
+    def _state(self, node: Node, files: list[ObjectInfo]) -> _DirState:
+        state = self._dirs[node.inode] = _DirState(node.listed_at, [f for f in files if 0 < f.size <= self.small_file_max])
+        while len(self._dirs) > MAX_TRACKED_DIRS:
+            self._dirs.popitem(last=False)
+        return state
+
+    def _family(self, node: Node) -> _Family:
+        family = self._families.get(node.inode)
+        if family is None:
+            family = self._families[node.inode] = _Family()
+            while len(self._families) > MAX_TRACKED_DIRS:
+                self._families.popitem(last=False)
+        self._families.move_to_end(node.inode)
+        return family
+
+    def _go_ahead(self, parent: Node, family: _Family) -> None:
+        """Walk sibling directories the reader has not opened yet, within the family's room."""
+        if self._nursery is None or family.room() <= 0:
+            return
+        entries = self.ns.listed_entries(parent)
+        if entries is None:
+            return
+        while family.next < len(entries) and family.room() > 0 and self.cache.transient_bytes < self.budget:
+            subdir = self.ns.find(entries[family.next][1])
+            family.next += 1
+            if subdir is not None and subdir.is_dir and subdir.inode not in self._dirs:  # (one the reader opened has a walk of its own)
+                family.ahead.add(subdir.inode)
+                self.dirs_ahead += 1
+                self._nursery.start_soon(self._walk_ahead, subdir)
+
+    async def _walk_ahead(self, node: Node) -> None:
+        try:
+            await self.ns.ensure_listed(node)
+        except Exception as exc:  # noqa: BLE001 - a guess that failed costs nothing: the reader lists it if it comes
+            log.debug("walk ahead: listing %s failed: %s", node.path, exc)
+            return
+        state = self._dirs.get(node.inode)
+        if state is None:
+            files = self.ns.listed_files(node)
+            if files is None:
+                return
+            state = self._state(node, files)
+        self._issue(state)
 
     def _issue(self, state: _DirState) -> None:
         while state.next < len(state.files) and state.room() > 0:

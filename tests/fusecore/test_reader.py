@@ -296,6 +296,65 @@ def test_a_loader_going_through_a_directory_keeps_the_walk_ahead():
     assert store.calls["get"] == 400 and stats["walk_prefetches"] >= 390, (stats["walk_prefetches"], stats["requests"])
 
 
+def _class_folders(store, folders, files, size=8 * KiB):
+    for c in range(folders):
+        for i in range(files):
+            store.put(f"train/{c:03d}/{i:03d}.jpg", random.Random(c * 1000 + i).randbytes(size))
+
+
+async def _open_as_the_kernel(dp, path):
+    """Look a file up from the root, a component at a time (listing directories as lookups do), and open it."""
+    node = dp.namespace.node(1)
+    for name in path.split("/"):
+        node = await dp.namespace.lookup(node.inode, name)
+    dp.walk.on_open(node)
+    return node
+
+
+def test_a_shuffled_epoch_over_class_folders_is_walked_ahead_into_folders_not_opened_yet():
+    """Once the reader opened files the walks of sibling folders fetched, the walk lists and fetches folders it has
+    not reached, so a folder's first sample is not a LIST and a GET in a row; every file is still fetched once."""
+    store = FakeStore()
+    store.faults.latency = 0.002
+    _class_folders(store, 24, 8)
+    order = [f"train/{c:03d}/{i:03d}.jpg" for c in range(24) for i in range(8)]
+    random.Random(5).shuffle(order)
+    dp = datapath(store, cache=256 * MiB, block=1 * MiB, prefetch=64 * MiB)
+    first_opens_ahead = []
+
+    async def go():
+        seen = set()
+        for path in order:
+            folder = path.rsplit("/", 1)[0]
+            if folder not in seen:
+                seen.add(folder)
+                first_opens_ahead.append(any(key == path for key, _, _ in store.ranges))
+            node = await _open_as_the_kernel(dp, path)
+            assert await read_all(dp, node.info, 8 * KiB)() == store.objects[path][0]
+            await trio.sleep(0.005)
+
+    run(dp, go)
+    assert dp.walk.dirs_ahead > 0
+    assert any(first_opens_ahead), "no folder's first sample had been fetched before the reader came"
+    assert store.calls["get"] == len(order), "every file fetched exactly once"
+
+
+def test_a_reader_of_one_file_per_folder_never_pays_for_walks():
+    store = FakeStore()
+    _class_folders(store, 30, 10)
+    dp = datapath(store, cache=256 * MiB, block=1 * MiB, prefetch=64 * MiB)
+
+    async def go():
+        for c in range(30):
+            node = await _open_as_the_kernel(dp, f"train/{c:03d}/004.jpg")
+            await read_all(dp, node.info, 8 * KiB)()
+        await trio.sleep(0.05)
+
+    run(dp, go)
+    assert store.calls["get"] == 30 and dp.walk.issued == 0 and dp.walk.dirs_ahead == 0
+    assert store.calls["list_dir"] + store.calls["probe"] <= 32  # the root, train, and each folder read
+
+
 @pytest.mark.parametrize("initial, size, first_block_gets", [
     (8 * MiB, 16 * MiB, FIRST_BLOCK_PARTS),  # read from 0 with the initial window: the first block in parts
     (0, 16 * MiB, 1),  # --initial-prefetch 0: one GET, as before
