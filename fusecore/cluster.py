@@ -171,7 +171,8 @@ class Cluster:
                 "read_through_failed": server.through_failed if server else 0,
                 "bytes_served_to_peers": server.served_bytes if server else 0,
                 "refused": server.refused if server else 0, "busy": server.busy if server else 0,
-                "missed_for_peers": server.missed if server else 0}
+                "missed_for_peers": server.missed if server else 0,
+                "connections_from_peers": server.connections if server else 0}
 
 
 def held(cache: BlockCache, want: BlockAsk, block_size: int) -> Buffer | None:

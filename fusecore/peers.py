@@ -23,10 +23,12 @@ answers it as its own. The signature covers the whole target, prefix included.
 
 The server answers 200 with the bytes (Content-Length, X-Stoker-ETag, X-Stoker-CRC64NVME or X-Stoker-SHA256 in hex)
 when it holds that
-exact version; when it does not but owns the block, it reads through: 200 at once with `X-Stoker-Through: 1`
-and a chunked body that is a FETCHING byte every HEARTBEAT seconds while its own GET runs (shared with any
-GET of that block on the node, whoever asked), then OK, the bytes and their raw checksum, or FAILED (its
-GET failed or took over THROUGH_WAIT: the asker reads the store, the owner is not avoided). So the asker
+exact version; when it does not but owns the block, it reads through: 200 with `X-Stoker-Through: 1` and a
+chunked body that is a FETCHING byte every HEARTBEAT seconds while its own GET runs (shared with any GET of
+that block on the node, whoever asked), then OK, the bytes and their raw checksum, or FAILED (its GET failed
+or took over THROUGH_WAIT: the asker reads the store, the owner is not avoided). The head goes at the first
+beat, or with the bytes when they come before it (most do: one write, one wake of the asker); so an asker
+waits for a head as long as between beats. So the asker
 tells "fetching" from "gone" by the beats: an owner that stops or hangs is silent for more than the
 first-byte bound at any point of the answer, and the asker gives up on it then. 404 when it neither
 holds nor owns the bytes, 503 when it already answers MAX_CLIENTS requests (the asker reads the store; a
@@ -40,10 +42,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import hmac
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -66,8 +68,9 @@ MAX_SKEW = 60.0  # seconds a signed request stays valid (clocks of a cluster's n
 MAX_CLIENTS = 256  # requests a node answers at once; more are told 503 (memory stays bounded); a read-through
 # answer is one of them while the owner's GET runs, and every member's read-ahead may ask at once
 IDLE_TIMEOUT = 10.0  # seconds a peer connection may stay silent (or not take its answer) before it is closed
-POOLED = 2  # idle connections an asker keeps to each peer (a connection per block cost about as much CPU as the
-# block's bytes: keep-alive halves the CPU of a 100 KB peer read)
+POOLED = 32  # idle connections an asker keeps to each peer (a connection per block cost about as much CPU as the
+# block's bytes: keep-alive halves the CPU of a 100 KB peer read). As many as the asks a node's walk and read-ahead
+# have in flight to one peer: with 2, two asks in three opened a connection (and the owner accepted it)
 POOL_IDLE = 5.0  # seconds an idle connection is kept; less than IDLE_TIMEOUT, so a peer rarely closes one first
 
 AVOID = 5.0  # seconds a failed peer is not asked: a dead one then costs a connection refused (or one bound) per
@@ -107,20 +110,25 @@ class BlockAsk:
         return self.stop - self.start
 
     def target(self, prefix: str = "") -> str:
-        return f"{prefix}{PATH}?" + urllib.parse.urlencode(
-            {"key": self.key, "etag": self.etag, "index": str(self.index), "start": str(self.start),
-             "stop": str(self.stop), "size": str(self.size), **({} if self.through else {"held": "1"}),
-             "sum": self.checksum})
+        """The request's path and query (what urllib's urlencode makes of these fields, built for a few µs)."""
+        return (f"{prefix}{PATH}?key={_quote(self.key)}&etag={_quote(self.etag)}&index={self.index}"
+                f"&start={self.start}&stop={self.stop}&size={self.size}{'' if self.through else '&held=1'}"
+                f"&sum={_quote(self.checksum)}")
 
     @classmethod
     def parse(cls, query: str) -> "BlockAsk":
         """From a request's query; ValueError when a field is missing or the bytes are not inside the object."""
-        q = urllib.parse.parse_qs(query, strict_parsing=True)
+        fields: dict[str, str] = {}
+        for part in query.split("&"):
+            name, sep, value = part.partition("=")
+            if not sep:
+                raise ValueError("a field without a value")
+            fields.setdefault(name, value)
         try:
-            index, start, stop, size = (int(q[name][0]) for name in ("index", "start", "stop", "size"))
-            ask = cls(q["key"][0], q["etag"][0], index, start, stop, size, through=q.get("held", ["0"])[0] != "1",
-                      checksum=q.get("sum", ["sha256"])[0])
-        except (KeyError, IndexError) as exc:
+            index, start, stop, size = (int(fields[name]) for name in ("index", "start", "stop", "size"))
+            ask = cls(_unquote(fields["key"]), _unquote(fields["etag"]), index, start, stop, size,
+                      through=fields.get("held", "0") != "1", checksum=_unquote(fields.get("sum", "sha256")))
+        except KeyError as exc:
             raise ValueError(f"missing {exc}") from None
         if ask.index < 0 or not 0 <= ask.start < ask.stop <= ask.size:
             raise ValueError("the bytes asked are not inside the object")
@@ -137,8 +145,21 @@ class BlockAsk:
 Lookup = Callable[[BlockAsk], "Buffer | Future | None"]
 
 
+_PLAIN = re.compile(r'[A-Za-z0-9_.~/"-]*')  # what most keys and ETags are made of: quoted without urllib's loop
+
+
+def _quote(value: str) -> str:
+    """A query value as urllib's quote_plus(value, safe="/") makes it (a few µs less for the usual key)."""
+    if _PLAIN.fullmatch(value):
+        return value.replace('"', "%22")
+    return urllib.parse.quote_plus(value, safe="/")
+
+
+_unquote = urllib.parse.unquote_plus
+
+
 def _mac(key: bytes, seconds: str, target: str) -> str:
-    return hmac.new(key, f"{seconds}\n{target}".encode(), hashlib.sha256).hexdigest()
+    return hmac.digest(key, f"{seconds}\n{target}".encode(), "sha256").hex()
 
 
 def sign(key: bytes, target: str, now: float) -> str:
@@ -406,38 +427,45 @@ class PeerServer:
             self.metrics.peer_served_bytes.inc(nbytes)
 
     async def _read_through(self, sock: socket.socket, ask: BlockAsk, pending: Future, keep_alive: bool) -> None:
-        """Say at once that the bytes are coming, beat while this node's GET runs, then send them (or FAILED)."""
+        """The bytes this node reads through for the asker: sent with their head in one write when they come within
+        a beat (as most do), else the head at the first beat and a FETCHING byte each beat until they come (or
+        FAILED)."""
         send = functools.partial(_send, sock, timeout=self.idle_timeout)
-        await send(_head(200, [("Transfer-Encoding", "chunked"), ("X-Stoker-ETag", ask.etag),
-                               ("X-Stoker-Through", 1)], keep_alive))
+        head = _head(200, [("Transfer-Encoding", "chunked"), ("X-Stoker-ETag", ask.etag), ("X-Stoker-Through", 1)],
+                     keep_alive)
         done = trio.Event()
-        token = trio.lowlevel.current_trio_token()
+        if not pending.done():
+            token, loop = trio.lowlevel.current_trio_token(), threading.get_ident()
 
-        def wake(_: Future) -> None:  # (on whichever thread completes it: the loop's own, in a mount)
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(done.set)
+            def wake(_: Future) -> None:  # (on whichever thread completes it: the loop's own, in a mount)
+                if threading.get_ident() == loop:
+                    done.set()
+                else:
+                    with contextlib.suppress(trio.RunFinishedError):
+                        token.run_sync_soon(done.set)
 
-        pending.add_done_callback(wake)
+            pending.add_done_callback(wake)
         give_up = time.monotonic() + self.through_wait
-        while not done.is_set() and time.monotonic() < give_up:
+        while not pending.done() and time.monotonic() < give_up:
             with trio.move_on_after(HEARTBEAT):
                 await done.wait()
-            if not done.is_set() and time.monotonic() < give_up:
-                await send(b"1\r\n" + FETCHING + b"\r\n")
+            if not pending.done() and time.monotonic() < give_up:
+                await send(head, b"1\r\n" + FETCHING + b"\r\n")
+                head = b""
         data = pending.result() if pending.done() and not pending.cancelled() and pending.exception() is None else None
         # (a GET that failed was logged where it ran: the asker reads the store)
         if data is None or len(data) != ask.length:
             self.through_failed += 1
             if self.metrics is not None:
                 self.metrics.peer_read_through.labels(outcome="failed").inc()
-            return await send(b"1\r\n" + FAILED + b"\r\n0\r\n\r\n")
+            return await send(head, b"1\r\n" + FAILED + b"\r\n0\r\n\r\n")
         body = memoryview(data)
         digest = CHECKSUMS[ask.checksum](body)
         self.through += 1
         if self.metrics is not None:
             self.metrics.peer_read_through.labels(outcome="served").inc()
         self._count(len(body))
-        await send(f"{1 + len(body) + len(digest):x}\r\n".encode() + OK, body, digest + b"\r\n0\r\n\r\n")
+        await send(head, f"{1 + len(body) + len(digest):x}\r\n".encode() + OK, body, digest + b"\r\n0\r\n\r\n")
 
 
 def _name(sock: socket.socket) -> str:
@@ -537,7 +565,7 @@ class PeerClient:
                        f"{sign(self.key, target, self.wall())}\r\n\r\n".encode(),
                        time.monotonic() + self.timeouts.first_byte)
         wire = Wire()
-        status, headers = yield from wire.answer_head(time.monotonic() + self.timeouts.first_byte)
+        status, headers = yield from wire.answer_head(time.monotonic() + self._beat())
         keep = headers.get("connection", "").lower() != "close"
         if status in (404, 503):  # not held, or busy: no failure, the store answers this one
             if headers.get("content-length", "0") != "0" or "transfer-encoding" in headers:
@@ -560,10 +588,14 @@ class PeerClient:
                 raise ValueError("checksum mismatch")
         return outcome, body, keep and wire.drained()  # the whole answer was read: the connection carries the next
 
+    def _beat(self) -> float:
+        """The longest silence of a live owner: the first-byte bound, or three beats where that is shorter."""
+        return max(self.timeouts.first_byte, 3 * HEARTBEAT)
+
     def _through(self, wire: Wire, want: BlockAsk) -> Steps[tuple[str, bytearray | None]]:
         """A read-through answer: beats while the owner fetches (each within the first-byte bound: a silent owner
         is gone), then the bytes and their checksum, or FAILED (a miss: the owner's store did not answer it)."""
-        beat = max(self.timeouts.first_byte, 3 * HEARTBEAT)
+        beat = self._beat()
         give_up = self.clock() + self.timeouts.through
         while True:
             size = int((yield from wire.line(time.monotonic() + beat)).split(b";")[0], 16)
