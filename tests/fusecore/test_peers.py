@@ -9,6 +9,7 @@ import os
 import socket
 import threading
 import time
+import urllib.parse
 import urllib.request
 from concurrent.futures import Future
 
@@ -395,6 +396,20 @@ def test_an_answer_head_trickled_byte_by_byte_is_given_up_within_the_first_byte_
     finally:
         stop.set()
         listener.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(key=st.text(min_size=1, max_size=40), etag=st.text(min_size=1, max_size=40).filter(str.isprintable),
+       through=st.booleans())
+def test_an_asks_query_is_what_urllib_reads_and_writes(key, etag, through):
+    """Asks are quoted and parsed here, without urllib's loops: what urllib's parse_qs (an older member) reads from
+    one is the ask, and what urlencode writes parses back to it."""
+    want = BlockAsk(key, etag, 1, 4096, 8192, 9000, through=through)
+    query = want.target().split("?", 1)[1]
+    assert BlockAsk.parse(query) == want
+    fields = {name: values[0] for name, values in urllib.parse.parse_qs(query, strict_parsing=True).items()}
+    assert (fields["key"], fields["etag"], fields["stop"], "held" in fields) == (key, etag, "8192", not through)
+    assert BlockAsk.parse(urllib.parse.urlencode(fields)) == want
 
 
 def test_members_of_the_older_version_are_answered_and_understood(server):
