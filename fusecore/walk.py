@@ -119,10 +119,10 @@ class DirectoryPrefetcher:
                 family.hits += 1
         elif position is not None:
             state.opened_ahead.add(position)  # read before the walk got there: it is not fetched again
-        trusted = family is not None and family.hits >= TRUST_HITS
+        trusted = grandparent is not None and family is not None and family.hits >= TRUST_HITS
         if state.opened >= self.trigger or trusted:
             self._issue(state)
-        if trusted:
+        if trusted and grandparent is not None and family is not None:  # (as trusted says: for the type checker)
             self._go_ahead(grandparent, family)
 
     def _state(self, node: Node, files: list[ObjectInfo]) -> _DirState:
