@@ -233,6 +233,12 @@ class Namespace:
                 self._apply_listing(node, await self._run_sync(self._list_pages, self._dir_prefix(node)))
             return  # (listed once, even where a TTL of 0 never counts a listing as fresh)
 
+    async def list_if_one_page(self, node: Node) -> None:
+        """List a directory if it fits in one LIST page: one request whatever its size (a guess, such as the walk's
+        ahead of a reader, must not list a huge directory page by page). It may be left unlisted."""
+        if not self._fresh(node.listed_at):
+            await self._first_page(node)
+
     async def _first_page(self, node: Node) -> Listing | None:
         """One LIST of a directory never listed: None once it was the whole directory (now listed), else
         that first page (the directory's first names in order; empty if another lookup asked meanwhile)."""

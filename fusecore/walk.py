@@ -12,7 +12,8 @@ instead of fetching the directory (demand reads keep the connections).
 A directory's walk starts at its second open (one open says nothing of the next), or at its first once the
 reader opened TRUST_HITS files the walks of its sibling directories had fetched: a shuffled epoch over class
 folders shows that within its first few dozen samples. The walk then also goes ahead of the reader into sibling
-directories it has not opened yet (listing each), so a folder's first sample is not a LIST and a GET in a row:
+directories it has not opened yet (listing each with one LIST: one of more than a page is left to the reader),
+so a folder's first sample is not a LIST and a GET in a row:
 TREE_START directories ahead, plus TREE_GROWTH for each of them the reader then reached (the per-directory
 rule, one level up; each directory's walk keeps its own bound, and all of it the byte budget). A reader of one
 file per directory (a label file per sample folder) never earns the trust, so it never pays for either.
@@ -157,7 +158,7 @@ class DirectoryPrefetcher:
 
     async def _walk_ahead(self, node: Node) -> None:
         try:
-            await self.ns.ensure_listed(node)
+            await self.ns.list_if_one_page(node)  # (a bigger one is walked when the reader opens a file of it)
         except Exception as exc:  # noqa: BLE001 - a guess that failed costs nothing: the reader lists it if it comes
             log.debug("walk ahead: listing %s failed: %s", node.path, exc)
             return

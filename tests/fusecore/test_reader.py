@@ -339,6 +339,27 @@ def test_a_shuffled_epoch_over_class_folders_is_walked_ahead_into_folders_not_op
     assert store.calls["get"] == len(order), "every file fetched exactly once"
 
 
+def test_the_walk_ahead_lists_a_folder_with_one_request_and_leaves_a_bigger_one_to_the_reader():
+    store = FakeStore(page_size=50)
+    _class_folders(store, 6, 8)
+    for i in range(120):  # a sibling of more than a page
+        store.put(f"train/002x/{i:03d}.jpg", b"y" * KiB)
+    dp = datapath(store, cache=256 * MiB, block=1 * MiB, prefetch=64 * MiB)
+    order = [f"train/{c:03d}/{i:03d}.jpg" for c in (0, 1) for i in range(8)]
+
+    async def go():
+        for path in order:
+            node = await _open_as_the_kernel(dp, path)
+            await read_all(dp, node.info, 8 * KiB)()
+        await trio.sleep(0.2)
+
+    run(dp, go)
+    assert dp.walk.dirs_ahead >= 4  # folders 002x to 005, ahead of the reader
+    fetched = {key.rsplit("/", 1)[0] for key, _, _ in store.ranges}
+    assert {"train/003", "train/004", "train/005"} <= fetched and "train/002x" not in fetched
+    assert store.calls["list_dir"] == 0, "every listing was one page"
+
+
 def test_a_reader_of_one_file_per_folder_never_pays_for_walks():
     store = FakeStore()
     _class_folders(store, 30, 10)
