@@ -1,6 +1,6 @@
 """NativeHttp (awscrt connections) against a real HTTP server on a real socket: exact bodies, error
 answers, refused answers, a store that goes silent mid-body, connection reuse, and an endpoint that
-refuses connections."""
+refuses connections. (A silent store and a cancelled GET awaited on the loop: test_loop_http.py, for both clients.)"""
 
 from __future__ import annotations
 
@@ -271,37 +271,6 @@ def test_on_the_loop_errors_refusals_and_long_bodies_are_as_on_a_thread(server):
                                                  accept_all, "get 'long'")
         trio.run(long)
     assert buf[len(BODY):] == bytearray(64)
-
-
-def test_on_the_loop_a_silent_store_fails_in_bounded_time_and_writes_nothing_after(server):
-    buf, progress = bytearray(len(BODY)), Progress()
-    started = time.monotonic()
-    with pytest.raises(Unavailable, match="stopped sending"):
-        on_loop(client(request_timeout=0.5), f"{server.url}/stall", buf, progress)
-    assert time.monotonic() - started < 5
-    received = progress.received
-    assert 0 < received < len(BODY)
-    server.release.set()
-    time.sleep(0.3)
-    assert progress.received == received and buf[received:] == bytearray(len(BODY) - received)
-
-
-def test_on_the_loop_a_cancelled_get_writes_nothing_after_and_the_loop_goes_on(server):
-    buf, progress = bytearray(len(BODY)), Progress()
-    http = client(request_timeout=30)
-
-    async def main():
-        with trio.move_on_after(0.5):
-            await http.get_into_async(f"{server.url}/stall", {}, memoryview(buf), progress, accept_all, "get 's'")
-        return progress.received
-
-    received = trio.run(main)
-    assert 0 < received < len(BODY)
-    server.release.set()
-    time.sleep(0.3)
-    assert progress.received == received and buf[received:] == bytearray(len(BODY) - received)
-    buf2 = bytearray(len(BODY))
-    assert on_loop(http, f"{server.url}/ok", buf2, Progress()).status == 200 and bytes(buf2) == BODY
 
 
 _THREAD_STATE_PROBE = r"""
