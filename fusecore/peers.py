@@ -27,10 +27,10 @@ exact version; when it does not but owns the block, it reads through: 200 with `
 chunked body that is a FETCHING byte every HEARTBEAT seconds while its own GET runs (shared with any GET of
 that block on the node, whoever asked), then OK, the bytes and their raw checksum, or FAILED (its GET failed
 or took over THROUGH_WAIT: the asker reads the store, the owner is not avoided). The head goes at the first
-beat, or with the bytes when they come before it (most do: one write, one wake of the asker); so an asker
-waits for a head as long as between beats. So the asker
+beat, or with the bytes when they come before it (most do: one write, one wake of the asker). So the asker
 tells "fetching" from "gone" by the beats: an owner that stops or hangs is silent for more than the
-first-byte bound at any point of the answer, and the asker gives up on it then. 404 when it neither
+first-byte bound (or three beats, where that is longer) at any point of the answer, head included, and the
+asker gives up on it then. 404 when it neither
 holds nor owns the bytes, 503 when it already answers MAX_CLIENTS requests (the asker reads the store; a
 busy peer is not avoided), 401 to a request that is not signed with the cache's key or whose time is
 more than MAX_SKEW seconds away (nothing is served unauthenticated; a key per DatasetCache keeps one

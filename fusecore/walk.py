@@ -66,10 +66,15 @@ class _DirState:
 class _Family:
     """The subdirectories of one directory (class folders of a split), as the walk sees them."""
 
+    parent: Node
     hits: int = 0  # opened files that the walks of its subdirectories had fetched
     ahead: set[int] = field(default_factory=set)  # subdirectories walked before the reader opened a file of them
     reached: int = 0  # of those, how many the reader then opened
     next: int = 0  # its subdirectories (in name order) up to here were considered for a walk ahead
+
+    @property
+    def trusted(self) -> bool:
+        return self.hits >= TRUST_HITS
 
     def room(self) -> int:
         return TREE_START + TREE_GROWTH * self.reached - len(self.ahead)
@@ -100,12 +105,9 @@ class DirectoryPrefetcher:
         parent = self.ns.parent_of(node)
         if parent is None:
             return
-        state = self._dirs.get(parent.inode)
-        if state is None or state.listed_at != parent.listed_at:
-            files = self.ns.listed_files(parent)
-            if files is None:
-                return
-            state = self._state(parent, files)
+        state = self._state_of(parent)
+        if state is None:
+            return
         self._dirs.move_to_end(parent.inode)
         state.opened += 1
         position = state.position(node.info.key)
@@ -120,32 +122,38 @@ class DirectoryPrefetcher:
                 family.hits += 1
         elif position is not None:
             state.opened_ahead.add(position)  # read before the walk got there: it is not fetched again
-        trusted = grandparent is not None and family is not None and family.hits >= TRUST_HITS
-        if state.opened >= self.trigger or trusted:
+        if state.opened >= self.trigger or (family is not None and family.trusted):
             self._issue(state)
-        if trusted and grandparent is not None and family is not None:  # (as trusted says: for the type checker)
-            self._go_ahead(grandparent, family)
+        if family is not None and family.trusted:
+            self._go_ahead(family)
 
-    def _state(self, node: Node, files: list[ObjectInfo]) -> _DirState:
-        state = self._dirs[node.inode] = _DirState(node.listed_at, [f for f in files if 0 < f.size <= self.small_file_max])
-        while len(self._dirs) > MAX_TRACKED_DIRS:
-            self._dirs.popitem(last=False)
+    def _state_of(self, node: Node) -> _DirState | None:
+        """The walk of a directory as of its current listing (None while it has no fresh listing)."""
+        state = self._dirs.get(node.inode)
+        if state is None or state.listed_at != node.listed_at:
+            files = self.ns.listed_files(node)
+            if files is None:
+                return None
+            state = self._dirs[node.inode] = _DirState(node.listed_at,
+                                                       [f for f in files if 0 < f.size <= self.small_file_max])
+            while len(self._dirs) > MAX_TRACKED_DIRS:
+                self._dirs.popitem(last=False)
         return state
 
     def _family(self, node: Node) -> _Family:
         family = self._families.get(node.inode)
         if family is None:
-            family = self._families[node.inode] = _Family()
+            family = self._families[node.inode] = _Family(node)
             while len(self._families) > MAX_TRACKED_DIRS:
                 self._families.popitem(last=False)
         self._families.move_to_end(node.inode)
         return family
 
-    def _go_ahead(self, parent: Node, family: _Family) -> None:
+    def _go_ahead(self, family: _Family) -> None:
         """Walk sibling directories the reader has not opened yet, within the family's room."""
         if self._nursery is None or family.room() <= 0:
             return
-        entries = self.ns.listed_entries(parent)
+        entries = self.ns.listed_entries(family.parent)
         if entries is None:
             return
         while family.next < len(entries) and family.room() > 0 and self.cache.transient_bytes < self.budget:
@@ -162,13 +170,9 @@ class DirectoryPrefetcher:
         except Exception as exc:  # noqa: BLE001 - a guess that failed costs nothing: the reader lists it if it comes
             log.debug("walk ahead: listing %s failed: %s", node.path, exc)
             return
-        state = self._dirs.get(node.inode)
-        if state is None:
-            files = self.ns.listed_files(node)
-            if files is None:
-                return
-            state = self._state(node, files)
-        self._issue(state)
+        state = self._state_of(node)
+        if state is not None:
+            self._issue(state)
 
     def _issue(self, state: _DirState) -> None:
         while state.next < len(state.files) and state.room() > 0:
