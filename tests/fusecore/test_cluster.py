@@ -95,6 +95,8 @@ def test_the_store_sends_the_dataset_once_and_nodes_read_the_rest_from_their_own
     assert sum(s["bytes_fetched"] for s in after) == total, "every read after the warm was answered by the cluster"
     assert all(s["cluster"]["bytes_from_peers"] > 0 for s in after)
     assert all(s["cluster"]["served_to_peers"] > 0 and not s["cluster"]["peer_failures"] for s in after)
+    # kept-alive connections: an owner accepted fewer connections than it answered asks
+    assert all(0 < s["cluster"]["connections_from_peers"] < s["cluster"]["served_to_peers"] for s in after), after
 
 
 def test_a_share_larger_than_memory_lives_on_its_owners_disk_and_is_served_from_there(mounts, bucket, dataset,
