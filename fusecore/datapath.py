@@ -88,8 +88,7 @@ class DataPath:
         info = ObjectInfo(want.key, want.size, want.etag, 0.0)
         try:
             if (want.start, want.stop) == block_extent(want.index, want.size, self.cfg.block_size):
-                data, _ = await self.fetcher.block(info, want.index, visit="peer")
-                pending.set_result(memoryview(data))
+                pending.set_result(memoryview(await self.fetcher.forward(info, want.index)))
             else:
                 data, _, base = await self.fetcher.range(info, want.start, want.stop, visit="peer")
                 pending.set_result(memoryview(data)[want.start - base:want.stop - base])

@@ -28,6 +28,7 @@ DEMAND_RESERVE = 16  # demand reads keep 1/16 of the connections and in-flight b
 MIN_PART = 256 * 1024  # a block fetched in parts (`block(parts=)`) is cut into pieces of at least this
 RANGE_PART = 128 * 1024  # an exact range (a random read) of 256 KiB or more comes in parts of at least this ...
 RANGE_PARTS = 4  # ... and at most this many: a 256 KiB read in two GETs at once, a 1 MiB read in four
+FORWARD_PARTS = 4  # a block read through for a peer comes in this many GETs at once, whatever else streams (forward)
 DISK_READERS = 16  # blocks read from the disk tier at once (worker threads of their own, not the store's)
 
 
@@ -35,12 +36,13 @@ class _Pending:
     """The shared future of one block GET; readers may take bytes as soon as they arrive."""
 
     __slots__ = ("done", "data", "error", "demanded", "visit", "buffer", "progress", "queued", "attempts", "logged",
-                 "arrived", "started", "prefetch_bytes", "parts", "source")
+                 "arrived", "started", "prefetch_bytes", "parts", "split", "source")
 
     def __init__(self, demanded: bool, visit: Hashable | None, queued: int = 0):
         self.started = False  # its task runs (a prefetch may wait in the fetcher's queue until then)
         self.prefetch_bytes = 0  # the in-flight room it was admitted with as a prefetch (else a demand read's)
         self.parts = 1  # GETs asked to fetch the block in at once (fewer where a part would be under MIN_PART)
+        self.split = False  # in those parts even while other files are in flight (a block forwarded to a peer)
         self.attempts = 0
         self.logged = False  # its failure was logged (once, however many readers waited for it)
         self.done = trio.Event()
@@ -138,7 +140,7 @@ class Fetcher:
         return len(self._pending)
 
     async def block(self, obj: ObjectInfo, index: int, visit: Hashable | None = None,
-                    need: int | None = None, parts: int = 1) -> tuple[Buffer, bool]:
+                    need: int | None = None, parts: int = 1, split: bool = False) -> tuple[Buffer, bool]:
         """The bytes of one whole block and whether the cache had them.
 
         With `need`, return as soon as the block's first `need` bytes have arrived (the buffer is
@@ -146,7 +148,7 @@ class Fetcher:
         read yet, which is what makes the first byte of a cold file quick. With `parts`, a block not
         cached or coming yet is fetched in that many GETs at once (pieces of at least MIN_PART) if no
         other file is in flight when its GET starts: its reader gets all of it sooner, at the cost of
-        more requests.
+        more requests; with `split`, whatever else is in flight.
         """
         key = BlockKey(obj.key, obj.etag, index)
         data = self.cache.get(key, visit)
@@ -154,7 +156,15 @@ class Fetcher:
             if self.cluster is not None and self.cache.transient(key) and self._keeps(key, obj):
                 self.cache.keep(key)  # read for another owner, and this node's own since the members changed
             return data, True
-        return await self._obtain(key, obj, visit, need, parts), False
+        return await self._obtain(key, obj, visit, need, parts, split), False
+
+    async def forward(self, obj: ObjectInfo, index: int) -> Buffer:
+        """The whole block `index` for a peer that reads it through this node (its owner): the peer gets none of
+        its bytes before all of them are here (a local reader takes each byte as it arrives), so a block not held
+        is fetched in FORWARD_PARTS GETs at once even while other files stream. A 4 MiB block then waits ~1/4 of
+        its time at one connection's rate, not all of it: a shard read through the owners in its first epoch kept
+        pace with one read from the store only so."""
+        return (await self.block(obj, index, visit="peer", parts=FORWARD_PARTS, split=True))[0]
 
     async def range(self, obj: ObjectInfo, start: int, stop: int, visit: Hashable | None = None) -> tuple[Buffer, bool, int]:
         """Exactly bytes [start, stop) (a young random run's read), whether the cache had them, and the offset in the
@@ -168,11 +178,11 @@ class Fetcher:
         return await self._obtain(RangeKey(obj.key, obj.etag, start, stop), obj, visit, None, RANGE_PARTS), False, start
 
     async def _obtain(self, key: CacheKey, obj: ObjectInfo, visit: Hashable | None, need: int | None,
-                      parts: int) -> Buffer:
+                      parts: int, split: bool = False) -> Buffer:
         """Bytes of `key` not in the cache: join its GET, or start one; wait within the read's deadline."""
         pending = self._pending.get(key)
         if pending is None:
-            pending = self._launch(key, obj, demanded=True, visit=visit, parts=parts)
+            pending = self._launch(key, obj, demanded=True, visit=visit, parts=parts, split=split)
         else:
             pending.demanded = True
             pending.visit = visit
@@ -219,9 +229,9 @@ class Fetcher:
         return True
 
     def _launch(self, key: CacheKey, obj: ObjectInfo, *, demanded: bool, visit: Hashable | None,
-                parts: int = 1) -> _Pending:
+                parts: int = 1, split: bool = False) -> _Pending:
         pending = self._pending[key] = _Pending(demanded, visit)
-        pending.parts = parts
+        pending.parts, pending.split = parts, split
         self._start(key, obj, pending)
         return pending
 
@@ -448,7 +458,7 @@ class Fetcher:
             pending.buffer = self.cache.take_buffer(nbytes)  # else mapped by a receiving thread
             deadline = self._clock() + self.read_deadline
             parts = min(pending.parts, nbytes // (RANGE_PART if isinstance(key, RangeKey) else MIN_PART))
-            if parts > 1 and (isinstance(key, RangeKey) or self._alone(key)):
+            if parts > 1 and (isinstance(key, RangeKey) or pending.split or self._alone(key)):
                 await self._get_parts(obj, start, nbytes, parts, pending, deadline)
             else:
                 await self._get(obj, start, 0, nbytes, pending, pending.progress, deadline)

@@ -8,7 +8,7 @@ import trio
 
 from fusecore.blocks import BlockKey
 from fusecore.cache import BlockCache
-from fusecore.fetcher import Fetcher
+from fusecore.fetcher import FORWARD_PARTS, Fetcher
 from fusecore.metrics import MountMetrics
 from fusecore.objects import Parts, Progress
 from fusecore.store_errors import AccessDenied, PreconditionFailed, Unavailable
@@ -512,6 +512,28 @@ def test_a_block_is_cut_in_parts_only_while_no_other_file_is_in_flight():
     assert [r for r in store.ranges if r[0] == "b"] == [("b", 0, 1024 * KiB)]
     assert sorted(r for r in store.ranges if r[0] == "a" and 1024 * KiB <= r[1] < 2048 * KiB) == [
         ("a", 1024 * KiB + i * quarter, 1024 * KiB + (i + 1) * quarter) for i in range(4)]
+
+
+def test_a_block_forwarded_to_a_peer_is_cut_in_parts_while_other_files_stream():
+    """A peer reading a block through its owner gets none of it before all of it is there, so the owner fetches
+    it in FORWARD_PARTS GETs at once even while another file streams (a local reader would take one GET)."""
+    store = FakeStore()
+    payload = bytes(range(256)) * 4096  # 1 MiB block
+    a, b = store.put("a", payload * 3), store.put("b", payload)
+    store.faults.chunk_delay = 0.02  # each 64 KiB piece: a block in one GET takes ~0.32 s
+    fetcher, cache = make(store, block=1024 * KiB, concurrency=8, inflight=8 * 1024 * KiB, budget=64 * 1024 * KiB)
+
+    async def body(nursery):
+        fetcher.start(nursery)
+        assert fetcher.prefetch(a, 0)
+        await trio.sleep(0.05)  # a's GET is running
+        assert bytes(await fetcher.forward(b, 0)) == payload
+
+    run(body)
+    part = 1024 * KiB // FORWARD_PARTS
+    assert sorted(r for r in store.ranges if r[0] == "b") == [("b", i * part, (i + 1) * part)
+                                                               for i in range(FORWARD_PARTS)]
+    assert BlockKey("b", b.etag, 0) in cache
 
 
 def test_a_part_that_breaks_off_is_resumed_and_the_block_is_exact():
