@@ -449,6 +449,41 @@ def test_an_owner_reads_through_for_a_member_but_only_serves_what_it_holds_to_an
     assert store.calls["get"] == 1, "fetched once, for the member, and kept"
 
 
+def test_an_owner_reads_a_big_block_through_for_a_member_in_parts_while_another_file_streams():
+    """The member gets none of a read-through block before the owner has all of it: the owner fetches it in
+    FORWARD_PARTS GETs at once, also while its own reader streams another file (which alone would keep it to one)."""
+    from concurrent.futures import Future
+
+    from fusecore.cluster import Cluster
+    from fusecore.fetcher import FORWARD_PARTS
+    from fusecore.peers import BlockAsk
+
+    store = FakeStore()
+    payload = random.Random(10).randbytes(2 * MiB)
+    info, other = store.put("data/x.bin", payload), store.put("data/y.bin", payload)
+    store.faults.chunk_delay = 0.01  # each 64 KiB piece: y's GET is still running when the member asks
+    dp = datapath(store, cache=64 * MiB, block=1 * MiB)
+    me, member = "127.0.0.1:1", "127.0.0.2:1"
+    out = []
+
+    async def go():
+        dp.cluster = dp.fetcher.cluster = Cluster(me, [me, member], 2, b"a key of sixteen bytes")
+        assert dp.fetcher.prefetch(other, 0)
+        await trio.sleep(0.02)
+        pending = dp._for_peer(BlockAsk.block(info.key, info.etag, 1, MiB, MiB, info.size))
+        assert isinstance(pending, Future)
+        while not pending.done():
+            await trio.sleep(0.01)
+        out.append(bytes(pending.result()))
+
+    run(dp, go)
+    assert out == [payload[MiB:]]
+    part = MiB // FORWARD_PARTS
+    assert sorted(r for r in store.ranges if r[0] == info.key) == [
+        (info.key, MiB + i * part, MiB + (i + 1) * part) for i in range(FORWARD_PARTS)]
+    assert [r for r in store.ranges if r[0] == other.key] == [(other.key, 0, MiB)]
+
+
 def test_a_shuffled_pass_over_a_directory_larger_than_the_cache_fetches_each_file_once():
     """The walk passes over files the reader opened before the walk got to them: with a cache that holds a fraction
     of the directory, such a file is gone by then, and fetching it again cost a GET and its bytes (2% of an
