@@ -240,7 +240,7 @@ def read_everywhere(mps: list[str], files: dict[str, bytes]) -> None:
 
 def test_without_a_warm_owners_read_through_and_the_store_sends_each_block_once(mounts, bucket, dataset, tmp_path):
     """No warm: three nodes read the whole dataset at the same moment. An owner asked for a block it does not hold
-    fetches it (one GET, joined by every asker and by its own readers), keeps it and answers; so the store sends
+    fetches it (once, joined by every asker and by its own readers), keeps it and answers; so the store sends
     the dataset about once, and a second pass makes no GET at all. The members size their caches themselves
     (`--cache-size auto`: a third of the listed dataset, with the operator's headroom)."""
     mps, members = start_cluster(mounts, bucket, tmp_path, extra=("--cache-size", "auto"))
