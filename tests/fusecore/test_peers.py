@@ -262,6 +262,31 @@ def test_an_owner_reads_through_beating_meanwhile_and_the_connection_carries_the
         s.close()
 
 
+def test_a_read_through_whose_bytes_come_within_a_beat_is_answered_in_one_write(monkeypatch):
+    """Most read-throughs end before the first beat: the head then goes with the bytes, one write and one wake of
+    the asker, not a head and then the bytes. (The beat is made long here, so a loaded machine cannot make the
+    owner's 'GET' of 0.05 s outlast it; the beats themselves are tested above.)"""
+    from fusecore import peers
+
+    writes: list[bytes] = []
+    send = peers._send
+
+    async def counted(sock, *parts, **kwargs):
+        writes.append(bytes(parts[0][:9]))
+        await send(sock, *parts, **kwargs)
+
+    monkeypatch.setattr(peers, "_send", counted)
+    monkeypatch.setattr(peers, "HEARTBEAT", 5.0)
+    s = PeerServer(("127.0.0.1", 0), KEY, Owner(delay=0.05)).start()
+    try:
+        client = PeerClient(KEY, SLACK)
+        assert trio.run(client.ask, addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == (
+            "through", BLOCK)
+        assert writes == [b"HTTP/1.1 "], "the head, its bytes and their checksum in one write"
+    finally:
+        s.close()
+
+
 def test_an_owner_whose_own_get_fails_is_a_miss_not_a_failure():
     s = PeerServer(("127.0.0.1", 0), KEY, Owner(delay=0.2, fail=True)).start()
     try:
