@@ -487,12 +487,13 @@ def test_a_block_in_parts_is_fetched_in_parallel_gets_and_read_as_a_prefix():
     assert BlockKey("k", info.etag, 0) in cache
 
 
-def test_a_block_is_cut_in_parts_only_while_no_other_file_is_in_flight():
+def test_a_block_is_cut_in_parts_only_while_no_other_file_is_in_flight_unless_a_peer_waits_for_all_of_it():
     """Parts fill an idle pipe sooner; while another file streams, the block goes in one GET (four shard
-    readers: more GETs only cost CPU). Blocks of the same file in flight do not count."""
+    readers: more GETs only cost CPU). Blocks of the same file in flight do not count. A block forwarded to a
+    peer is cut whatever streams: the peer gets none of it before all of it is here."""
     store = FakeStore()
     payload = bytes(range(256)) * 4096  # 1 MiB block
-    a, b = store.put("a", payload * 3), store.put("b", payload)
+    a, b, c, d = (store.put(name, payload * (3 if name == "a" else 1)) for name in "abcd")
     store.faults.chunk_delay = 0.02  # each 64 KiB piece: a block in one GET takes ~0.32 s
     fetcher, _ = make(store, block=1024 * KiB, concurrency=8, inflight=8 * 1024 * KiB, budget=64 * 1024 * KiB)
 
@@ -506,34 +507,18 @@ def test_a_block_is_cut_in_parts_only_while_no_other_file_is_in_flight():
         assert fetcher.prefetch(a, 2)
         await trio.sleep(0.05)
         assert bytes((await fetcher.block(a, 1, parts=4))[0]) == payload
+        assert fetcher.prefetch(d, 0)
+        await trio.sleep(0.05)  # d's GET is running
+        assert bytes(await fetcher.forward(c, 0)) == payload
 
     run(body)
     quarter = 256 * KiB
     assert [r for r in store.ranges if r[0] == "b"] == [("b", 0, 1024 * KiB)]
+    part = 1024 * KiB // FORWARD_PARTS
+    assert sorted(r for r in store.ranges if r[0] == "c") == [("c", i * part, (i + 1) * part)
+                                                               for i in range(FORWARD_PARTS)]
     assert sorted(r for r in store.ranges if r[0] == "a" and 1024 * KiB <= r[1] < 2048 * KiB) == [
         ("a", 1024 * KiB + i * quarter, 1024 * KiB + (i + 1) * quarter) for i in range(4)]
-
-
-def test_a_block_forwarded_to_a_peer_is_cut_in_parts_while_other_files_stream():
-    """A peer reading a block through its owner gets none of it before all of it is there, so the owner fetches
-    it in FORWARD_PARTS GETs at once even while another file streams (a local reader would take one GET)."""
-    store = FakeStore()
-    payload = bytes(range(256)) * 4096  # 1 MiB block
-    a, b = store.put("a", payload * 3), store.put("b", payload)
-    store.faults.chunk_delay = 0.02  # each 64 KiB piece: a block in one GET takes ~0.32 s
-    fetcher, cache = make(store, block=1024 * KiB, concurrency=8, inflight=8 * 1024 * KiB, budget=64 * 1024 * KiB)
-
-    async def body(nursery):
-        fetcher.start(nursery)
-        assert fetcher.prefetch(a, 0)
-        await trio.sleep(0.05)  # a's GET is running
-        assert bytes(await fetcher.forward(b, 0)) == payload
-
-    run(body)
-    part = 1024 * KiB // FORWARD_PARTS
-    assert sorted(r for r in store.ranges if r[0] == "b") == [("b", i * part, (i + 1) * part)
-                                                               for i in range(FORWARD_PARTS)]
-    assert BlockKey("b", b.etag, 0) in cache
 
 
 def test_a_part_that_breaks_off_is_resumed_and_the_block_is_exact():
