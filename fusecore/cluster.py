@@ -4,7 +4,8 @@ Each block has owners among the members (ownership.py); a node keeps the blocks 
 block it does not own (or a random reader's exact range inside one) from an owner first (peers.py), then
 from the object store on a miss, a timeout or any error. An owner asked for bytes of its own block that
 it does not hold reads them through: it fetches them from the store (one fetch however many nodes ask, a big
-block in parts: Fetcher.forward), keeps them and answers, so the cluster fills as it is read, with or without a warm. Knows nothing of FUSE or Kubernetes: the members come from the mount's
+block in parts: Fetcher.forward), keeps them and answers, so the cluster fills as it is read, with or without
+a warm. Knows nothing of FUSE or Kubernetes: the members come from the mount's
 configuration (`--peers`) and can be replaced while it runs (the control API's `peers`, `stoker peers`):
 blocks then change owners, and a warm after the change fetches what this node now owns (from another
 owner when R > 1, else from the store).
