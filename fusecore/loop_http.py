@@ -24,6 +24,7 @@ from typing import Mapping
 
 import trio
 
+from .idle import IdlePool
 from .native_http import Accept, Answer, Endpoint, endpoint_of
 from .objects import Progress
 from .store_errors import StoreError, TransientError, Unavailable
@@ -69,8 +70,7 @@ class LoopHttp:
         self._connect_timeout = connect_timeout
         self._request_timeout = request_timeout  # the longest silence while an answer is due
         self._ca_file = ca_file
-        self._max_idle = max_idle
-        self._idle: dict[Endpoint, list[_Connection]] = {}
+        self._idle: IdlePool[Endpoint, _Connection] = IdlePool(max_idle, lambda conn: conn.sock.close())
         self._tls: ssl.SSLContext | None = None
 
     async def get_into(self, url: str, headers: Mapping[str, str], into: memoryview, progress: Progress,
@@ -79,7 +79,7 @@ class LoopHttp:
         body fills `into` exactly, advancing `progress`; any other answer is returned with the start of its body."""
         endpoint, netloc, target = _parts(url)
         request = _request(target, netloc, headers)
-        conn = self._idle_connection(endpoint)
+        conn = self._idle.take(endpoint)
         if conn is not None:  # a kept-alive connection the store closed meanwhile fails before any byte: once more
             try:
                 return await self._exchange(endpoint, conn, request, into, progress, accept, what)
@@ -111,7 +111,7 @@ class LoopHttp:
             raise TransientError(f"{what}: connection failed ({type(exc).__name__})") from None
         if reusable:
             conn.used = True
-            self._put_back(endpoint, conn)
+            self._idle.give(endpoint, conn)
         else:
             conn.sock.close()
         return answer
@@ -156,17 +156,6 @@ class LoopHttp:
             got = yield from wire.chunked_into(memoryview(kept), timeout, lambda n: None)
             return Answer(status, headers, bytes(kept[:got])), keep and wire.drained()
         return Answer(status, headers), False  # a body up to the connection's end: not read, not reused
-
-    def _idle_connection(self, endpoint: Endpoint) -> _Connection | None:
-        idle = self._idle.get(endpoint)
-        return idle.pop() if idle else None
-
-    def _put_back(self, endpoint: Endpoint, conn: _Connection) -> None:
-        idle = self._idle.setdefault(endpoint, [])
-        if len(idle) < self._max_idle:
-            idle.append(conn)
-        else:
-            conn.sock.close()
 
     async def _connect(self, endpoint: Endpoint, what: str) -> _Connection:
         """A new connection, made in a worker thread (name resolution and a TLS handshake block)."""

@@ -22,6 +22,7 @@ from typing import Callable, Mapping
 
 import trio
 
+from .idle import IdlePool
 from .objects import Progress
 from .store_errors import StoreError, TransientError, Unavailable
 
@@ -140,8 +141,8 @@ class NativeHttp:
         self._connect_timeout = connect_timeout
         self._request_timeout = request_timeout  # the longest silence while an answer is due
         self._ca_file = ca_file
-        self._max_idle = max_idle
-        self._idle: dict[Endpoint, list[HttpClientConnection]] = {}
+        self._idle: IdlePool[Endpoint, HttpClientConnection] = IdlePool(
+            max_idle, HttpClientConnection.close, usable=HttpClientConnection.is_open)
         self._lock = threading.Lock()
         self._bootstrap: ClientBootstrap | None = None  # made at first use, in the process that sends
         self._tls: ClientTlsContext | None = None
@@ -201,7 +202,7 @@ class NativeHttp:
         if exchange.ok and exchange.into is not None and exchange.received != len(exchange.into):
             conn.close()
             raise TransientError(f"{what}: short body ({exchange.received} of {len(exchange.into)} bytes)")
-        self._put_back(endpoint, conn)
+        self._idle.give(endpoint, conn)
         return Answer(exchange.status, exchange.headers, bytes(exchange.body))
 
     @staticmethod
@@ -232,7 +233,7 @@ class NativeHttp:
     async def _connection_async(self, url: str, what: str) -> tuple[Endpoint, HttpClientConnection]:
         """An idle pooled connection at once, else a new one made in a worker thread (rare once the pool is warm)."""
         endpoint = _endpoint(url)
-        conn = self._idle_connection(endpoint)
+        conn = self._idle.take(endpoint)
         if conn is None:
             conn = await trio.to_thread.run_sync(self._connection, endpoint, what)
         return endpoint, conn
@@ -252,17 +253,8 @@ class NativeHttp:
                 break
         _outcome(done, exchange, what)
 
-    def _idle_connection(self, endpoint: Endpoint) -> HttpClientConnection | None:
-        with self._lock:
-            idle = self._idle.get(endpoint)
-            while idle:
-                conn = idle.pop()
-                if conn.is_open():
-                    return conn
-        return None
-
     def _connection(self, endpoint: Endpoint, what: str) -> HttpClientConnection:
-        conn = self._idle_connection(endpoint)
+        conn = self._idle.take(endpoint)
         if conn is not None:
             return conn
         scheme, host, port = endpoint
@@ -282,14 +274,6 @@ class NativeHttp:
             if "TIMEOUT" in name:
                 raise Unavailable(f"{what}: could not connect in time") from None
             raise Unavailable(f"{what}: cannot reach the endpoint ({name})") from None
-
-    def _put_back(self, endpoint: Endpoint, conn: HttpClientConnection) -> None:
-        with self._lock:
-            idle = self._idle.setdefault(endpoint, [])
-            if len(idle) < self._max_idle:
-                idle.append(conn)
-                return
-        conn.close()
 
     def _bootstrap_once(self) -> ClientBootstrap:
         with self._lock:

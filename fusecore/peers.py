@@ -57,6 +57,7 @@ from typing import Callable
 import trio
 
 from .cache import Buffer
+from .idle import IdlePool
 from .sums import CHECKSUMS
 from .wire import Malformed, Request, SendAll, Steps, Wire, left, run_on_loop
 
@@ -502,7 +503,8 @@ class PeerClient:
         self._avoid_until: dict[str, float] = {}
         self.failures: dict[str, int] = {}
         # idle connections by peer, as plain sockets (wrapped for the loop per ask; closed from anywhere)
-        self._pool: dict[str, list[tuple[float, socket.socket]]] = {}
+        self._idle: IdlePool[str, socket.socket] = IdlePool(POOLED, socket.socket.close, max_age=POOL_IDLE,
+                                                             clock=clock)
 
     def avoided(self, peer: str) -> bool:
         return self._avoid_until.get(peer, 0.0) > self.clock()
@@ -534,7 +536,7 @@ class PeerClient:
         log.info("peer %s failed (%s); avoided for %gs", peer, why, self.avoid)
 
     async def _get(self, peer: str, want: BlockAsk) -> tuple[str, bytearray | None]:
-        sock = self._take(peer)
+        sock = self._idle.take(peer)
         if sock is not None:
             try:
                 return await self._exchange(peer, sock, want)
@@ -561,7 +563,7 @@ class PeerClient:
             return outcome, body
         finally:
             if reusable:
-                self._give(peer, sock)
+                self._idle.give(peer, sock)
             else:
                 sock.close()  # (no task waits on it any more: the ask ended)
 
@@ -634,27 +636,6 @@ class PeerClient:
                 raise ValueError("checksum mismatch")
             return "through", body
 
-    def _take(self, peer: str) -> socket.socket | None:
-        """An idle connection to `peer` used less than POOL_IDLE seconds ago, if there is one."""
-        now = self.clock()
-        idle = self._pool.get(peer) or []
-        while idle:
-            since, sock = idle.pop()
-            if now - since < POOL_IDLE:
-                return sock
-            sock.close()
-        return None
-
-    def _give(self, peer: str, sock: socket.socket) -> None:
-        idle = self._pool.setdefault(peer, [])
-        if len(idle) < POOLED:
-            idle.append((self.clock(), sock))
-            return
-        sock.close()
-
     def close(self) -> None:
         """Close the idle connections."""
-        pools, self._pool = self._pool, {}
-        for idle in pools.values():
-            for _, sock in idle:
-                sock.close()
+        self._idle.close()

@@ -202,7 +202,7 @@ def test_an_asker_keeps_its_connection_and_a_closed_idle_one_costs_no_failure():
         # A wrong answer closes the connection (it is never reused after a failure).
         other = PeerClient(KEY, SLACK)
         assert trio.run(other.ask, addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK) + 1)) == ("failed", None)
-        assert other._take(addr(s)) is None
+        assert other._idle.take(addr(s)) is None
         client.close()
     finally:
         s.close()
@@ -293,7 +293,7 @@ def test_an_owner_whose_own_get_fails_is_a_miss_not_a_failure():
         client = PeerClient(KEY, TIGHT)
         assert trio.run(client.ask, addr(s), BlockAsk.block("k", "e", 0, 10)) == ("miss", None)
         assert s.through_failed == 1 and not client.failures and not client.avoided(addr(s))
-        assert client._take(addr(s)) is not None, "the answer ended cleanly: the connection is kept"
+        assert client._idle.take(addr(s)) is not None, "the answer ended cleanly: the connection is kept"
     finally:
         s.close()
 
