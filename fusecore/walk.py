@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import trio
 
@@ -80,6 +81,17 @@ class _Family:
         return TREE_START + TREE_GROWTH * self.reached - len(self.ahead)
 
 
+T = TypeVar("T")
+
+
+def _remember(table: OrderedDict[int, T], inode: int, value: T) -> T:
+    """Keep `value` for the directory `inode`, forgetting the least recently used directory past MAX_TRACKED_DIRS."""
+    table[inode] = value
+    while len(table) > MAX_TRACKED_DIRS:
+        table.popitem(last=False)
+    return value
+
+
 class DirectoryPrefetcher:
     def __init__(self, namespace: Namespace, fetcher: Fetcher, cache: BlockCache, *, small_file_max: int,
                  budget: int, trigger: int = 2):
@@ -134,18 +146,14 @@ class DirectoryPrefetcher:
             files = self.ns.listed_files(node)
             if files is None:
                 return None
-            state = self._dirs[node.inode] = _DirState(node.listed_at,
-                                                       [f for f in files if 0 < f.size <= self.small_file_max])
-            while len(self._dirs) > MAX_TRACKED_DIRS:
-                self._dirs.popitem(last=False)
+            state = _remember(self._dirs, node.inode,
+                              _DirState(node.listed_at, [f for f in files if 0 < f.size <= self.small_file_max]))
         return state
 
     def _family(self, node: Node) -> _Family:
         family = self._families.get(node.inode)
         if family is None:
-            family = self._families[node.inode] = _Family(node)
-            while len(self._families) > MAX_TRACKED_DIRS:
-                self._families.popitem(last=False)
+            family = _remember(self._families, node.inode, _Family(node))
         self._families.move_to_end(node.inode)
         return family
 
