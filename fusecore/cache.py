@@ -283,9 +283,14 @@ class BlockCache:
     def release(self, nbytes: int) -> None:
         self._reserved = max(0, self._reserved - nbytes)
 
-    def invalidate(self, object_key: str) -> int:
-        """Drop every cached block of an object (any version); returns how many."""
+    def invalidate(self, object_key: str, etag: str | None = None) -> int:
+        """Drop every cached block of an object (of the version `etag` only, when given); returns how many."""
         keys = self._by_object.pop(object_key, set())
+        if etag is not None:
+            kept = {key for key in keys if key.etag != etag}
+            if kept:
+                self._by_object[object_key] = kept
+            keys -= kept
         for key in keys:
             if isinstance(key, RangeKey):
                 self._ranges.pop((key.key, key.etag), None)

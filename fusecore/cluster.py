@@ -51,6 +51,7 @@ class Cluster:
                                  prefix=self.prefix)  # (a read-through beats within first_byte: see peers.py)
         self.server: PeerServer | None = None
         self.peer_misses = 0
+        self.asks_disagreeing = 0  # asks read through for no one: their size or ETag is not what this node lists
         self._show_owners()
 
     @classmethod
@@ -173,6 +174,9 @@ class Cluster:
                 "bytes_served_to_peers": server.served_bytes if server else 0,
                 "refused": server.refused if server else 0, "busy": server.busy if server else 0,
                 "missed_for_peers": server.missed if server else 0,
+                "asks_disagreeing": self.asks_disagreeing,
+                "connections_shed": server.shed if server else 0,
+                "connections_turned_away": server.turned_away if server else 0,
                 "connections_from_peers": server.connections if server else 0}
 
 
@@ -191,10 +195,15 @@ def held(cache: BlockCache, want: BlockAsk, block_size: int) -> Buffer | None:
 
 
 def check_ask(want: BlockAsk, block_size: int, prefix: str) -> None:
-    """ValueError unless `want` lies inside its block (of this node's size) of an object of this node's dataset:
-    a member asks only for what its own reads need, so anything else is refused, never fetched."""
+    """ValueError unless `want` lies inside its block (of this node's size) of an object of this node's dataset,
+    named plainly: a member asks only for what its own reads need, so anything else is refused, never fetched.
+    (What an ask says of the object, its size and ETag, is checked against this node's own listing before
+    anything is read through: DataPath._read_through.)"""
     start, stop = block_extent(want.index, want.size, block_size)
     if not start <= want.start < want.stop <= stop:
         raise ValueError(f"bytes {want.start}-{want.stop} are not inside block {want.index} of {block_size} bytes")
     if not want.key.startswith(prefix):
         raise ValueError("an object outside this cache's dataset")
+    if any(segment in (".", "..") for segment in want.key.split("/")) or "\0" in want.key:
+        # a store or a proxy that normalises paths would serve `d/../x` from outside the prefix
+        raise ValueError("a key with a '.' or '..' segment")

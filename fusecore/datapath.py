@@ -6,6 +6,7 @@ Knows nothing of FUSE: the filesystem adapter and the control API both sit on to
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from concurrent.futures import Future
@@ -23,12 +24,14 @@ from .messages import JoinRequest, WarmProgress
 from .metrics import MountMetrics
 from .namespace import Namespace
 from .reader import Reader
-from .objects import ObjectInfo, ObjectStore
+from .objects import ObjectStore
 from .peers import BlockAsk
 from .pages import choose as choose_pages
 from .store_errors import StoreError
 from .walk import DirectoryPrefetcher
 
+
+log = logging.getLogger(__name__)
 
 DISK_SETTLE = 10.0  # seconds a warm waits at its end for the disk tier to write what it fetched
 
@@ -84,15 +87,30 @@ class DataPath:
 
     async def _read_through(self, want: BlockAsk, pending: Future) -> None:
         """Fetch bytes of a block this node owns for a peer (joining any GET of it already running here) and keep
-        them: whole blocks as blocks, a random reader's range as that range (its low amplification stays)."""
-        info = ObjectInfo(want.key, want.size, want.etag, 0.0)
+        them: whole blocks as blocks, a random reader's range as that range (its low amplification stays). Only for
+        the object as this node lists it: an ask whose size or ETag differs (an asker that is stale, or lies) is
+        answered FAILED and changes nothing here, so no ask can make this node keep bytes of another length or
+        drop what it holds (the asker reads the store)."""
+        try:
+            info = await self.namespace.object_at(want.key)
+        except Exception as exc:  # noqa: BLE001 - a listing that failed: the asker reads the store
+            pending.set_exception(exc)
+            return
+        if info is None or (info.size, info.etag) != (want.size, want.etag):
+            assert self.cluster is not None
+            self.cluster.asks_disagreeing += 1
+            seen = self.cluster.asks_disagreeing
+            (log.info if seen & (seen - 1) == 0 else log.debug)(  # the 1st, 2nd, 4th, 8th...: no flood of lines"a peer asked %s (%s, %d bytes), which this node lists %s: not read through", want.key,
+                     want.etag, want.size, "as no object" if info is None else f"as ({info.etag}, {info.size} bytes)")
+            pending.set_exception(ValueError("the ask disagrees with this node's listing"))
+            return
         try:
             if (want.start, want.stop) == block_extent(want.index, want.size, self.cfg.block_size):
                 pending.set_result(memoryview(await self.fetcher.forward(info, want.index)))
             else:
                 data, _, base = await self.fetcher.range(info, want.start, want.stop, visit="peer")
                 pending.set_result(memoryview(data)[want.start - base:want.stop - base])
-        except StoreError as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the asker is answered FAILED at once
             pending.set_exception(exc)
 
     def close(self) -> None:

@@ -152,6 +152,12 @@ class Fetcher:
         """
         key = BlockKey(obj.key, obj.etag, index)
         data = self.cache.get(key, visit)
+        if data is not None and len(data) != min(self.block_size, obj.size - index * self.block_size):
+            # never served: a block is kept only at its extent's length, and this one is not (design §7)
+            log.warning("%s block %d held with %d bytes, not its length: dropped", obj.key, index, len(data))
+            self.metrics.errors.labels(kind="wrong-length").inc()
+            self.cache.invalidate(obj.key, obj.etag)
+            data = None
         if data is not None:
             if self.cluster is not None and self.cache.transient(key) and self._keeps(key, obj):
                 self.cache.keep(key)  # read for another owner, and this node's own since the members changed
@@ -285,8 +291,8 @@ class Fetcher:
                 exc = Unavailable(f"get {obj.key!r}: unexpected {type(exc).__name__}")
             pending.error = exc
             self.metrics.errors.labels(kind=exc.kind).inc()
-            if isinstance(exc, PreconditionFailed):
-                dropped = self.cache.invalidate(obj.key)
+            if isinstance(exc, PreconditionFailed):  # that version is gone; blocks of others are named by theirs
+                dropped = self.cache.invalidate(obj.key, obj.etag)
                 log.warning("%s changed during reads; dropped %d cached blocks", obj.key, dropped)
             elif not pending.logged:
                 pending.logged = True

@@ -353,6 +353,19 @@ class Namespace:
         node.checked_at = now
         return node
 
+    async def object_at(self, key: str) -> ObjectInfo | None:
+        """The object `key` as this mount lists it (each directory on its way looked up as a reader's open would),
+        or None where it lists no such object: what a member's ask is checked against (its size, its ETag)."""
+        if not key.startswith(self.prefix):
+            return None
+        node = self._nodes[ROOT_INODE]
+        for name in key[len(self.prefix):].split("/"):
+            try:
+                node = await self.lookup(node.inode, name)
+            except NotFound:
+                return None
+        return None if node.is_dir else node.info
+
     async def walk_files(self, path: str) -> list[ObjectInfo]:
         """Every object under a relative path (a file or a directory), for warming."""
         path = path.strip("/")

@@ -1,48 +1,58 @@
-"""Node-to-node block reads of a distributed cache: a small authenticated HTTP protocol.
+"""Node-to-node block reads of a distributed cache: a small sealed protocol over HTTP/1.1.
 
 A node serves the blocks it holds to the other members (`PeerServer`, in the mount process, on the
 node's own address) and asks a block's owner before the object store (`PeerClient`). A peer can make a
-read slower, never make it fail or return other bytes: the client uses an answer only when it is the
-exact block version asked (ETag), of exactly the block's length, with a matching checksum, and returns
-None on anything else (refused, timed out, wrong answer), so the caller reads the store.
+read slower, never make it fail or return other bytes: every ask and answer is sealed with the cache's key
+(seal.py: AES-256-GCM, keys per connection and direction, counted nonces), and the client uses an answer only
+when it opens and is exactly the block's length; anything else (refused, timed out, forged, wrong) is None, so
+the caller reads the store.
 
-    GET <prefix>/v1/block?key=<object key>&etag=<etag>&index=<block>&start=<byte>&stop=<byte>&size=<object size>&sum=crc64nvme
-    Authorization: Stoker-Peer <unix seconds> <hex HMAC-SHA256(cache key, "<seconds>\\n<path and query>")>
+A connection opens with an exchange of randoms (the routing line is the only plain thing an asker sends):
+
+    GET <prefix>/v2/hello?r=<asker's 16 random bytes, hex> HTTP/1.1
+    -> 200, X-Stoker-Hello: <owner's 16 random bytes, hex>
+
+then carries asks, each sealed under the connection's ask key:
+
+    GET <prefix>/v2/ask/<urlsafe base64 of seal(query)> HTTP/1.1
+    query: key=<object key>&etag=<etag>&index=<block>&start=<byte>&stop=<byte>&size=<object size>[&held=1]
 
 A request asks bytes [start, stop) of one object version, inside its block `index` (a block is owned as a
-whole; a random reader's exact range asks the owner of the block it lies in); `size` is the object's size,
-so an owner that reads through knows the object without a lookup. `&held=1` (an owner asking another
-owner of the same block, R > 1) asks only for what is held: an owner never waits on another owner's
-read-through, so two owners reading the same block at once cannot wait on each other. `sum` names the
-checksum of the answer (CHECKSUMS: crc64nvme; an ask without it, from an older member, gets sha256).
+whole; a random reader's exact range asks the owner of the block it lies in); `size` is the asker's view of
+the object's size: an owner checks it against its own listing before it reads anything through, and never
+keeps bytes on an asker's word. `&held=1` (an owner asking another owner of the same block, R > 1) asks only
+for what is held: an owner never waits on another owner's read-through, so two owners reading the same block
+at once cannot wait on each other.
+
+An answer is `200` with a chunked body of sealed frames, each a chunk: one kind byte in the clear, then the
+payload sealed under the connection's answer key with the kind authenticated beside it. HELD (the bytes it
+holds), MISS (neither held nor owned), BUSY (it already answers MAX_CLIENTS asks): one frame. When it does not
+hold the bytes but owns the block it reads through: a FETCHING frame every HEARTBEAT seconds while its own GET
+runs (shared with any GET of that block on the node, whoever asked), then OK with the bytes, or FAILED (its GET
+failed, took over THROUGH_WAIT, or the ask disagreed with its listing: the asker reads the store, the owner is
+not avoided). The first frame goes with the head, or with the bytes when they come within a beat (most do: one
+write, one wake of the asker). So the asker tells "fetching" from "gone" by the beats: an owner that stops or
+hangs is silent for more than the first-byte bound (or three beats, where that is longer) at any point of the
+answer, head included, and the asker gives up on it then.
+
+In the clear, and then the connection is closed: 401 to an ask that does not open (another key, a replay, an
+altered byte) and to a request of the older, unsealed protocol (`/v1/block`: an older member is refused, never
+served in clear), 400 to a malformed request or an ask outside the node's dataset or blocks. A node bounds the
+connections it keeps, per source and in all; past a bound it sheds silent connections that never opened an
+ask first, then idle ones, and refuses a newcomer only when every kept connection is busy answering.
 
 The prefix is empty when a mount listens on its own address (`--peer-listen`), and `/c/<cache id>` when a
 node's one peer port serves every distributed cache of the node (peer_router.py): the router reads the
-request line, hands the connection to the mount of that cache (`PeerServer.receive`), and the mount
-answers it as its own. The signature covers the whole target, prefix included.
-
-The server answers 200 with the bytes (Content-Length, X-Stoker-ETag, X-Stoker-CRC64NVME or X-Stoker-SHA256 in hex)
-when it holds that
-exact version; when it does not but owns the block, it reads through: 200 with `X-Stoker-Through: 1` and a
-chunked body that is a FETCHING byte every HEARTBEAT seconds while its own GET runs (shared with any GET of
-that block on the node, whoever asked), then OK, the bytes and their raw checksum, or FAILED (its GET failed
-or took over THROUGH_WAIT: the asker reads the store, the owner is not avoided). The head goes at the first
-beat, or with the bytes when they come before it (most do: one write, one wake of the asker). So the asker
-tells "fetching" from "gone" by the beats: an owner that stops or hangs is silent for more than the
-first-byte bound (or three beats, where that is longer) at any point of the answer, head included, and the
-asker gives up on it then. 404 when it neither
-holds nor owns the bytes, 503 when it already answers MAX_CLIENTS requests (the asker reads the store; a
-busy peer is not avoided), 401 to a request that is not signed with the cache's key or whose time is
-more than MAX_SKEW seconds away (nothing is served unauthenticated; a key per DatasetCache keeps one
-tenant's nodes from another's blocks), 400 to a malformed one or one outside the node's dataset.
-Traffic is not encrypted: see docs/security.md.
+hello's request line, hands the connection to the mount of that cache (`PeerServer.receive`), and the mount
+answers it as its own. Keys are derived with the prefix, so an ask sealed for one cache opens for no other.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import functools
-import hmac
 import logging
 import os
 import re
@@ -51,24 +61,25 @@ import threading
 import time
 import urllib.parse
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import trio
 
 from .cache import Buffer
 from .idle import IdlePool
-from .sums import CHECKSUMS
-from .wire import Malformed, Request, SendAll, Steps, Wire, left, run_on_loop
+from .seal import RANDOM, TAG, Forged, Session, fresh_random
+from .wire import Malformed, SendAll, Steps, Wire, left, run_on_loop
 
 log = logging.getLogger(__name__)
 
-PATH = "/v1/block"
-SCHEME = "Stoker-Peer"
-MAX_SKEW = 60.0  # seconds a signed request stays valid (clocks of a cluster's nodes agree within that)
-MAX_CLIENTS = 256  # requests a node answers at once; more are told 503 (memory stays bounded); a read-through
+HELLO, ASK, OLD = "/v2/hello", "/v2/ask/", "/v1/block"
+MAX_CLIENTS = 256  # asks a node answers at once; more are told BUSY (memory stays bounded); a read-through
 # answer is one of them while the owner's GET runs, and every member's read-ahead may ask at once
+MAX_CONNECTIONS = 2048  # connections a node keeps from all askers (each asker pools POOLED and asks ~64 at once)
+MAX_PER_SOURCE = 160  # connections a node keeps from one address: an asker's pool and its asks in flight, with room
 IDLE_TIMEOUT = 10.0  # seconds a peer connection may stay silent (or not take its answer) before it is closed
+OPENING_TIMEOUT = 2.0  # seconds a connection has to say hello and open its first ask (an asker does both at once)
 POOLED = 32  # idle connections an asker keeps to each peer (a connection per block cost about as much CPU as the
 # block's bytes: keep-alive halves the CPU of a 100 KB peer read). As many as the asks a node's walk and read-ahead
 # have in flight to one peer: with 2, two asks in three opened a connection (and the owner accepted it)
@@ -78,12 +89,9 @@ AVOID = 5.0  # seconds a failed peer is not asked: a dead one then costs a conne
 # 5 s, and one that was only stopped or restarting serves again within seconds
 HEARTBEAT = 0.1  # seconds between an owner's FETCHING beats while it reads through
 THROUGH_WAIT = 3.0  # seconds an owner waits for its own GET for a peer before it answers FAILED
-FETCHING, OK, FAILED = b".", b"+", b"-"  # the marks of a read-through body
-
-# How an answer's bytes are checked, by the name an ask gives (`sum`, one of sums.CHECKSUMS): CRC64-NVME costs a tenth
-# of SHA-256 (0.35 against 2.7 ms for a 4 MiB block, at each end); an asker that names none (an older member) gets
-# SHA-256. Neither is a signature: answers are not authenticated (docs/security.md).
-CHECKSUM = "crc64nvme"  # what this version asks for
+# The kinds of an answer's frames (one byte in the clear, authenticated with the frame)
+HELD, MISS, BUSY, FETCHING, OK, FAILED = b"H", b"0", b"B", b".", b"+", b"-"
+_FINAL_EMPTY = {MISS: "miss", BUSY: "miss", FAILED: "miss"}  # frames without bytes that end an answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +105,6 @@ class BlockAsk:
     stop: int
     size: int
     through: bool = True  # an owner that does not hold the bytes may read them through (not for another owner)
-    checksum: str = CHECKSUM  # how the answer's bytes are checked (CHECKSUMS)
 
     @classmethod
     def block(cls, key: str, etag: str, index: int, length: int, block_size: int | None = None,
@@ -110,15 +117,14 @@ class BlockAsk:
     def length(self) -> int:
         return self.stop - self.start
 
-    def target(self, prefix: str = "") -> str:
-        """The request's path and query (what urllib's urlencode makes of these fields, built for a few µs)."""
-        return (f"{prefix}{PATH}?key={_quote(self.key)}&etag={_quote(self.etag)}&index={self.index}"
-                f"&start={self.start}&stop={self.stop}&size={self.size}{'' if self.through else '&held=1'}"
-                f"&sum={_quote(self.checksum)}")
+    def query(self) -> str:
+        """The ask as a query (what urllib's urlencode makes of these fields, built for a few µs): what is sealed."""
+        return (f"key={_quote(self.key)}&etag={_quote(self.etag)}&index={self.index}"
+                f"&start={self.start}&stop={self.stop}&size={self.size}{'' if self.through else '&held=1'}")
 
     @classmethod
     def parse(cls, query: str) -> "BlockAsk":
-        """From a request's query; ValueError when a field is missing or the bytes are not inside the object."""
+        """From an ask's query; ValueError when a field is missing or the bytes are not inside the object."""
         fields: dict[str, str] = {}
         for part in query.split("&"):
             name, sep, value = part.partition("=")
@@ -128,15 +134,13 @@ class BlockAsk:
         try:
             index, start, stop, size = (int(fields[name]) for name in ("index", "start", "stop", "size"))
             ask = cls(_unquote(fields["key"]), _unquote(fields["etag"]), index, start, stop, size,
-                      through=fields.get("held", "0") != "1", checksum=_unquote(fields.get("sum", "sha256")))
+                      through=fields.get("held", "0") != "1")
         except KeyError as exc:
             raise ValueError(f"missing {exc}") from None
         if ask.index < 0 or not 0 <= ask.start < ask.stop <= ask.size:
             raise ValueError("the bytes asked are not inside the object")
-        if not ask.etag.isprintable():  # it is sent back in a header
+        if not ask.etag.isprintable():
             raise ValueError("an ETag with control characters")
-        if ask.checksum not in CHECKSUMS:
-            raise ValueError(f"no checksum named {ask.checksum[:20]!r}")
         return ask
 
 
@@ -166,33 +170,27 @@ def _unquote(value: str) -> str:
     return urllib.parse.unquote_plus(value)
 
 
-def _mac(key: bytes, seconds: str, target: str) -> str:
-    return hmac.digest(key, f"{seconds}\n{target}".encode(), "sha256").hex()
-
-
-def sign(key: bytes, target: str, now: float) -> str:
-    """The Authorization header of a request for `target` (path and query) at `now`."""
-    seconds = str(int(now))
-    return f"{SCHEME} {seconds} {_mac(key, seconds, target)}"
-
-
-def verify(key: bytes, target: str, header: str | None, now: float) -> bool:
-    try:
-        scheme, seconds, mac = (header or "").split(" ")
-        stamp = int(seconds)
-    except ValueError:
-        return False
-    if scheme != SCHEME or abs(now - stamp) > MAX_SKEW:
-        return False
-    return hmac.compare_digest(_mac(key, seconds, target), mac)
-
-
 def cache_prefix(cache_id: str) -> str:
     """The path prefix of one distributed cache's requests on a node's shared peer port."""
     return f"/c/{cache_id}"
 
 
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 503: "Service Unavailable"}
+def hello_target(prefix: str, mine: bytes) -> str:
+    return f"{prefix}{HELLO}?r={mine.hex()}"
+
+
+def ask_target(prefix: str, sealed: bytes) -> str:
+    return prefix + ASK + base64.urlsafe_b64encode(sealed).rstrip(b"=").decode()
+
+
+def _unbase64(text: str) -> bytes:
+    try:
+        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except (binascii.Error, ValueError):
+        raise Malformed("an ask that is not base64") from None
+
+
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized"}
 
 
 def _head(status: int, headers: list[tuple[str, object]], keep_alive: bool) -> bytes:
@@ -200,6 +198,19 @@ def _head(status: int, headers: list[tuple[str, object]], keep_alive: bool) -> b
     if not keep_alive:
         lines.append("Connection: close")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+_CLOSE_400 = _head(400, [("Content-Length", 0)], False)
+_CLOSE_401 = _head(401, [("Content-Length", 0), ("X-Stoker-Protocol", "v2")], False)
+_FRAMES = {True: _head(200, [("Transfer-Encoding", "chunked")], True),
+           False: _head(200, [("Transfer-Encoding", "chunked")], False)}
+_END = b"0\r\n\r\n"
+
+
+def _frame(session: Session, kind: bytes, payload: bytes | memoryview = b"") -> list[bytes]:
+    """One sealed frame as a chunk (its size line and kind, the sealed payload, its CRLF)."""
+    sealed = session.seal_answer(kind, payload)
+    return [f"{1 + len(sealed):x}\r\n".encode() + kind, sealed, b"\r\n"]
 
 
 async def _send(sock: socket.socket, *parts: bytes | memoryview, timeout: float = IDLE_TIMEOUT) -> None:
@@ -225,16 +236,25 @@ async def _send(sock: socket.socket, *parts: bytes | memoryview, timeout: float 
                 sent = 0
 
 
-# a read-through answer's checksum, by its length (they differ: 8 and 32 bytes)
-_SUM_BY_LENGTH = {len(digest(b"")): name for name, digest in CHECKSUMS.items()}
+@dataclass(eq=False)
+class _Kept:
+    """A connection the server keeps: where from, whether an ask of it opened, whether it waits for its next ask."""
 
+    source: str
+    sock: socket.socket
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    heard: bool = False  # a request of it was read
+    opened: bool = False
+    idle: bool = True
 
-def _named_sum(headers: dict[str, str]) -> tuple[str, str]:
-    """The checksum an answer carries (X-Stoker-CRC64NVME, or X-Stoker-SHA256 from an older owner) and its hex."""
-    for name in CHECKSUMS:
-        if f"x-stoker-{name}" in headers:
-            return name, headers[f"x-stoker-{name}"]
-    raise ValueError("an answer without a checksum")
+    def silent(self) -> bool:
+        """Nothing read from it yet, and nothing waiting to be read (an asker sends its hello with its connect)."""
+        if self.heard:
+            return False
+        try:
+            return not self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except OSError:  # nothing waiting (BlockingIOError), or gone
+            return True
 
 
 class PeerServer:
@@ -243,19 +263,22 @@ class PeerServer:
     own in a thread (`start()`). On `address` (host, port; port 0 picks one), or, with `address` None, on the
     connections a node's peer router hands over (`receive`, before `start`)."""
 
-    def __init__(self, address: tuple[str, int] | None, key: bytes, lookup: Lookup,
-                 clock: Callable[[], float] = time.time, metrics=None, max_clients: int = MAX_CLIENTS,
-                 prefix: str = "", idle_timeout: float = IDLE_TIMEOUT):
+    def __init__(self, address: tuple[str, int] | None, key: bytes, lookup: Lookup, metrics=None,
+                 max_clients: int = MAX_CLIENTS, prefix: str = "", idle_timeout: float = IDLE_TIMEOUT,
+                 max_connections: int = MAX_CONNECTIONS, max_per_source: int = MAX_PER_SOURCE):
         if not key:
-            raise ValueError("a peer key is required: nothing is served unauthenticated")
-        self.key, self.lookup, self.clock, self.metrics = key, lookup, clock, metrics
-        self.path = prefix + PATH
+            raise ValueError("a peer key is required: nothing is served unsealed")
+        self.key, self.lookup, self.metrics = key, lookup, metrics
+        self.prefix = prefix
         self.served = self.refused = self.missed = self.busy = self.served_bytes = self.connections = 0
         self.through = self.through_failed = 0  # answers read through for a peer (its store GET), and failed ones
+        self.shed = self.turned_away = 0  # connections closed to make room, and ones refused for want of it
         self.through_wait = THROUGH_WAIT
         self.idle_timeout = idle_timeout
-        self.max_clients = max_clients
+        self.max_clients, self.max_connections, self.max_per_source = max_clients, max_connections, max_per_source
         self.answering = 0  # requests being answered now
+        self._kept: dict[_Kept, None] = {}  # the connections kept, oldest first
+        self._by_source: dict[str, dict[_Kept, None]] = {}
         self._listener: socket.socket | None = None
         self.address: tuple[str, int] = ("127.0.0.1", 0)
         if address is not None:
@@ -270,7 +293,6 @@ class PeerServer:
         self._token: trio.lowlevel.TrioToken | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
-
     def receive(self, path: str) -> "PeerServer":
         """Answer the connections a peer router sends to the unix socket `path` (one descriptor a datagram)."""
         if os.path.exists(path):
@@ -363,37 +385,51 @@ class PeerServer:
                     continue
                 nursery.start_soon(self._connection, conn)
 
+    def _keep(self, source: str, sock: socket.socket) -> _Kept | None:
+        """Room for a connection from `source` within both bounds (a connection of that source shed first when it
+        is at its own); None when every connection that could make room is busy answering."""
+        mine = self._by_source.setdefault(source, {})
+        if len(mine) >= self.max_per_source and not self._shed(mine):
+            return None
+        if len(self._kept) >= self.max_connections and not self._shed(self._kept):
+            return None
+        kept = _Kept(source, sock)
+        self._kept[kept] = mine[kept] = None
+        return kept
+
+    def _shed(self, among: dict[_Kept, None]) -> bool:
+        """Close the oldest connection that never said anything, else the oldest that never opened an ask, else the
+        oldest idle one (its asker opens another when it next asks); False if all are answering."""
+        victim = (next((k for k in among if k.silent()), None) or next((k for k in among if not k.opened), None)
+                  or next((k for k in among if k.idle), None))
+        if victim is None:
+            return False
+        self._forget(victim)
+        victim.scope.cancel()  # (its task closes the socket)
+        self.shed += 1
+        return True
+
+    def _forget(self, kept: _Kept) -> None:
+        self._kept.pop(kept, None)
+        mine = self._by_source.get(kept.source)
+        if mine is not None:
+            mine.pop(kept, None)
+            if not mine:
+                del self._by_source[kept.source]
+
     async def _connection(self, sock: socket.socket) -> None:
-        """One asker's connection: its requests answered in turn (keep-alive) until it closes, sends something that is
-        not a request, stays silent for idle_timeout, or takes no answer for as long."""
+        """One asker's connection: its hello, then its asks answered in turn (keep-alive) until it closes, sends
+        something that is not the protocol, stays silent for idle_timeout, or takes no answer for as long."""
         self.connections += 1
         name = _name(sock)
+        kept = self._keep(name, sock)
+        if kept is None:
+            self.turned_away += 1
+            sock.close()
+            return
         try:
-            sock.setblocking(False)
-            # A head and its body go in one sendmsg, but beats are small writes: without NODELAY, Nagle would hold
-            # one back until the asker's delayed ACK (up to 40 ms).
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            wire = Wire()
-            while True:
-                try:
-                    request = await run_on_loop(sock, wire.request(time.monotonic() + self.idle_timeout))
-                except Malformed as exc:
-                    log.debug("peer %s: malformed request: %s", name, exc)
-                    return await _send(sock, _head(400, [("Content-Length", 0)], False), timeout=self.idle_timeout)
-                if request is None:
-                    return
-                if self.answering >= self.max_clients:
-                    self.busy += 1
-                    await _send(sock, _head(503, [("Content-Length", 0)], request.keep_alive), timeout=self.idle_timeout)
-                else:
-                    self.answering += 1
-                    try:
-                        await self.answer(sock, request)
-                    finally:
-                        self.answering -= 1
-                if not request.keep_alive:
-                    return
+            with kept.scope:
+                await self._converse(sock, kept)
         except (ConnectionError, TimeoutError):
             log.debug("peer %s: connection ended", name)  # idle past the bound, gone, or gone mid-answer
         except OSError as exc:
@@ -401,32 +437,88 @@ class PeerServer:
         except Exception:  # noqa: BLE001 - one connection never ends the server
             log.warning("peer request from %s failed", name, exc_info=True)
         finally:
+            self._forget(kept)
             sock.close()
 
-    async def answer(self, sock: socket.socket, request: Request) -> None:
+    async def _converse(self, sock: socket.socket, kept: _Kept) -> None:
+        sock.setblocking(False)
+        # A head and its body go in one sendmsg, but beats are small writes: without NODELAY, Nagle would hold
+        # one back until the asker's delayed ACK (up to 40 ms).
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         send = functools.partial(_send, sock, timeout=self.idle_timeout)
-        if not verify(self.key, request.target, request.authorization, self.clock()):
-            self.refused += 1
-            return await send(_head(401, [("Content-Length", 0)], request.keep_alive))
-        url = urllib.parse.urlsplit(request.target)
+        wire = Wire()
+        session: Session | None = None
+        while True:
+            kept.idle = True
+            wait = self.idle_timeout if kept.opened else min(self.idle_timeout, OPENING_TIMEOUT)
+            try:
+                request = await run_on_loop(sock, wire.request(time.monotonic() + wait))
+                if request is None:
+                    return
+                kept.idle, kept.heard = False, True
+                path, _, query = request.target.partition("?")
+                if session is None and path == self.prefix + HELLO:
+                    session, mine = self._hello(query)
+                    await send(_head(200, [("Content-Length", 0), ("X-Stoker-Hello", mine.hex())], request.keep_alive))
+                elif session is not None and path.startswith(self.prefix + ASK):
+                    plain = session.open_ask(_unbase64(path[len(self.prefix) + len(ASK):]))
+                    kept.opened = True
+                    if not await self.answer(sock, session, plain, request.keep_alive):
+                        return
+                elif path in (self.prefix + OLD, self.prefix + HELLO) or path.startswith(self.prefix + ASK):
+                    raise Forged("an unsealed ask (an older member), a second hello, or an ask before the hello")
+                else:
+                    raise Malformed(f"no such path {path[:80]!r}")
+            except Forged as exc:
+                self.refused += 1
+                log.debug("peer %s: refused: %s", kept.source, exc)
+                return await send(_CLOSE_401)
+            except Malformed as exc:
+                log.debug("peer %s: malformed request: %s", kept.source, exc)
+                return await send(_CLOSE_400)
+            if not request.keep_alive:
+                return
+
+    def _hello(self, query: str) -> tuple[Session, bytes]:
+        name, _, value = query.partition("=")
         try:
-            if url.path != self.path:
-                raise ValueError(f"no such path {url.path}")
-            ask = BlockAsk.parse(url.query)
-            found = self.lookup(ask)
-        except ValueError as exc:
-            log.debug("peer %s: bad request: %s", _name(sock), exc)
-            return await send(_head(400, [("Content-Length", 0)], request.keep_alive))
-        if found is None:
-            self.missed += 1
-            return await send(_head(404, [("Content-Length", 0)], request.keep_alive))
-        if isinstance(found, Future):
-            return await self._read_through(sock, ask, found, request.keep_alive)
-        body = memoryview(found)
-        head = _head(200, [("Content-Length", len(body)), ("X-Stoker-ETag", ask.etag),
-                           (f"X-Stoker-{ask.checksum.upper()}", CHECKSUMS[ask.checksum](body).hex())], request.keep_alive)
-        self._count(len(body))  # before the body: a client may have it all before this task goes on
-        await send(head, body)
+            theirs = bytes.fromhex(value) if name == "r" else b""
+        except ValueError:
+            theirs = b""
+        if len(theirs) != RANDOM:
+            raise Malformed("a hello without the asker's random")
+        mine = fresh_random()
+        return Session(self.key, theirs, mine, self.prefix), mine
+
+    async def answer(self, sock: socket.socket, session: Session, plain: bytes, keep_alive: bool) -> bool:
+        """Answer one opened ask; False when the connection is to be closed (the ask was refused)."""
+        send = functools.partial(_send, sock, timeout=self.idle_timeout)
+        head = _FRAMES[keep_alive]
+        if self.answering >= self.max_clients:
+            self.busy += 1
+            await send(head, *_frame(session, BUSY), _END)
+            return True
+        self.answering += 1
+        try:
+            try:
+                ask = BlockAsk.parse(plain.decode())
+                found = self.lookup(ask)
+            except (ValueError, UnicodeDecodeError) as exc:
+                log.debug("peer %s: bad request: %s", _name(sock), exc)
+                await send(_CLOSE_400)
+                return False
+            if found is None:
+                self.missed += 1
+                await send(head, *_frame(session, MISS), _END)
+            elif isinstance(found, Future):
+                await self._read_through(sock, session, ask, found, head)
+            else:
+                self._count(len(found))  # before the body: a client may have it all before this task goes on
+                await send(head, *_frame(session, HELD, memoryview(found)), _END)
+            return True
+        finally:
+            self.answering -= 1
 
     def _count(self, nbytes: int) -> None:
         self.served += 1
@@ -434,13 +526,12 @@ class PeerServer:
         if self.metrics is not None:
             self.metrics.peer_served_bytes.inc(nbytes)
 
-    async def _read_through(self, sock: socket.socket, ask: BlockAsk, pending: Future, keep_alive: bool) -> None:
+    async def _read_through(self, sock: socket.socket, session: Session, ask: BlockAsk, pending: Future,
+                            head: bytes) -> None:
         """The bytes this node reads through for the asker: sent with their head in one write when they come within
-        a beat (as most do), else the head at the first beat and a FETCHING byte each beat until they come (or
+        a beat (as most do), else the head at the first beat and a FETCHING frame each beat until they come (or
         FAILED)."""
         send = functools.partial(_send, sock, timeout=self.idle_timeout)
-        head = _head(200, [("Transfer-Encoding", "chunked"), ("X-Stoker-ETag", ask.etag), ("X-Stoker-Through", 1)],
-                     keep_alive)
         done = trio.Event()
         if not pending.done():
             token, loop = trio.lowlevel.current_trio_token(), threading.get_ident()
@@ -458,7 +549,7 @@ class PeerServer:
             with trio.move_on_after(HEARTBEAT):
                 await done.wait()
             if not pending.done() and time.monotonic() < give_up:
-                await send(head, b"1\r\n" + FETCHING + b"\r\n")
+                await send(head, *_frame(session, FETCHING))
                 head = b""
         data = pending.result() if pending.done() and not pending.cancelled() and pending.exception() is None else None
         # (a GET that failed was logged where it ran: the asker reads the store)
@@ -466,14 +557,12 @@ class PeerServer:
             self.through_failed += 1
             if self.metrics is not None:
                 self.metrics.peer_read_through.labels(outcome="failed").inc()
-            return await send(head, b"1\r\n" + FAILED + b"\r\n0\r\n\r\n")
-        body = memoryview(data)
-        digest = CHECKSUMS[ask.checksum](body)
+            return await send(head, *_frame(session, FAILED), _END)
         self.through += 1
         if self.metrics is not None:
             self.metrics.peer_read_through.labels(outcome="served").inc()
-        self._count(len(body))
-        await send(head, f"{1 + len(body) + len(digest):x}\r\n".encode() + OK, body, digest + b"\r\n0\r\n\r\n")
+        self._count(len(data))
+        await send(head, *_frame(session, OK, memoryview(data)), _END)
 
 
 def _name(sock: socket.socket) -> str:
@@ -491,33 +580,43 @@ class PeerTimeouts:
     through: float = THROUGH_WAIT + 1.0  # seconds an owner's read-through may beat before its bytes come
 
 
+@dataclass(eq=False)
+class _Conn:
+    """A connection to a peer and its session (None until its hello was answered)."""
+
+    sock: socket.socket
+    session: Session | None = None
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 class PeerClient:
-    """Asks a peer for bytes of one block, from the event loop; None unless the answer is exactly those bytes. A
-    peer that failed is avoided for `avoid` seconds, then asked again."""
+    """Asks a peer for bytes of one block, from the event loop; None unless the answer opens and is exactly those
+    bytes. A peer that failed is avoided for `avoid` seconds, then asked again."""
 
     def __init__(self, key: bytes, timeouts: PeerTimeouts | None = None, avoid: float = AVOID,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
-                 prefix: str = ""):
+                 clock: Callable[[], float] = time.monotonic, prefix: str = ""):
         self.key, self.timeouts, self.avoid, self.prefix = key, timeouts or PeerTimeouts(), avoid, prefix
-        self.clock, self.wall = clock, wall
+        self.clock = clock
         self._avoid_until: dict[str, float] = {}
         self.failures: dict[str, int] = {}
-        # idle connections by peer, as plain sockets (wrapped for the loop per ask; closed from anywhere)
-        self._idle: IdlePool[str, socket.socket] = IdlePool(POOLED, socket.socket.close, max_age=POOL_IDLE,
-                                                             clock=clock)
+        # idle connections by peer, with their sessions (sockets wrapped for the loop per ask; closed from anywhere)
+        self._idle: IdlePool[str, _Conn] = IdlePool(POOLED, _Conn.close, max_age=POOL_IDLE, clock=clock)
 
     def avoided(self, peer: str) -> bool:
         return self._avoid_until.get(peer, 0.0) > self.clock()
 
     async def fetch(self, peer: str, want: BlockAsk) -> bytearray | None:
-        """The bytes `want` from `peer` ("host:port"); None if it cannot (a 404 is no failure: the peer just
+        """The bytes `want` from `peer` ("host:port"); None if it cannot (a miss is no failure: the peer just
         does not hold them)."""
         return (await self.ask(peer, want))[1]
 
     async def ask(self, peer: str, want: BlockAsk) -> tuple[str, bytearray | None]:
-        """(outcome, bytes) of one request: "hit" (held) or "through" (the owner read them from the store for
+        """(outcome, bytes) of one ask: "hit" (held) or "through" (the owner read them from the store for
         this asker) with the bytes; "miss" (neither held nor owned, busy, or the owner's own GET failed),
-        "failed" (refused, timed out, silent, a wrong answer: the peer is avoided a while) or "avoided", with None."""
+        "failed" (refused, timed out, silent, forged, a wrong answer: the peer is avoided a while) or "avoided",
+        with None."""
         if self.avoided(peer):
             return "avoided", None
         try:
@@ -536,10 +635,10 @@ class PeerClient:
         log.info("peer %s failed (%s); avoided for %gs", peer, why, self.avoid)
 
     async def _get(self, peer: str, want: BlockAsk) -> tuple[str, bytearray | None]:
-        sock = self._idle.take(peer)
-        if sock is not None:
+        conn = self._idle.take(peer)
+        if conn is not None:
             try:
-                return await self._exchange(peer, sock, want)
+                return await self._exchange(peer, conn, want)
             except ConnectionError:
                 pass  # the peer closed the idle connection meanwhile: ask again on a new one (no failure)
         host, _, port = peer.rpartition(":")
@@ -553,89 +652,99 @@ class PeerClient:
         except BaseException:
             sock.close()
             raise
-        return await self._exchange(peer, sock, want)
+        return await self._exchange(peer, _Conn(sock), want)
 
-    async def _exchange(self, peer: str, sock: socket.socket, want: BlockAsk) -> tuple[str, bytearray | None]:
-        """One request on `sock`; the connection goes back to the pool after a complete answer, else is closed."""
+    async def _exchange(self, peer: str, conn: _Conn, want: BlockAsk) -> tuple[str, bytearray | None]:
+        """One ask on `conn` (its hello first if it is new); the connection goes back to the pool after a complete
+        answer, else is closed."""
         reusable = False
         try:
-            outcome, body, reusable = await run_on_loop(sock, self._answer(peer, want))
+            outcome, body, reusable = await run_on_loop(conn.sock, self._answer(peer, conn, want))
             return outcome, body
         finally:
             if reusable:
-                self._idle.give(peer, sock)
+                self._idle.give(peer, conn)
             else:
-                sock.close()  # (no task waits on it any more: the ask ended)
+                conn.close()  # (no task waits on it any more: the ask ended)
 
-    def _answer(self, peer: str, want: BlockAsk) -> Steps[tuple[str, bytearray | None, bool]]:
-        """One ask and its answer, checked: (outcome, bytes, whether the connection can carry the next ask)."""
-        target = want.target(self.prefix)
-        yield SendAll(f"GET {target} HTTP/1.1\r\nHost: {peer}\r\nAuthorization: "
-                       f"{sign(self.key, target, self.wall())}\r\n\r\n".encode(),
-                       time.monotonic() + self.timeouts.first_byte)
+    def _answer(self, peer: str, conn: _Conn, want: BlockAsk) -> Steps[tuple[str, bytearray | None, bool]]:
+        """One ask and its answer, opened and checked: (outcome, bytes, whether the connection can carry the next)."""
         wire = Wire()
+        if conn.session is None:
+            mine = fresh_random()
+            yield SendAll(f"GET {hello_target(self.prefix, mine)} HTTP/1.1\r\nHost: {peer}\r\n\r\n".encode(),
+                          time.monotonic() + self.timeouts.first_byte)
+            status, headers = yield from wire.answer_head(time.monotonic() + self.timeouts.first_byte)
+            if status in (404, 503):  # a node's router: no mount of this cache there, or it does not take it now
+                return "miss", None, False
+            if status != 200:
+                raise ValueError(f"answered {status}")
+            if headers.get("content-length") != "0" or headers.get("connection", "").lower() == "close":
+                raise Malformed("a hello answered with a body, or closed")
+            try:
+                theirs = bytes.fromhex(headers.get("x-stoker-hello", ""))
+            except ValueError:
+                raise Malformed("a hello answered without the owner's random") from None
+            conn.session = Session(self.key, mine, theirs, self.prefix)
+        session = conn.session
+        target = ask_target(self.prefix, session.seal_ask(want.query().encode()))
+        yield SendAll(f"GET {target} HTTP/1.1\r\nHost: {peer}\r\n\r\n".encode(),
+                      time.monotonic() + self.timeouts.first_byte)
         status, headers = yield from wire.answer_head(time.monotonic() + self._beat())
         keep = headers.get("connection", "").lower() != "close"
-        if status in (404, 503):  # not held, or busy: no failure, the store answers this one
-            if headers.get("content-length", "0") != "0" or "transfer-encoding" in headers:
-                raise Malformed(f"a {status} with a body")
-            return "miss", None, keep and wire.drained()
         if status != 200:
             raise ValueError(f"answered {status}")
-        if headers.get("x-stoker-etag") != want.etag:
-            raise ValueError("answered another version")
-        if headers.get("x-stoker-through"):
-            if headers.get("transfer-encoding", "").lower() != "chunked":
-                raise Malformed("a read-through answer that is not chunked")
-            outcome, body = yield from self._through(wire, want)
-        else:
-            if headers.get("content-length") != str(want.length) or "transfer-encoding" in headers:
-                raise ValueError("answered another length")
-            name, digest = _named_sum(headers)
-            outcome, body = "hit", (yield from wire.exactly(want.length, time.monotonic() + self.timeouts.body))
-            if not hmac.compare_digest(CHECKSUMS[name](body).hex(), digest):
-                raise ValueError("checksum mismatch")
+        if headers.get("transfer-encoding", "").lower() != "chunked" or "content-length" in headers:
+            raise Malformed("an answer that is not sealed frames")
+        outcome, body = yield from self._frames(wire, session, want)
         return outcome, body, keep and wire.drained()  # the whole answer was read: the connection carries the next
 
     def _beat(self) -> float:
         """The longest silence of a live owner: the first-byte bound, or three beats where that is shorter."""
         return max(self.timeouts.first_byte, 3 * HEARTBEAT)
 
-    def _through(self, wire: Wire, want: BlockAsk) -> Steps[tuple[str, bytearray | None]]:
-        """A read-through answer: beats while the owner fetches (each within the first-byte bound: a silent owner
-        is gone), then the bytes and their checksum, or FAILED (a miss: the owner's store did not answer it)."""
+    def _frames(self, wire: Wire, session: Session, want: BlockAsk) -> Steps[tuple[str, bytearray | None]]:
+        """An answer's frames: beats while the owner reads through (each within the first-byte bound: a silent owner
+        is gone), then the bytes (HELD, OK) or a frame without them (MISS, BUSY, FAILED: a miss); each opened."""
         beat = self._beat()
         give_up = self.clock() + self.timeouts.through
         while True:
             size = int((yield from wire.line(time.monotonic() + beat)).split(b";")[0], 16)
-            mark = bytes((yield from wire.exactly(1, time.monotonic() + beat))) if size else b""
-            if mark == FETCHING and size == 1:
-                yield from wire.crlf(time.monotonic() + beat)
+            if size < 1 + TAG:
+                raise Malformed("a frame shorter than its seal")
+            kind = bytes((yield from wire.exactly(1, time.monotonic() + beat)))
+            length = size - 1 - TAG
+            if kind in (HELD, OK):
+                if length != want.length:
+                    raise ValueError("answered another length")
+                until = time.monotonic() + self.timeouts.body  # for the bytes and the answer's end
+                sealed = yield from wire.exactly(size - 1, until)
+                body = bytearray(length)
+                session.open_answer_into(kind, sealed, body)
+                yield from _end(wire, until)
+                return ("hit" if kind == HELD else "through"), body
+            if length:
+                raise ValueError(f"a frame {kind!r} with bytes")
+            until = time.monotonic() + beat
+            session.open_answer_into(kind, (yield from wire.exactly(TAG, until)), bytearray())
+            if kind == FETCHING:
+                yield from wire.crlf(until)
                 if self.clock() > give_up:
                     raise socket.timeout("the owner's read-through took too long")
                 continue
-            if mark == FAILED and size == 1:
-                yield from wire.crlf(time.monotonic() + beat)
-                if (yield from wire.line(time.monotonic() + beat)) != b"0":
-                    raise Malformed("a FAILED read-through answer that goes on")
-                yield from wire.crlf(time.monotonic() + beat)
-                return "miss", None
-            if mark != OK:
-                raise ValueError(f"a read-through answer marked {mark!r}")
-            name = _SUM_BY_LENGTH.get(size - 1 - want.length)  # an older owner answers SHA-256 whatever is asked
-            if name is None:
-                raise ValueError("a read-through answer of another length")
-            until = time.monotonic() + self.timeouts.body  # for the bytes, their checksum and the answer's end
-            body = yield from wire.exactly(want.length, until)
-            digest = bytes((yield from wire.exactly(size - 1 - want.length, until)))
-            yield from wire.crlf(until)
-            if (yield from wire.line(until)) != b"0":
-                raise ValueError("a read-through answer longer than asked")
-            yield from wire.crlf(until)
-            if not hmac.compare_digest(CHECKSUMS[name](body), digest):
-                raise ValueError("checksum mismatch")
-            return "through", body
+            if kind not in _FINAL_EMPTY:
+                raise ValueError(f"a frame of kind {kind!r}")
+            yield from _end(wire, until)
+            return _FINAL_EMPTY[kind], None
 
     def close(self) -> None:
         """Close the idle connections."""
         self._idle.close()
+
+
+def _end(wire: Wire, until: float) -> Steps[None]:
+    """A final frame's CRLF and the chunked body's end."""
+    yield from wire.crlf(until)
+    if (yield from wire.line(until)) != b"0":
+        raise Malformed("an answer that goes on past its final frame")
+    yield from wire.crlf(until)

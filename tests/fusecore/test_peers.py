@@ -1,9 +1,8 @@
 """The peer protocol of a distributed cache (fusecore/peers.py) over real HTTP on loopback: a peer can make a
-read slower, never make it fail or return other bytes."""
+read slower, never make it fail or return other bytes; and what crosses the network is sealed (seal.py)."""
 
 from __future__ import annotations
 
-import hashlib
 import http.server
 import os
 import socket
@@ -18,10 +17,13 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fusecore.peers import BlockAsk, PeerClient, PeerServer, PeerTimeouts, sign
+from fusecore.peers import FETCHING, BlockAsk, PeerClient, PeerServer, PeerTimeouts, ask_target, hello_target
+from fusecore.seal import Session, fresh_random
+from tests.support.tamper import TamperProxy
 
 KEY = b"cache-key-of-tenant-a"
 BLOCK = os.urandom(1_000_003)
+SECRET = os.urandom(150_000)
 
 
 class Held:
@@ -64,15 +66,35 @@ def test_another_version_or_a_block_not_held_is_not_served_and_is_no_failure(ser
 
 def test_a_request_without_the_caches_key_is_refused(server):
     other_tenant = PeerClient(b"cache-key-of-tenant-b", SLACK)
-    assert trio.run(other_tenant.fetch, addr(server), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) is None
-    target = BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK)).target()
-    for headers in ({}, {"Authorization": sign(KEY, target, time.time() - 3600)},  # unsigned; an old signature
-                    {"Authorization": sign(KEY, BlockAsk.block("other", "etag-1", 2, len(BLOCK)).target(), time.time())}):  # another's
-        request = urllib.request.Request(f"http://{addr(server)}{target}", headers=headers)
-        with pytest.raises(urllib.error.HTTPError) as info:
-            urllib.request.urlopen(request, timeout=5)
-        assert info.value.code == 401
-    assert server.refused == 4 and server.served == 0
+    assert trio.run(other_tenant.ask, addr(server), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == (
+        "failed", None)
+    assert other_tenant.avoided(addr(server)) and server.refused == 1 and server.served == 0
+    # an ask sealed with another key, sent by hand on a connection that said hello: 401, closed
+    mine = fresh_random()
+    with socket.create_connection(server.address, timeout=5) as s:
+        s.sendall(f"GET {hello_target('', mine)} HTTP/1.1\r\n\r\n".encode())
+        hello = _head_of(s)
+        theirs = bytes.fromhex(hello.split(b"X-Stoker-Hello: ")[1].split(b"\r\n")[0].decode())
+        forged = Session(b"cache-key-of-tenant-b", mine, theirs).seal_ask(b"key=train/shard-0.tar&etag=etag-1")
+        s.sendall(f"GET {ask_target('', forged)} HTTP/1.1\r\n\r\n".encode())
+        assert _rest(s).startswith(b"HTTP/1.1 401 ")
+    assert server.refused == 2 and server.served == 0
+
+
+def _head_of(s: socket.socket) -> bytes:
+    got = b""
+    while b"\r\n\r\n" not in got:
+        chunk = s.recv(4096)
+        assert chunk, got
+        got += chunk
+    return got
+
+
+def _rest(s: socket.socket) -> bytes:
+    got = b""
+    while chunk := s.recv(65536):
+        got += chunk
+    return got
 
 
 def test_nothing_is_served_without_a_key():
@@ -80,50 +102,67 @@ def test_nothing_is_served_without_a_key():
         PeerServer(("127.0.0.1", 0), b"", Held())
 
 
-class Liar(http.server.BaseHTTPRequestHandler):
-    """A peer answering 200 with wrong bytes, a short body, or another length."""
-
-    protocol_version = "HTTP/1.1"
-    mode = "corrupt"
-    checksum = "sha256"  # what an older member sends whatever it is asked
-
-    def log_message(self, *args):
-        pass
-
-    def do_GET(self):
-        from fusecore.sums import CHECKSUMS
-
-        body = bytearray(BLOCK)
-        digest = CHECKSUMS[self.checksum](BLOCK).hex()
-        if self.mode == "corrupt":
-            body[12345] ^= 0xFF
-        length = len(BLOCK) + (7 if self.mode == "longer" else 0)
-        self.send_response(200)
-        self.send_header("Content-Length", str(length))
-        self.send_header("X-Stoker-ETag", "etag-1")
-        self.send_header(f"X-Stoker-{self.checksum.upper()}", digest)
-        self.end_headers()
-        self.wfile.write(body[: len(body) // 2] if self.mode == "short" else body)
-        if self.mode == "short":
-            self.wfile.flush()
-            self.connection.shutdown(socket.SHUT_RDWR)
+@pytest.mark.parametrize("where", ["hello", "head", "bytes", "tag"])
+def test_a_byte_altered_on_the_wire_is_a_failed_ask_never_other_bytes(server, where):
+    """A node on the path flips one byte of what the owner sends (its random at the hello, the answer's head, a
+    byte of the block, the seal's tag): the ask fails (the caller reads the store) and the peer is avoided."""
+    want = BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))
+    clean = TamperProxy(server.address)
+    assert trio.run(PeerClient(KEY, SLACK).ask, clean.peer, want) == ("hit", BLOCK)
+    stream = bytes(clean.answered)
+    clean.close()
+    answer = stream.index(b"HTTP/1.1 200", 10)  # the ask's answer, after the hello's
+    offsets = {"hello": stream.index(b"X-Stoker-Hello: ") + 20, "head": answer + 3,
+               "bytes": answer + len(stream[answer:]) // 2, "tag": len(stream) - 12}
+    proxy = TamperProxy(server.address)
+    proxy.flip = offsets[where]
+    client = PeerClient(KEY, SLACK)
+    assert trio.run(client.ask, proxy.peer, want) == ("failed", None)
+    assert proxy.flipped == 1 and client.failures[proxy.peer] == 1 and client.avoided(proxy.peer)
+    proxy.close()
 
 
-@pytest.mark.parametrize("mode,checksum", [("corrupt", "sha256"), ("corrupt", "crc64nvme"), ("short", "crc64nvme"),
-                                           ("longer", "crc64nvme")])
-def test_a_wrong_answer_is_refused_and_the_peer_avoided(mode, checksum):
-    handler = type("Handler", (Liar,), {"mode": mode, "checksum": checksum})
-    liar = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=liar.serve_forever, daemon=True).start()
-    try:
-        peer = f"127.0.0.1:{liar.server_address[1]}"
-        client = PeerClient(KEY, SLACK)
-        assert trio.run(client.ask, peer, BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == ("failed", None)
-        assert client.failures[peer] == 1 and client.avoided(peer)
-        assert trio.run(client.ask, peer, BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == ("avoided", None)
-    finally:
-        liar.shutdown()
-        liar.server_close()
+def test_a_capture_of_peer_traffic_holds_no_run_of_a_blocks_bytes_nor_the_asks(server):
+    """Everything both ends send, recorded on the path: no 64-byte run of a block's plaintext, and neither the
+    object's key nor its ETag (the asks are sealed too; only the cache's routing line is plain)."""
+    server.lookup.blocks[("train/secret-name.tar", "etag-secret", 0)] = SECRET
+    proxy = TamperProxy(server.address)
+    client = PeerClient(KEY, SLACK)
+    for _ in range(3):
+        assert trio.run(client.ask, proxy.peer, BlockAsk.block("train/secret-name.tar", "etag-secret", 0,
+                                                                len(SECRET))) == ("hit", SECRET)
+    proxy.close()
+    seen = bytes(proxy.answered) + bytes(proxy.asked)
+    assert len(seen) > 3 * len(SECRET)
+    # Any 64-byte run of SECRET holds one of its 32-byte pieces at a multiple of 32: look for every piece.
+    pieces = {SECRET[i:i + 32] for i in range(0, len(SECRET) - 31, 32)}
+    assert not any(seen[i:i + 32] in pieces for i in range(len(seen) - 31))
+    assert b"secret-name" not in seen and b"etag-secret" not in seen
+
+
+def test_a_captured_ask_replayed_is_refused(server):
+    """An ask recorded on the path and sent again, on a new connection (hello and all) or on the same one, does
+    not open: the owner's random and the ask's count are part of its seal."""
+    want = BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))
+    proxy = TamperProxy(server.address)
+    assert trio.run(PeerClient(KEY, SLACK).ask, proxy.peer, want) == ("hit", BLOCK)
+    proxy.close()
+    captured = bytes(proxy.requests[0])
+    assert captured.count(b"GET ") == 2  # the hello and the ask
+    answer = _raw(server, captured)
+    assert answer.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 401 " in answer and BLOCK[:64] not in answer
+    assert server.refused == 1 and server.served == 1
+    # the same ask twice on one connection: the second is a replay
+    mine = fresh_random()
+    with socket.create_connection(server.address, timeout=5) as s:
+        s.sendall(f"GET {hello_target('', mine)} HTTP/1.1\r\n\r\n".encode())
+        theirs = bytes.fromhex(_head_of(s).split(b"X-Stoker-Hello: ")[1].split(b"\r\n")[0].decode())
+        line = f"GET {ask_target('', Session(KEY, mine, theirs).seal_ask(want.query().encode()))} HTTP/1.1\r\n\r\n"
+        s.sendall(line.encode() * 2)
+        rest = _rest(s)
+    assert rest.count(b"HTTP/1.1 200 ") == 1 and rest.endswith(b"Content-Length: 0\r\nX-Stoker-Protocol: v2\r\n"
+                                                                  b"Connection: close\r\n\r\n")
+    assert server.refused == 2 and server.served == 2
 
 
 def test_a_stalled_peer_costs_a_bounded_wait_then_is_avoided_and_later_tried_again():
@@ -282,7 +321,7 @@ def test_a_read_through_whose_bytes_come_within_a_beat_is_answered_in_one_write(
         client = PeerClient(KEY, SLACK)
         assert trio.run(client.ask, addr(s), BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == (
             "through", BLOCK)
-        assert writes == [b"HTTP/1.1 "], "the head, its bytes and their checksum in one write"
+        assert writes == [b"HTTP/1.1 ", b"HTTP/1.1 "], "the hello; then the head and the sealed bytes in one write"
     finally:
         s.close()
 
@@ -306,12 +345,17 @@ def test_an_owner_that_goes_silent_while_reading_through_is_given_up_within_the_
     silent.listen(1)
     held = []
 
-    def serve():
+    def serve():  # an owner with the key: its hello, then one beat of a read-through, then nothing
         conn, _ = silent.accept()
         held.append(conn)
+        hello = conn.recv(65536)
+        asker = bytes.fromhex(hello.split(b"?r=")[1].split(b" ")[0].decode())
+        mine = fresh_random()
+        conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nX-Stoker-Hello: {mine.hex()}\r\n\r\n".encode())
         conn.recv(65536)
-        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-Stoker-ETag: e\r\n"
-                     b"X-Stoker-Through: 1\r\n\r\n1\r\n.\r\n")
+        beat = Session(KEY, asker, mine).seal_answer(FETCHING)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + f"{1 + len(beat):x}\r\n".encode()
+                     + FETCHING + beat + b"\r\n")
 
     threading.Thread(target=serve, daemon=True).start()
     peer = f"127.0.0.1:{silent.getsockname()[1]}"
@@ -331,8 +375,8 @@ def test_an_ask_round_trips_and_one_outside_the_object_or_the_dataset_is_refused
     from fusecore.cluster import check_ask
 
     want = BlockAsk("train/a b&c.jpg", "e1", 3, 3 * 4096 + 10, 3 * 4096 + 20, 5 * 4096, through=False)
-    target = want.target("/c/x")
-    assert BlockAsk.parse(target.split("?", 1)[1]) == want and "held=1" in target
+    query = want.query()
+    assert BlockAsk.parse(query) == want and "held=1" in query
     with pytest.raises(ValueError):
         BlockAsk.parse("key=k&etag=e&index=0&start=10&stop=5&size=100")  # nothing asked
     with pytest.raises(ValueError):
@@ -342,6 +386,9 @@ def test_an_ask_round_trips_and_one_outside_the_object_or_the_dataset_is_refused
         check_ask(want, 8192, "train/")  # another block size: the bytes are not inside block 3
     with pytest.raises(ValueError, match="outside this cache's dataset"):
         check_ask(want, 4096, "val/")
+    for sneaky in ("train/../secret/x.jpg", "train/./x.jpg", "train/a/.."):  # a store that normalises paths
+        with pytest.raises(ValueError, match="segment"):
+            check_ask(BlockAsk.block(sneaky, "e1", 0, 10), 4096, "train/")
 
 
 def test_a_refused_ask_is_answered_400_and_fetches_nothing():
@@ -368,30 +415,25 @@ def _raw(server, data: bytes) -> bytes:
 
 def test_what_is_not_the_protocols_http_is_answered_400_and_the_connection_closed(server):
     """The server parses requests itself (wire.Wire): anything but a bodiless GET of HTTP/1.x, with well-formed
-    headers and a head of at most MAX_HEAD bytes, is told 400 and closed, before any signature is looked at."""
+    headers and a head of at most MAX_HEAD bytes, is told 400 and closed, before any key is used."""
     from fusecore.wire import MAX_HEAD
 
-    target = BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK)).target()
-    signed = f"Authorization: {sign(KEY, target, time.time())}\r\n"
-    for bad in (f"POST {target} HTTP/1.1\r\n{signed}\r\n", f"GET {target} HTTP/2.0\r\n{signed}\r\n",
-                f"GET {target} HTTP/1.1\r\n{signed}no colon here\r\n\r\n",
-                f"GET {target} HTTP/1.1\r\n{signed}Content-Length: 5\r\n\r\nhello",
-                f"GET {target} HTTP/1.1\r\n{signed}X-Pad: {'a' * MAX_HEAD}\r\n\r\n"):
+    target = hello_target("", fresh_random())
+    for bad in (f"POST {target} HTTP/1.1\r\n\r\n", f"GET {target} HTTP/2.0\r\n\r\n",
+                f"GET {target} HTTP/1.1\r\nno colon here\r\n\r\n",
+                f"GET {target} HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello",
+                f"GET {target} HTTP/1.1\r\nX-Pad: {'a' * MAX_HEAD}\r\n\r\n",
+                f"GET {target[:-2]} HTTP/1.1\r\n\r\n", "GET /v2/elsewhere HTTP/1.1\r\n\r\n"):
         assert _raw(server, bad.encode()).startswith(b"HTTP/1.1 400 "), bad[:40]
-    answer = _raw(server, f"GET {target} HTTP/1.1\r\n{signed}Connection: close\r\n\r\n".encode())
-    assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(BLOCK), "a well-formed one is answered"
-    assert server.served == 1 and server.refused == 0
+    answer = _raw(server, f"GET {target} HTTP/1.1\r\nConnection: close\r\n\r\n".encode())
+    assert answer.startswith(b"HTTP/1.1 200 ") and b"X-Stoker-Hello: " in answer, "a well-formed hello is answered"
+    assert server.served == 0 and server.refused == 0
 
 
-def test_an_etag_with_control_characters_is_refused_not_echoed(server):
-    """The ETag asked goes back in the X-Stoker-ETag header: one with CR or LF (a signed ask of a member gone
-    wrong) is refused, never written into an answer's head."""
+def test_an_etag_with_control_characters_is_refused():
     evil = BlockAsk.block("train/shard-0.tar", "etag-1\r\nX-Injected: 1", 2, len(BLOCK))
     with pytest.raises(ValueError, match="control characters"):
-        BlockAsk.parse(evil.target().split("?", 1)[1])
-    answer = _raw(server, f"GET {evil.target()} HTTP/1.1\r\nAuthorization: {sign(KEY, evil.target(), time.time())}"
-                          f"\r\nConnection: close\r\n\r\n".encode())
-    assert answer.startswith(b"HTTP/1.1 400 ") and b"X-Injected" not in answer
+        BlockAsk.parse(evil.query())
 
 
 def test_an_answer_head_trickled_byte_by_byte_is_given_up_within_the_first_byte_bound():
@@ -427,42 +469,93 @@ def test_an_answer_head_trickled_byte_by_byte_is_given_up_within_the_first_byte_
 @given(key=st.text(min_size=1, max_size=40), etag=st.text(min_size=1, max_size=40).filter(str.isprintable),
        through=st.booleans())
 def test_an_asks_query_is_what_urllib_reads_and_writes(key, etag, through):
-    """Asks are quoted and parsed here, without urllib's loops: what urllib's parse_qs (an older member) reads from
-    one is the ask, and what urlencode writes parses back to it."""
+    """Asks are quoted and parsed here, without urllib's loops: what urllib's parse_qs reads from one is the ask,
+    and what urlencode writes parses back to it."""
     want = BlockAsk(key, etag, 1, 4096, 8192, 9000, through=through)
-    query = want.target().split("?", 1)[1]
+    query = want.query()
     assert BlockAsk.parse(query) == want
     fields = {name: values[0] for name, values in urllib.parse.parse_qs(query, strict_parsing=True).items()}
     assert (fields["key"], fields["etag"], fields["stop"], "held" in fields) == (key, etag, "8192", not through)
     assert BlockAsk.parse(urllib.parse.urlencode(fields)) == want
 
 
-def test_members_of_the_older_version_are_answered_and_understood(server):
-    """Before CRC64-NVME, asks named no checksum and answers carried SHA-256: an older asker still gets
-    X-Stoker-SHA256, and an older owner's SHA-256 answer is checked and used (a rolling upgrade loses no hits)."""
-    target = BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK)).target().replace("&sum=crc64nvme", "")
-    answer = _raw(server, f"GET {target} HTTP/1.1\r\nAuthorization: {sign(KEY, target, time.time())}\r\n"
-                          f"Connection: close\r\n\r\n".encode())
-    assert f"X-Stoker-SHA256: {hashlib.sha256(BLOCK).hexdigest()}".encode() in answer and answer.endswith(BLOCK)
-    older = http.server.ThreadingHTTPServer(("127.0.0.1", 0), type("Handler", (Liar,), {"mode": "right"}))
+class Older(http.server.BaseHTTPRequestHandler):
+    """A member of the version before the seal: it refuses every request without its HMAC header (401)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self.send_response(401)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+def test_members_of_the_older_unsealed_version_are_refused_cleanly_both_ways(server):
+    """During a rolling upgrade an older member's plain, HMAC-signed ask is refused (401, closed: never a block
+    in the clear), and an older owner refuses this version's hello: either way the asker reads the store and
+    avoids that member a while, and nothing is served unsealed."""
+    import hmac
+
+    target = "/v1/block?" + BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK)).query() + "&sum=crc64nvme"
+    seconds = str(int(time.time()))
+    mac = hmac.digest(KEY, f"{seconds}\n{target}".encode(), "sha256").hex()
+    answer = _raw(server, f"GET {target} HTTP/1.1\r\nAuthorization: Stoker-Peer {seconds} {mac}\r\n\r\n".encode())
+    assert answer.startswith(b"HTTP/1.1 401 ") and b"X-Stoker-Protocol: v2" in answer and BLOCK[:64] not in answer
+    assert server.served == 0 and server.refused == 1
+    older = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Older)
     threading.Thread(target=older.serve_forever, daemon=True).start()
     try:
         client = PeerClient(KEY, SLACK)
-        want = BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))
-        assert trio.run(client.ask, f"127.0.0.1:{older.server_address[1]}", want) == ("hit", BLOCK)
+        peer = f"127.0.0.1:{older.server_address[1]}"
+        assert trio.run(client.ask, peer, BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))) == (
+            "failed", None)
+        assert client.avoided(peer)
     finally:
         older.shutdown()
         older.server_close()
 
 
+def test_a_flood_of_silent_connections_is_shed_and_asks_are_still_answered():
+    """Connections that never open an ask are shed first, per source and in all, so a flood from any number of
+    addresses without the key neither starves the members' asks nor holds the node's descriptors."""
+    s = PeerServer(("127.0.0.1", 0), KEY, Held(), max_connections=48, max_per_source=16).start()
+    flood: list[socket.socket] = []
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        client = PeerClient(KEY, SLACK)
+        want = BlockAsk.block("train/shard-0.tar", "etag-1", 2, len(BLOCK))
+        for round_ in range(6):
+            for source in ("127.0.0.5", "127.0.0.6", "127.0.0.7", "127.0.0.8"):
+                for _ in range(25):
+                    c = socket.socket()
+                    c.bind((source, 0))
+                    c.connect(s.address)
+                    flood.append(c)
+            assert trio.run(client.ask, addr(s), want) == ("hit", BLOCK), round_
+        deadline = time.monotonic() + 30
+        while s.connections < len(flood) + 1 and time.monotonic() < deadline:  # every one accepted
+            time.sleep(0.05)
+        assert s.served == 6 and s.shed + s.turned_away >= len(flood) + 1 - 48
+        assert len(os.listdir("/proc/self/fd")) - before - len(flood) <= 48 + 8
+        assert not client.failures
+    finally:
+        for c in flood:
+            c.close()
+        s.close()
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.binary(max_size=300) | st.lists(st.sampled_from([b"GET ", b"/v1/block?", b"key=a&etag=e&index=0", b" HTTP/1.1",
+@given(st.binary(max_size=300) | st.lists(st.sampled_from([b"GET ", b"/v1/block?", b"/v2/ask/", b"/v2/hello?r=",
+                                                          b"key=a&etag=e&index=0", b" HTTP/1.1", b"00" * 16,
                                                           b"\r\n", b":", b"Authorization: Stoker-Peer 1 ab",
                                                           b"Transfer-Encoding: chunked", b"\r\n\r\n", b"\x00", b" "]),
                                          max_size=12).map(b"".join))
 def test_any_bytes_sent_to_a_peer_are_answered_or_closed_never_served(server, data):
-    """Whatever an unsigned sender writes, the server answers with an error status or closes; it never sends a
-    block and never waits for more than the sender wrote."""
+    """Whatever a sender without the key writes, the server answers a hello or an error status, or closes; it never
+    sends a block and never waits for more than the sender wrote."""
     with socket.create_connection(server.address, timeout=5) as s:
         s.sendall(data)
         s.shutdown(socket.SHUT_WR)  # the sender is done: the server must not wait for more
@@ -470,5 +563,6 @@ def test_any_bytes_sent_to_a_peer_are_answered_or_closed_never_served(server, da
         while chunk := s.recv(65536):
             got += chunk
     assert BLOCK[:64] not in got
-    assert got == b"" or got.startswith((b"HTTP/1.1 400 ", b"HTTP/1.1 401 ")), got[:80]
+    assert got == b"" or got.startswith((b"HTTP/1.1 400 ", b"HTTP/1.1 401 ", b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n"
+                                         b"X-Stoker-Hello: ")), got[:80]
     assert server.served == 0
