@@ -7,12 +7,13 @@ import dataclasses
 import os
 import shutil
 import sys
+import traceback
 
 from fusecore.config import parse_size
 
 from . import hostmem
 from .fixture import scratch_dir
-from .report import write, write_operator, write_table
+from .report import draw_chart, write, write_operator, write_table
 from .runner import run_all
 from .systems import SYSTEMS
 from .targets import evaluate
@@ -38,6 +39,12 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                    help="A/B: run the workloads on REF's tree (a commit, branch or tag) and on the working tree, "
                         "alternating, and print both sides' throughput, CPU per GiB and RSS per cell")
     p.add_argument("--rounds", type=int, default=2, help="--compare: rounds of each side (at least 2; default 2)")
+    p.add_argument("--gpu-rate", type=float, metavar="N", default=None,
+                   help="the DataLoader cell as training on one simulated GPU that consumes N samples/s (e.g. ~2500 "
+                        "for ResNet-50 on one A100): each batch is held batch/N s and the table says, per system and "
+                        "epoch, the share of wall time that GPU would have been busy")
+    p.add_argument("--gpu-batch", type=int, metavar="B", default=32,
+                   help="--gpu-rate: samples per batch (default 32)")
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs of every system)")
     p.add_argument("--keep-page-reporting", action="store_true",
                    help="leave a VM's free page reporting on (by default a root run pauses it and touches memory "
@@ -216,6 +223,11 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], list[str]] | None:
     if unknown:
         print(f"stoker bench: unknown system or workload: {', '.join(unknown)}", file=sys.stderr)
         return None
+    if args.gpu_rate is not None and (args.gpu_rate <= 0 or args.gpu_batch < 1 or "dataloader" not in workloads
+                                      or args.compare):
+        print("stoker bench: --gpu-rate takes samples/s above 0 and a --gpu-batch of 1 or more, and needs the "
+              "dataloader workload in a plain run (not --compare)", file=sys.stderr)
+        return None
     if args.compare and args.rounds < 2:
         print("stoker bench: --rounds must be at least 2 (one round cannot tell a change from noise)",
               file=sys.stderr)
@@ -224,21 +236,39 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], list[str]] | None:
 
 
 def run_cells(args: argparse.Namespace, systems: list[str], workloads: list[str], memory_note: str) -> int:
-    """One run of every workload on every system: the table, its JSON and chart."""
+    """One run of every workload on every system: its JSON and table, then the chart, which cannot lose them. A run
+    that stops early (Ctrl-C, a fault of the harness) still writes the cells it measured."""
     workdir = scratch_dir()
+    cells: list = []
+    info: dict = {"host_memory": memory_note}
     try:
-        cells, info = run_all(scale=args.scale, systems=systems, workloads=workloads, workdir=workdir,
-                              latency=args.latency_ms / 1000, bandwidth=args.bandwidth_mbps * 1e6,
-                              cache_bytes=parse_size(args.cache_size, name="cache-size"),
-                              log=lambda line: print(line, flush=True))
-        info["host_memory"] = memory_note
+        run_all(scale=args.scale, systems=systems, workloads=workloads, workdir=workdir,
+                latency=args.latency_ms / 1000, bandwidth=args.bandwidth_mbps * 1e6,
+                cache_bytes=parse_size(args.cache_size, name="cache-size"), log=lambda line: print(line, flush=True),
+                gpu_rate=args.gpu_rate, gpu_batch=args.gpu_batch, cells=cells, info=info)
+    except BaseException as exc:
+        if cells:
+            info["incomplete"] = f"the run stopped early ({type(exc).__name__}: {exc}); these are the cells it measured"
+            paths = write(args.out, cells, info, [])
+            print(f"stoker bench: stopped early; the cells measured so far are in {', '.join(paths.values())}",
+                  file=sys.stderr)
+        raise
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
-    targets = evaluate(cells, info)
+    try:
+        targets = evaluate(cells, info)
+    except Exception as exc:  # noqa: BLE001 - a fault in the targets must not cost the results
+        traceback.print_exc()
+        targets = [f"not evaluated ({type(exc).__name__}: {exc})"]
     paths = write(args.out, cells, info, targets)
     print()
     with open(paths["markdown"]) as f:
         print(f.read())
+    png, problem = draw_chart(args.out, cells)
+    if png:
+        paths["png"] = png
     print("written: " + ", ".join(paths.values()))
+    if problem:
+        print(f"stoker bench: {problem}", file=sys.stderr)
     return 1 if any(c.wrong for c in cells) else 0

@@ -100,7 +100,10 @@ def headline(workload: str, o: Outcome) -> tuple[float, str]:
     return o.bytes / o.seconds / 1e6, "MB/s"
 
 
-def measure(system, store: StoreProcess, workload: str, d: Dataset, run_index: int) -> Cell:
+def measure(system, store: StoreProcess, workload: str, d: Dataset, run_index: int,
+            options: dict | None = None) -> Cell:
+    """One run of a workload on a started system; `options` go to the workload (the DataLoader cell's gpu_rate and
+    gpu_batch)."""
     fn = WORKLOADS[workload][1]
     cell = Cell(workload, system.name, "cold" if run_index == 0 else "warm")
     own = not system.is_mount
@@ -110,7 +113,7 @@ def measure(system, store: StoreProcess, workload: str, d: Dataset, run_index: i
         cell.idle_rss_mib = round(_proc_rss_kib(system.pid) / 1024, 1)
         sampler.start()
     before = store.stats()
-    outcome = fn(system, d, run_index)
+    outcome = fn(system, d, run_index, **(options or {}))
     after = store.stats()
     after_cpu = _cpu_seconds(system)
     cell.value, cell.unit = headline(workload, outcome)
@@ -131,14 +134,23 @@ def measure(system, store: StoreProcess, workload: str, d: Dataset, run_index: i
 
 
 def run_all(*, scale: float, systems: list[str], workloads: list[str], workdir: str, latency: float,
-            bandwidth: float, cache_bytes: int, log=print) -> tuple[list[Cell], dict]:
+            bandwidth: float, cache_bytes: int, log=print, gpu_rate: float | None = None, gpu_batch: int = 32,
+            cells: list[Cell] | None = None, info: dict | None = None) -> tuple[list[Cell], dict]:
+    """Every workload on every system. `cells` and `info`, where given, are filled as the run goes, so that a caller
+    still has the cells measured so far if the run stops early. `gpu_rate` (samples/s) runs the DataLoader cell with a
+    simulated GPU that holds each batch of `gpu_batch` samples (dataloader.py)."""
     d = Dataset.build(scale)
-    cells: list[Cell] = []
+    cells = [] if cells is None else cells
+    info = {} if info is None else info
+    options = {"dataloader": {"gpu_rate": gpu_rate, "gpu_batch": gpu_batch}} if gpu_rate is not None else {}
     with StoreProcess({"bench": d.objects()}, latency=latency, bandwidth=bandwidth, workdir=workdir) as store:
-        info = {"scale": scale, "latency_s": latency, "bandwidth_Bps": bandwidth, "cache_bytes": cache_bytes,
-                "epoch_cache_bytes": d.epoch_cache, "disk_cache_bytes": d.disk_cache, "objects": len(d.objects()),
-                "store_ceiling_MBps": store_ceiling(d, workdir, latency),
-                "python_client_ceiling_MBps": python_client_ceiling(store, d)}
+        info.update({"scale": scale, "latency_s": latency, "bandwidth_Bps": bandwidth, "cache_bytes": cache_bytes,
+                     "epoch_cache_bytes": d.epoch_cache, "disk_cache_bytes": d.disk_cache,
+                     "objects": len(d.objects())})
+        if gpu_rate is not None:
+            info["simulated_gpu"] = {"rate_samples_per_s": gpu_rate, "batch": gpu_batch}
+        info["store_ceiling_MBps"] = store_ceiling(d, workdir, latency)
+        info["python_client_ceiling_MBps"] = python_client_ceiling(store, d)
         log(f"emulated store at {store.endpoint}: {info['objects']} objects, latency {latency * 1000:.0f} ms, "
             f"{bandwidth / 1e6:.0f} MB/s per connection; unthrottled ceiling {info['store_ceiling_MBps']} MB/s; "
             f"a bare Python client with 48 connections reaches {info['python_client_ceiling_MBps']} MB/s")
@@ -150,7 +162,7 @@ def run_all(*, scale: float, systems: list[str], workloads: list[str], workdir: 
                     _run_workload(fast, workload, systems, d, workdir, cache_bytes, cells, log, kernel_cache=False)
                 continue
             _run_workload(store, workload, systems, d, workdir, cache_bytes, cells, log,
-                          kernel_cache=workload not in ("epochs", "disk"))
+                          kernel_cache=workload not in ("epochs", "disk"), options=options.get(workload))
     return cells, info
 
 
@@ -162,21 +174,36 @@ def _runs(kind, workload: str) -> bool:
     return workload in getattr(kind, "workloads", (workload,))
 
 
+def _missing(workload: str) -> str | None:
+    """Why a workload cannot run on this machine at all (an optional package is not installed), or None."""
+    if workload == "dataloader":
+        from .dataloader import missing
+
+        return missing()
+    return None
+
+
 def _run_workload(store: StoreProcess, workload: str, systems: list[str], d: Dataset, workdir: str, cache_bytes: int,
-                  cells: list[Cell], log, *, kernel_cache: bool) -> None:
-    """One workload through every system, cold then warm (boto3 once)."""
+                  cells: list[Cell], log, *, kernel_cache: bool, options: dict | None = None) -> None:
+    """One workload through every system, cold then warm (boto3 once). A workload that cannot run here is one note
+    per cell, and no system is started for it."""
     kinds: list = [kind for name in systems for kind in DISK_VARIANTS[name]] if workload == "disk" \
         else [SYSTEMS[name] for name in systems]
+    missing = _missing(workload)
     for kind in kinds:
         name = kind.name
         if not _runs(kind, workload):
+            continue
+        runs = 1 if name == "boto3" else 2
+        if missing:
+            cells.extend(Cell(workload, name, ("cold", "warm")[r], note=f"cannot run: {missing}") for r in range(runs))
+            log(f"{workload:>8} {name:>7}: cannot run: {missing}")
             continue
         cache = {"epochs": d.epoch_cache, "disk": d.disk_cache}.get(workload, cache_bytes)
         # The multi-epoch cells measure the budgeted cache itself: with the kernel page cache
         # on, this 24 GiB machine would serve every epoch from memory whatever the budget.
         system = kind(store.endpoint, "bench", workdir, cache, kernel_cache=kernel_cache)
         system.store_stats = store.stats
-        runs = 1 if name == "boto3" else 2
         try:
             system.start()
         except Unavailable as exc:
@@ -187,7 +214,9 @@ def _run_workload(store: StoreProcess, workload: str, systems: list[str], d: Dat
         try:
             for r in range(runs):
                 try:
-                    cell = measure(system, store, workload, d, r)
+                    cell = measure(system, store, workload, d, r, options)
+                except Unavailable as exc:  # an optional package the cell needs
+                    cell = Cell(workload, name, ("cold", "warm")[r], note=f"cannot run: {exc}")
                 except Exception as exc:  # noqa: BLE001 - a failing peer becomes a note
                     cell = Cell(workload, name, ("cold", "warm")[r], note=f"failed: {type(exc).__name__}: {exc}")
                     traceback.print_exc()

@@ -348,10 +348,10 @@ def disk_epochs(system, d: Dataset, run: int) -> Outcome:
                    wrong=sum(w for _, w in results))
 
 
-def _dataloader(system, d: Dataset, run: int) -> Outcome:
+def _dataloader(system, d: Dataset, run: int, *, gpu_rate: float | None = None, gpu_batch: int = 32) -> Outcome:
     from .dataloader import dataloader_epoch  # (PyTorch is imported only where this cell runs)
 
-    return dataloader_epoch(system, d, run)
+    return dataloader_epoch(system, d, run, gpu_rate=gpu_rate, gpu_batch=gpu_batch)
 
 
 WORKLOADS = {
