@@ -1,10 +1,12 @@
 """A node's one peer port (fusecore/peer_router.py) over real sockets: each connection reaches the mount of the
 cache its path names, with the bytes exact; one cache's key opens no other cache's blocks; an unknown cache,
 a mount that is gone, a malformed or silent connection are answered (a miss for the asker) and never stall
-the router."""
+the router; a flood of silent connections sheds its own oldest ones, never an asker that sends its request line,
+and holds few descriptors."""
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import time
@@ -85,16 +87,16 @@ def test_silent_and_slow_connections_do_not_stall_the_router(tmp_path):
     a, a_path = mount(tmp_path, A, KEY_A, {("x", "e1", 0): BLOCK_A})
     router.route(A, a_path)
     try:
-        silent = [socket.create_connection(router.address) for _ in range(4)]  # every slot taken
-        time.sleep(0.1)
+        silent = [socket.create_connection(router.address) for _ in range(4)]  # the bound reached
         extra = socket.create_connection(router.address)
-        extra.settimeout(5)
-        assert extra.recv(100).startswith(b"HTTP/1.1 503")  # over the bound: told at once
+        silent[0].settimeout(5)
+        assert silent[0].recv(100).startswith(b"HTTP/1.1 503")  # over the bound: the oldest silent one is shed
         started = time.monotonic()
-        for s in silent:
+        for s in [*silent[1:], extra]:
             s.settimeout(5)
             assert s.recv(100).startswith(b"HTTP/1.1 400")  # no request line in time: answered and closed
         assert time.monotonic() - started < 3
+        assert (router.shed, router.expired, router.busy) == (1, 4, 0)
         # A request line sent in pieces is still routed.
         client = PeerClient(KEY_A, SLACK, prefix=cache_prefix(A))
         assert trio.run(client.ask, here(router), BlockAsk.block("x", "e1", 0, len(BLOCK_A))) == ("hit", BLOCK_A)
@@ -118,3 +120,151 @@ def test_a_kept_alive_connection_is_handed_over_once_and_carries_the_next_reques
         assert trio.run(client.ask, here(router), BlockAsk.block("x", "e1", 0, len(BLOCK_A))) == ("hit", BLOCK_A)
     assert (router.handed, a.connections, a.served) == (1, 1, 4)
     client.close()
+
+
+def inbox(tmp_path) -> tuple[socket.socket, str]:
+    """A mount's handoff socket, read by the test itself: what the router hands over arrives here."""
+    path = str(tmp_path / "inbox.peer")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(10)
+    return sock, path
+
+
+def taken(sock: socket.socket) -> bytes:
+    """The next connection handed to `sock`, read from its first byte (the router consumed nothing)."""
+    _, fds, _, _ = socket.recv_fds(sock, 16, 1)
+    with socket.socket(fileno=fds[0]) as conn:
+        conn.settimeout(10)
+        return conn.recv(4096)
+
+
+def connect_from(source: str, router) -> socket.socket:
+    return socket.create_connection(router.address, timeout=10, source_address=(source, 0))
+
+
+def settles(check, within=10.0) -> bool:
+    deadline = time.monotonic() + within
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def closed(sock: socket.socket) -> bool:
+    """The router closed it: anything it said (a 503) then the end, or a reset."""
+    sock.settimeout(10)
+    try:
+        while sock.recv(4096):
+            pass
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def test_a_flood_of_silent_connections_refuses_no_prompt_asker_and_holds_few_descriptors(tmp_path):
+    box, path = inbox(tmp_path)
+    router = PeerRouter(("127.0.0.1", 0), peek_timeout=60).start()  # no silent one times out here: only bounds shed
+    router.route(A, path)
+    base = len(os.listdir("/proc/self/fd"))
+    flood, held = [], []
+    try:
+        for i in range(300):  # silent connections from two sources, an asker from a third between them
+            flood.append(connect_from("127.0.0.2" if i % 5 == 4 else "127.0.0.1", router))
+            if i % 10 == 9:
+                line = (f"GET /c/{A}/v2/hello?r={os.urandom(8).hex()} HTTP/1.1\r\n" if i % 20 == 9 else
+                        f"GET /c/{A}/v1/block?key=x&etag=e&index={i} HTTP/1.1\r\n").encode()
+                with connect_from("127.0.0.3", router) as asker:
+                    asker.sendall(line + b"Host: x\r\n\r\n")
+                    assert taken(box) == line + b"Host: x\r\n\r\n"  # handed over, not one byte consumed
+                held.append(len(os.listdir("/proc/self/fd")) - base - len(flood))
+        assert router.handed == 30 and (router.busy, router.unreachable, router.malformed) == (0, 0, 0)
+        # The router holds at most its per-source bound of each flooding source (the flood's own sockets aside).
+        assert max(held) <= 2 * router.max_per_source + 4, held
+        assert settles(lambda: router.shed == 300 - 2 * router.max_per_source), router.shed
+    finally:
+        for s in flood:
+            s.close()
+        router.close()
+        box.close()
+
+
+def test_the_per_source_bound_sheds_that_source_s_oldest_silent_connections_only(tmp_path):
+    box, path = inbox(tmp_path)
+    router = PeerRouter(("127.0.0.1", 0), peek_timeout=60, max_per_source=3).start()
+    router.route(A, path)
+    try:
+        other = connect_from("127.0.0.2", router)
+        mine = [connect_from("127.0.0.1", router) for _ in range(5)]
+        assert settles(lambda: router.shed == 2)
+        assert closed(mine[0]) and closed(mine[1])  # the source's two oldest
+        for s in [other, *mine[2:]]:  # the others are still awaited: nothing said, not closed
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                s.recv(1)
+            s.settimeout(10)
+        for s in (other, mine[4]):  # and still routed once they speak
+            s.sendall(f"GET /c/{A}/v1/block?key=x HTTP/1.1\r\n\r\n".encode())
+            assert taken(box).startswith(f"GET /c/{A}/".encode())
+        assert (router.shed, router.handed) == (2, 2)
+        for s in [other, *mine]:
+            s.close()
+    finally:
+        router.close()
+        box.close()
+
+
+class OutOfDescriptors:
+    """The router's listener, out of descriptors until `until` (monotonic): counts the tries."""
+
+    def __init__(self, listener: socket.socket, until: float):
+        self.listener, self.until, self.tries = listener, until, 0
+
+    def __getattr__(self, name):
+        return getattr(self.listener, name)
+
+    def accept(self):
+        self.tries += 1
+        if time.monotonic() < self.until:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return self.listener.accept()
+
+
+def test_out_of_descriptors_the_router_backs_off_then_accepts_again(tmp_path):
+    box, path = inbox(tmp_path)
+    router = PeerRouter(("127.0.0.1", 0))
+    router.route(A, path)
+    listener = router._listener = OutOfDescriptors(router._listener, time.monotonic() + 0.5)
+    router.start()
+    try:
+        with socket.create_connection(router.address, timeout=10) as asker:
+            asker.sendall(f"GET /c/{A}/v1/block?key=x HTTP/1.1\r\n\r\n".encode())
+            assert taken(box).startswith(f"GET /c/{A}/".encode())  # accepted once descriptors are back
+        assert listener.tries < 20  # a few tries a second, not a busy loop
+    finally:
+        router.close()
+        box.close()
+
+
+def test_a_connection_handed_over_after_being_watched_leaves_the_router_idle(tmp_path):
+    box, path = inbox(tmp_path)
+    router = PeerRouter(("127.0.0.1", 0))
+    router.route(A, path)
+    selects = []
+    select = router._selector.select
+    router._selector.select = lambda timeout=None: selects.append(timeout) or select(timeout)
+    router.start()
+    try:
+        with socket.create_connection(router.address, timeout=10) as asker:
+            asker.sendall(b"GET /c/")
+            assert settles(lambda: len(router._waiting) == 1)  # accepted before its line came: watched
+            asker.sendall(f"{A}/v1/block?key=x HTTP/1.1\r\n\r\n".encode())
+            _, fds, _, _ = socket.recv_fds(box, 16, 1)
+            with socket.socket(fileno=fds[0]):  # the mount holds the connection, its request unread
+                selects.clear()
+                time.sleep(0.3)
+                assert len(selects) < 20  # nothing left watched: the router waits, it does not spin
+    finally:
+        router.close()
+        box.close()
