@@ -185,7 +185,11 @@ def cmd_mount(args: argparse.Namespace) -> int:
         return 2
     if args.foreground:
         return _mount_here(cfg, args.log_level, args.ready_fd)
-    log_file = args.log_file or control.default_control_socket(cfg.mountpoint)[:-5] + ".log"
+    try:
+        log_file = args.log_file or control.default_control_socket(cfg.mountpoint)[:-5] + ".log"
+    except ConfigError as exc:  # the default folder is not this user's own (control.runtime_dir)
+        print(f"stoker mount: {exc}", file=sys.stderr)
+        return 2
     try:
         launch(cfg, log_file=log_file, ready_timeout=args.ready_timeout, log_level=args.log_level)
     except LaunchFailed as exc:

@@ -10,12 +10,13 @@ import json
 import logging
 import os
 import socket
+import stat
 from typing import Any, Generator, Iterator
 
 import trio
 
 from .failures import StokerError
-from .config import identity_from_document
+from .config import ConfigError, identity_from_document
 from .datapath import DataPath
 from .store_errors import StoreError
 from .messages import JoinRequest, MalformedReply, MountStats, WarmProgress
@@ -23,26 +24,77 @@ from .messages import JoinRequest, MalformedReply, MountStats, WarmProgress
 log = logging.getLogger(__name__)
 
 
-def runtime_dir() -> str:
-    if os.geteuid() == 0:
-        return "/run/stoker"
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    return os.path.join(base, f"stoker-{os.getuid()}")
+ROOT_RUNTIME_DIR = "/run/stoker"  # root's; another user's is $XDG_RUNTIME_DIR/stoker-<uid>, or /tmp/stoker-<uid>
 
-
-def default_control_socket(mountpoint: str) -> str:
-    """Where the mount at `mountpoint` listens, derived from its absolute path."""
-    digest = hashlib.sha256(os.path.abspath(mountpoint).encode()).hexdigest()[:20]
-    return os.path.join(runtime_dir(), f"{digest}.sock")
+# The longest request line a mount reads. The largest legitimate ones: a join or peers with every node of
+# the largest Kubernetes cluster (5,000 members: ~96 KB as "10.0.0.1:7000", ~250 KB as bracketed IPv6), and
+# a warm's paths, as many as a command line (ARG_MAX, 2 MiB) or a DatasetCache (an etcd request, 1.5 MiB)
+# holds. Longer is refused without reading the rest: one connection costs the mount this much at most.
+MAX_REQUEST = 4 * 1024 * 1024
+# The largest cache budget `resize` takes: 1 PiB, some 30 times the memory of today's largest machines, yet
+# far from the integers that overflow a 64-bit counter. A fixed bound, not this machine's memory: the budget
+# is the sizer's decision (the operator's, within the pod's limit), and the same request gets the same
+# answer on every node.
+MAX_CACHE_SIZE = 2**50
 
 
 class ControlError(StokerError, RuntimeError):
-    """A control request failed; `kind` says how, as the mount sent it (malformed, unknown_op, bad_request,
-    failed, or a StoreError's kind), or "unreachable" when nothing answers."""
+    """A control request failed; `kind` says how, as the mount sent it (malformed, too_large, unknown_op,
+    bad_request, failed, or a StoreError's kind), or "unreachable" when nothing answers. The mount's server
+    raises it too, for a request it refuses with that kind."""
 
     def __init__(self, message: str, kind: str = "failed"):
         super().__init__(message)
         self.kind = kind
+
+
+class UnsafeRuntimeDir(ControlError, ConfigError):
+    """The folder of the default control sockets and logs (runtime_dir) is not this user's own. A client
+    reads it as a ControlError (kind unsafe_runtime_dir), a mount as a ConfigError (of its control socket):
+    either way it is refused, not used."""
+
+    def __init__(self, path: str, problem: str):
+        elsewhere = "give --control-socket and --log-file" + ("" if os.geteuid() == 0 else ", or set XDG_RUNTIME_DIR")
+        message = f"control-socket: the state folder {path} {problem}: refused (remove it, or {elsewhere})"
+        Exception.__init__(self, message)  # the two parents' __init__ take different arguments
+        self.kind, self.setting, self.problem, self.path = "unsafe_runtime_dir", "control-socket", problem, path
+
+
+def runtime_dir() -> str:
+    """The folder of this user's mounts' default control sockets and logs: created 0700 where missing, and
+    used only if it is a real folder (not a symbolic link) of this user's, that no one else may write to;
+    else UnsafeRuntimeDir (another local user could have made /tmp/stoker-<uid> first)."""
+    if os.geteuid() == 0:
+        path = ROOT_RUNTIME_DIR
+    else:
+        base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+        path = os.path.join(base, f"stoker-{os.getuid()}")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass  # checked below, like any folder found there
+    except OSError as exc:
+        raise UnsafeRuntimeDir(path, f"cannot be created ({exc.strerror or exc})") from None
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise UnsafeRuntimeDir(path, f"cannot be checked ({exc.strerror or exc})") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeRuntimeDir(path, "is a symbolic link")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeRuntimeDir(path, "is not a folder")
+    if st.st_uid != os.geteuid():
+        raise UnsafeRuntimeDir(path, f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})")
+    if st.st_mode & 0o022:
+        raise UnsafeRuntimeDir(path, f"may be written by its group or others (mode {stat.S_IMODE(st.st_mode):o})")
+    return path
+
+
+def default_control_socket(mountpoint: str) -> str:
+    """Where the mount at `mountpoint` listens, derived from its absolute path (in runtime_dir: checked)."""
+    digest = hashlib.sha256(os.path.abspath(mountpoint).encode()).hexdigest()[:20]
+    return os.path.join(runtime_dir(), f"{digest}.sock")
 
 
 def stats(path: str, timeout: float | None = 30.0) -> MountStats:
@@ -105,56 +157,101 @@ async def serve(datapath: DataPath, path: str, *, task_status=trio.TASK_STATUS_I
 
 async def _handle(datapath: DataPath, stream: trio.SocketStream) -> None:
     async with stream:
-        buf = b""
-        while b"\n" not in buf:
-            chunk = await stream.receive_some(65536)
-            if not chunk:
-                return
-            buf += chunk
+        op = None
         try:
-            request = json.loads(buf.split(b"\n", 1)[0])
+            line = await _read_line(stream)
+            if line is None:
+                return  # the client hung up before a whole request
+            request = _parse(line)
             op = request.get("op")
-        except (ValueError, AttributeError):
-            await _send(stream, {"error": "malformed request", "kind": "malformed"})
-            return
-        try:
-            if op == "stats":
-                await _send(stream, datapath.stats())
-            elif op == "drop":
-                await _send(stream, datapath.drop())
-            elif op == "resize":
-                await _send(stream, datapath.resize(int(request["cache_size"])))
-            elif op == "peers":
-                members = request["members"]
-                if not isinstance(members, list):
-                    raise TypeError("members must be a list of HOST:PORT")
-                replicas = request.get("replicas")
-                await _send(stream, await datapath.set_peers([str(m) for m in members],
-                                                             None if replicas is None else int(replicas)))
-            elif op == "join":
-                await _send(stream, await datapath.join(JoinRequest.from_wire(request)))
-            elif op == "credentials":
-                identity = identity_from_document(request.get("credentials"))
-                if identity is None:
-                    raise ValueError("credentials: none given")
-                await _send(stream, datapath.rotate(identity))
-            elif op == "warm":
-                paths = [str(p) for p in request.get("paths", [])]
-                result = await datapath.warm(paths, lambda progress: _send(stream, progress))
-                await _send(stream, result)
-            else:
-                await _send(stream, {"error": f"unknown op {op!r}", "kind": "unknown_op"})
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return
-        except StoreError as exc:
-            await _send(stream, {"error": str(exc), "kind": exc.kind})
-        except (ValueError, KeyError, TypeError) as exc:
-            await _send(stream, {"error": f"{op}: {exc}", "kind": "bad_request"})
+            await _answer(datapath, stream, request, op)
         except Exception as exc:  # noqa: BLE001 - report to the client, keep serving
-            if _client_gone(exc):  # e.g. a warm's caller stopped listening (re-planned): the warm just ends
-                return
-            log.exception("control request %r failed", op)
-            await _send(stream, {"error": f"{type(exc).__name__}: {exc}", "kind": "failed"})
+            reply = _error_reply(op, exc)
+            if reply is not None:
+                await _send(stream, reply)
+
+
+async def _read_line(stream: trio.SocketStream) -> bytes | None:
+    """The request line (without its newline); None if the client hung up first. ControlError too_large
+    when it is longer than MAX_REQUEST: the rest is never read."""
+    buf = bytearray()
+    while True:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            return None
+        end = chunk.find(b"\n")
+        buf += chunk if end < 0 else chunk[:end]
+        if len(buf) > MAX_REQUEST:
+            raise ControlError(f"request line longer than {MAX_REQUEST} bytes: refused", "too_large")
+        if end >= 0:
+            return bytes(buf)
+
+
+def _parse(line: bytes) -> dict:
+    try:
+        request = json.loads(line)
+    except ValueError:
+        request = None
+    if not isinstance(request, dict):
+        raise ControlError("malformed request", "malformed")
+    return request
+
+
+def _integer(request: dict, name: str, low: int, high: int) -> int:
+    """The request's `name`: an integer (JSON's, not a bool, a string or a float) from low to high."""
+    value = request.get(name)
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer from {low} to {high} (got {value!r:.40})")
+    return value
+
+
+def _members(request: dict) -> list[str]:
+    members = request.get("members")
+    if not isinstance(members, list):
+        raise TypeError("members must be a list of HOST:PORT")
+    return [str(m) for m in members]
+
+
+async def _answer(datapath: DataPath, stream: trio.SocketStream, request: dict, op: object) -> None:
+    if op == "stats":
+        await _send(stream, datapath.stats())
+    elif op == "drop":
+        await _send(stream, datapath.drop())
+    elif op == "resize":
+        await _send(stream, datapath.resize(_integer(request, "cache_size", 1, MAX_CACHE_SIZE)))
+    elif op == "peers":
+        members = _members(request)
+        replicas = None if request.get("replicas") is None else _integer(request, "replicas", 1, len(members))
+        await _send(stream, await datapath.set_peers(members, replicas))
+    elif op == "join":
+        _integer(request, "replicas", 1, len(_members(request)))
+        await _send(stream, await datapath.join(JoinRequest.from_wire(request)))
+    elif op == "credentials":
+        identity = identity_from_document(request.get("credentials"))
+        if identity is None:
+            raise ValueError("credentials: none given")
+        await _send(stream, datapath.rotate(identity))
+    elif op == "warm":
+        paths = request.get("paths", [])
+        if not isinstance(paths, list):
+            raise TypeError("paths must be a list of paths")
+        result = await datapath.warm([str(p) for p in paths], lambda progress: _send(stream, progress))
+        await _send(stream, result)
+    else:
+        raise ControlError(f"unknown op {op!r:.80}", "unknown_op")
+
+
+def _error_reply(op: object, exc: Exception) -> dict | None:
+    """The one place a request's failure becomes its answer, {"error", "kind"} (the client's ControlError);
+    None when the client hung up (nothing to answer)."""
+    if _client_gone(exc):  # e.g. a warm's caller stopped listening (re-planned): the warm just ends
+        return None
+    if isinstance(exc, (ControlError, StoreError)):
+        return {"error": str(exc), "kind": exc.kind}
+    if isinstance(exc, (ValueError, KeyError, TypeError)):
+        return {"error": f"{op}: {exc}", "kind": "bad_request"}
+    log.exception("control request %r failed", op, exc_info=exc)
+    return {"error": f"{type(exc).__name__}: {exc}", "kind": "failed"}
 
 
 _GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
@@ -194,7 +291,10 @@ def exchange(path: str, message: dict, timeout: float | None) -> Generator[dict,
         sock.close()
         raise NobodyAnswers(path, exc.strerror or str(exc)) from None
     with sock, sock.makefile("rb") as reader:
-        sock.sendall(json.dumps(message).encode() + b"\n")
+        try:
+            sock.sendall(json.dumps(message).encode() + b"\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the mount refused the request before reading all of it (too long): its answer says why
         for line in reader:
             yield json.loads(line)
 

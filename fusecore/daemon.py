@@ -77,6 +77,8 @@ def run_mount(cfg: MountConfig, ready: ReadyCallback) -> int:
     try:
         if cfg.fuse_fd is None:
             check_mountpoint(cfg.mountpoint)
+        if not cfg.control_socket:
+            control.runtime_dir()  # the default socket's folder, checked before mounting (a ConfigError)
         store = S3Store(cfg.store)
         store.check()
         if cfg.cache_size_auto:

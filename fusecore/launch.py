@@ -7,6 +7,7 @@ crosses: no argv to interpret, and credentials never sit in an argv or a file.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import select
@@ -52,6 +53,7 @@ def launch(cfg: MountConfig, *, log_file: str, ready_timeout: float, log_level: 
     """Start the serving process (`python -m fusecore serve-mount`, the data path alone) in its own session
     for `cfg` and return once it mounted."""
     os.makedirs(os.path.dirname(log_file) or ".", mode=0o700, exist_ok=True)
+    log_fd = open_log(log_file)
     read_fd, write_fd = os.pipe()
     # -P: `-m` would put the caller's working directory first on sys.path, and a folder named fusecore
     # there (an older checkout, a user's own) would be served instead of the installed data path.
@@ -60,7 +62,6 @@ def launch(cfg: MountConfig, *, log_file: str, ready_timeout: float, log_level: 
     if cfg.fuse_fd is not None:
         argv += ["--fuse-fd", str(cfg.fuse_fd)]
         inherited.append(cfg.fuse_fd)
-    log_fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
         child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log_fd, stderr=log_fd, pass_fds=inherited,
                                  start_new_session=True, close_fds=True, env=env)
@@ -87,6 +88,19 @@ def launch(cfg: MountConfig, *, log_file: str, ready_timeout: float, log_level: 
         kind, _, message = answer[4:].partition(" ")
         raise LaunchFailed(message, kind)
     raise LaunchFailed(f"the mount process exited (status {status}); see {log_file}")
+
+
+def open_log(log_file: str) -> int:
+    """The mount's log, to append to: created 0600 where missing, never opened through a symbolic link
+    (one planted where the log goes is refused, not followed); close-on-exec, so that only the mount
+    process gets it (as its stdout and stderr)."""
+    try:
+        return os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise LaunchFailed(f"the log file {log_file} is a symbolic link: refused (remove it, or choose "
+                               f"another --log-file)", "config") from None
+        raise LaunchFailed(f"cannot open the log file {log_file} ({exc.strerror or exc})", "config") from None
 
 
 def _read_ready(fd: int, timeout: float) -> str | None:
