@@ -68,7 +68,7 @@ import trio
 
 from .cache import Buffer
 from .idle import IdlePool
-from .seal import RANDOM, TAG, Forged, Session, fresh_random
+from .seal import RANDOM, TAG, Forged, Scratch, Session, fresh_random
 from .wire import Malformed, SendAll, Steps, Wire, left, run_on_loop
 
 log = logging.getLogger(__name__)
@@ -277,6 +277,7 @@ class PeerServer:
         self.idle_timeout = idle_timeout
         self.max_clients, self.max_connections, self.max_per_source = max_clients, max_connections, max_per_source
         self.answering = 0  # requests being answered now
+        self._scratch = Scratch()
         self._kept: dict[_Kept, None] = {}  # the connections kept, oldest first
         self._by_source: dict[str, dict[_Kept, None]] = {}
         self._listener: socket.socket | None = None
@@ -515,7 +516,7 @@ class PeerServer:
                 await self._read_through(sock, session, ask, found, head)
             else:
                 self._count(len(found))  # before the body: a client may have it all before this task goes on
-                await send(head, *_frame(session, HELD, memoryview(found)), _END)
+                await self._send_bytes(sock, session, HELD, memoryview(found), head)
             return True
         finally:
             self.answering -= 1
@@ -562,7 +563,19 @@ class PeerServer:
         if self.metrics is not None:
             self.metrics.peer_read_through.labels(outcome="served").inc()
         self._count(len(data))
-        await send(head, *_frame(session, OK, memoryview(data)), _END)
+        await self._send_bytes(sock, session, OK, memoryview(data), head)
+
+    async def _send_bytes(self, sock: socket.socket, session: Session, kind: bytes, body: memoryview,
+                          head: bytes) -> None:
+        """The final frame with `body`, sealed into a reused buffer (sent, so the kernel has a copy, before it is
+        reused)."""
+        sealed = self._scratch.take(len(body) + TAG)
+        try:
+            session.seal_answer_into(kind, body, sealed)
+            await _send(sock, head, f"{1 + len(sealed):x}\r\n".encode() + kind, sealed, b"\r\n" + _END,
+                        timeout=self.idle_timeout)
+        finally:
+            self._scratch.give(sealed)
 
 
 def _name(sock: socket.socket) -> str:
@@ -603,6 +616,7 @@ class PeerClient:
         self.failures: dict[str, int] = {}
         # idle connections by peer, with their sessions (sockets wrapped for the loop per ask; closed from anywhere)
         self._idle: IdlePool[str, _Conn] = IdlePool(POOLED, _Conn.close, max_age=POOL_IDLE, clock=clock)
+        self._scratch = Scratch()  # (asks run on one event loop)
 
     def avoided(self, peer: str) -> bool:
         return self._avoid_until.get(peer, 0.0) > self.clock()
@@ -718,9 +732,14 @@ class PeerClient:
                 if length != want.length:
                     raise ValueError("answered another length")
                 until = time.monotonic() + self.timeouts.body  # for the bytes and the answer's end
-                sealed = yield from wire.exactly(size - 1, until)
-                body = bytearray(length)
-                session.open_answer_into(kind, sealed, body)
+                sealed = self._scratch.take(size - 1)
+                try:
+                    if (yield from wire.into(sealed, self.timeouts.body, _ignore)) < len(sealed):
+                        raise Malformed("the connection ended inside an answer")
+                    body = bytearray(length)
+                    session.open_answer_into(kind, sealed, body)
+                finally:
+                    self._scratch.give(sealed)
                 yield from _end(wire, until)
                 return ("hit" if kind == HELD else "through"), body
             if length:
@@ -740,6 +759,10 @@ class PeerClient:
     def close(self) -> None:
         """Close the idle connections."""
         self._idle.close()
+
+
+def _ignore(_: int) -> None:
+    pass
 
 
 def _end(wire: Wire, until: float) -> Steps[None]:
