@@ -42,6 +42,8 @@ import socket
 import threading
 import time
 
+from .sources import BySource
+
 log = logging.getLogger(__name__)
 
 REQUEST_LINE = re.compile(rb"^GET /c/([0-9a-f]{8,64})/\S* HTTP/1\.[01]\r?\n")
@@ -110,7 +112,7 @@ class PeerRouter:
         # Connections awaiting their request line, oldest first (each has the same peek_timeout, so this is also
         # the order of their deadlines), and the same by source; those parked a while, by when they are watched again.
         self._waiting: dict[socket.socket, _Waiting] = {}
-        self._by_source: dict[str, dict[socket.socket, None]] = {}
+        self._sources: BySource[socket.socket] = BySource()  # the waiting connections by source, oldest first
         self._parked: dict[socket.socket, float] = {}
         self._stalled: dict[socket.socket, _Stalled] = {}  # routed, its mount's socket full: tried again, oldest first
         self._accept_again: float | None = None  # when the router accepts again (out of descriptors meanwhile)
@@ -236,16 +238,15 @@ class PeerRouter:
         """A newcomer: routed at once if its request line came with it, else held (making room for it if need be)."""
         if self._settled(new):
             return
-        mine = self._by_source.get(new.source, {})
-        if len(mine) >= self.max_per_source:
-            self._shed(self._waiting[next(iter(mine))])
+        if self._sources.count(new.source) >= self.max_per_source:
+            self._shed(self._waiting[next(self._sources.of(new.source))])
         elif self._held() >= self.max_waiting and self._waiting:
             self._shed(next(iter(self._waiting.values())))
         if self._held() >= self.max_waiting:  # all held are routed, waiting for their mounts: no silent one to shed
             self.busy += 1
             return _answer(new.conn, 503)
         self._waiting[new.conn] = new
-        self._by_source.setdefault(new.source, {})[new.conn] = None
+        self._sources.add(new.source, new.conn)
         self._watch(new)  # (a first look finds something new or nothing: it never parks)
 
     def _settled(self, waiting: _Waiting) -> bool:
@@ -360,11 +361,7 @@ class PeerRouter:
         """No longer awaited nor watched (the caller closes or hands over the connection; a newcomer: nothing to do)."""
         conn = waiting.conn
         self._waiting.pop(conn, None)
-        mine = self._by_source.get(waiting.source)
-        if mine is not None:
-            mine.pop(conn, None)
-            if not mine:
-                del self._by_source[waiting.source]
+        self._sources.discard(conn)
         self._parked.pop(conn, None)
         if waiting.watched:
             self._selector.unregister(conn)
@@ -380,7 +377,7 @@ class PeerRouter:
         for conn in [*self._waiting, *self._stalled]:
             conn.close()
         self._waiting.clear()
-        self._by_source.clear()
+        self._sources.clear()
         self._parked.clear()
         self._stalled.clear()
         self._selector.close()

@@ -62,12 +62,13 @@ import time
 import urllib.parse
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import trio
 
 from .cache import Buffer
 from .idle import IdlePool
+from .sources import BySource
 from .seal import RANDOM, TAG, Forged, Scratch, Session, fresh_random
 from .wire import Malformed, SendAll, Steps, Wire, left, run_on_loop
 
@@ -278,8 +279,7 @@ class PeerServer:
         self.max_clients, self.max_connections, self.max_per_source = max_clients, max_connections, max_per_source
         self.answering = 0  # requests being answered now
         self._scratch = Scratch()
-        self._kept: dict[_Kept, None] = {}  # the connections kept, oldest first
-        self._by_source: dict[str, dict[_Kept, None]] = {}
+        self._kept: BySource[_Kept] = BySource()  # the connections kept, oldest first
         self._listener: socket.socket | None = None
         self.address: tuple[str, int] = ("127.0.0.1", 0)
         if address is not None:
@@ -389,34 +389,25 @@ class PeerServer:
     def _keep(self, source: str, sock: socket.socket) -> _Kept | None:
         """Room for a connection from `source` within both bounds (a connection of that source shed first when it
         is at its own); None when every connection that could make room is busy answering."""
-        mine = self._by_source.setdefault(source, {})
-        if len(mine) >= self.max_per_source and not self._shed(mine):
+        if self._kept.count(source) >= self.max_per_source and not self._shed(lambda: self._kept.of(source)):
             return None
-        if len(self._kept) >= self.max_connections and not self._shed(self._kept):
+        if len(self._kept) >= self.max_connections and not self._shed(lambda: iter(self._kept.all)):
             return None
         kept = _Kept(source, sock)
-        self._kept[kept] = mine[kept] = None
+        self._kept.add(source, kept)
         return kept
 
-    def _shed(self, among: dict[_Kept, None]) -> bool:
+    def _shed(self, among: Callable[[], Iterator[_Kept]]) -> bool:
         """Close the oldest connection that never said anything, else the oldest that never opened an ask, else the
         oldest idle one (its asker opens another when it next asks); False if all are answering."""
-        victim = (next((k for k in among if k.silent()), None) or next((k for k in among if not k.opened), None)
-                  or next((k for k in among if k.idle), None))
+        victim = (next((k for k in among() if k.silent()), None) or next((k for k in among() if not k.opened), None)
+                  or next((k for k in among() if k.idle), None))
         if victim is None:
             return False
-        self._forget(victim)
+        self._kept.discard(victim)
         victim.scope.cancel()  # (its task closes the socket)
         self.shed += 1
         return True
-
-    def _forget(self, kept: _Kept) -> None:
-        self._kept.pop(kept, None)
-        mine = self._by_source.get(kept.source)
-        if mine is not None:
-            mine.pop(kept, None)
-            if not mine:
-                del self._by_source[kept.source]
 
     async def _connection(self, sock: socket.socket) -> None:
         """One asker's connection: its hello, then its asks answered in turn (keep-alive) until it closes, sends
@@ -438,7 +429,7 @@ class PeerServer:
         except Exception:  # noqa: BLE001 - one connection never ends the server
             log.warning("peer request from %s failed", name, exc_info=True)
         finally:
-            self._forget(kept)
+            self._kept.discard(kept)
             sock.close()
 
     async def _converse(self, sock: socket.socket, kept: _Kept) -> None:
