@@ -5,6 +5,7 @@ import time
 
 import pytest
 import trio
+from trio.testing import wait_all_tasks_blocked
 
 from fusecore.blocks import BlockKey
 from fusecore.cache import BlockCache
@@ -13,6 +14,7 @@ from fusecore.metrics import MountMetrics
 from fusecore.objects import Parts, Progress
 from fusecore.store_errors import AccessDenied, PreconditionFailed, Unavailable
 from tests.support.fakestore import FakeStore
+from tests.support.waiting import until
 
 KiB = 1024
 BLOCK = 64 * KiB
@@ -49,6 +51,17 @@ def run(fn):
             await fn(nursery)
             nursery.cancel_scope.cancel()
     trio.run(main)
+
+
+async def prefetch_gets_out(fetcher, store) -> int:
+    """Wait until every prefetch the fetcher admitted has its GET at the store (held there by the test), and
+    return how many it admitted. Admission is synchronous (prefetch() starts the tasks); once every task is
+    blocked, each admitted one counted its GET and waits for its receiving thread, which then reaches the
+    store: the count is final, however slowly the machine ran them."""
+    await wait_all_tasks_blocked()
+    admitted = int(fetcher.metrics.value(fetcher.metrics.get_requests, kind="prefetch"))
+    await until(lambda: len(store.ranges) >= admitted)
+    return admitted
 
 
 def test_concurrent_readers_of_one_block_share_one_get():
@@ -211,15 +224,20 @@ def test_an_unexpected_error_fails_that_read_and_the_fetcher_serves_on(caplog):
 def test_a_store_that_stops_answering_fails_the_read_within_the_deadline():
     store = FakeStore()
     info = store.put("k", b"abc" * 50_000)
-    store.faults.hang = 3.0
+    store.hold()  # no GET is ever answered (until the test is over)
     fetcher, _ = make(store, deadline=0.5)
 
     async def body(nursery):
         fetcher.start(nursery)
-        started = time.monotonic()
-        with pytest.raises(Unavailable):
-            await fetcher.block(info, 0)
-        assert time.monotonic() - started < 2.0
+        try:
+            started = time.monotonic()
+            with pytest.raises(Unavailable):
+                await fetcher.block(info, 0)
+            # The bound is the behaviour: the read's deadline (0.5 s), with a margin a loaded machine keeps;
+            # without it the read would wait for the store (here: until the test lets the GET go).
+            assert time.monotonic() - started < 5.0
+        finally:
+            store.release()
 
     run(body)
 
@@ -269,8 +287,8 @@ def test_unwanted_prefetches_are_skipped_and_wanted_ones_land_in_the_cache():
         for i in range(10):
             fetcher.prefetch(info, i, wanted=lambda: False)
         fetcher.prefetch(info, 15)
-        await trio.sleep(0.3)
-        assert BlockKey("k", info.etag, 15) in cache
+        await until(lambda: BlockKey("k", info.etag, 15) in cache)  # after the ten: the queue goes in order
+        await until(lambda: not fetcher.inflight)
 
     run(body)
     assert store.calls["get"] == 1
@@ -314,7 +332,7 @@ def test_readers_of_one_block_are_each_woken_when_their_bytes_are_there():
         fetcher.start(nursery)
         async with trio.open_nursery() as readers:
             readers.start_soon(reader, 600_000)
-            await trio.sleep(0.01)
+            await wait_all_tasks_blocked()  # it waits for its mark (the farther one) before the others come
             readers.start_soon(reader, 100_000)
             readers.start_soon(reader, 300_000)
 
@@ -372,8 +390,7 @@ def test_prefetches_never_claim_more_room_than_the_staging_cap():
                             break
                         issued.add(index)
                 await trio.sleep(0)
-        while fetcher.inflight:
-            await trio.sleep(0.01)
+        await until(lambda: not fetcher.inflight)
 
     run(body)
     assert cache.transient_room >= 0 and len(issued) >= 4
@@ -385,25 +402,30 @@ def test_a_demand_read_goes_before_queued_prefetches():
     """Fifty prefetches wait for the in-flight byte budget; a demand read that arrives then starts before
     any of them (prefetches hold at most 3/4 of the budget and yield to a waiting demand)."""
     store = FakeStore()
-    store.faults.latency = 0.05
     a = store.put("a", b"a" * (50 * BLOCK))
     b = store.put("b", b"b" * BLOCK)
+    store.hold(lambda key, start: key == "a")  # the prefetches' GETs stay in flight until the demand's is out
     fetcher, _ = make(store, concurrency=16, inflight=4 * BLOCK, budget=64 * 1024 * KiB)
     order = []
 
     async def body(nursery):
         fetcher.start(nursery)
-        for index in range(50):
-            assert fetcher.prefetch(a, index)
-        await trio.sleep(0.02)  # the first prefetches are in flight, the rest wait for bytes
-        started_before = len(store.ranges)
-        data, _ = await fetcher.block(b, 0)
-        order.append((started_before, [k for k, _, _ in store.ranges].index("b")))
-        assert bytes(data) == b"b" * BLOCK
+        try:
+            for index in range(50):
+                assert fetcher.prefetch(a, index)
+            admitted = await prefetch_gets_out(fetcher, store)  # the first prefetches are in flight, the rest wait
+            started_before = len(store.ranges)
+            assert started_before == admitted
+            with trio.fail_after(30):  # a hang, not a speed: the demand must not wait for the held prefetches
+                data, _ = await fetcher.block(b, 0)
+            order.append((started_before, [k for k, _, _ in store.ranges].index("b")))
+            assert bytes(data) == b"b" * BLOCK
+        finally:
+            store.release()
 
     run(body)
     started_before, demand_position = order[0]
-    assert started_before <= 3  # prefetches held at most 3 of the 4 blocks of budget
+    assert started_before == 3  # prefetches took 3 of the 4 blocks of budget, and no more
     assert demand_position == started_before  # no prefetch started between the demand's arrival and its GET
 
 
@@ -421,8 +443,7 @@ def test_prefetches_start_in_the_order_they_were_asked_for():
             fetcher.start(nursery)
             for index in range(20):
                 assert fetcher.prefetch(info, index)
-            while fetcher.inflight:
-                await trio.sleep(0.005)
+            await until(lambda: not fetcher.inflight)
 
         run(body)
         blocks = [start // BLOCK for _, start, _ in store.ranges]
@@ -437,25 +458,29 @@ def test_a_queued_prefetch_a_reader_waits_for_goes_at_once():
     """A reader that needs a block whose prefetch still queues behind others does not wait for their GETs."""
     store = FakeStore()
     info = store.put("k", b"q" * (12 * BLOCK))
-    store.faults.latency = 0.3
+    store.hold()  # the prefetches' GETs stay in flight: their slots stay taken
     fetcher, _ = make(store, concurrency=4, inflight=64 * BLOCK, budget=64 * 1024 * KiB)  # 3 prefetch slots
-    took = []
+    asked: list[int] = []
 
     async def body(nursery):
         fetcher.start(nursery)
-        for index in range(9):
-            assert fetcher.prefetch(info, index)
-        await trio.sleep(0.05)  # three are in flight, six queue
-        waiting = max(set(range(9)) - {start // BLOCK for _, start, _ in store.ranges})
-        began = time.monotonic()
-        data, hit = await fetcher.block(info, waiting)
-        took.append(time.monotonic() - began)
-        assert bytes(data) == b"q" * BLOCK and not hit
-        asked.append(waiting)
+        try:
+            for index in range(9):
+                assert fetcher.prefetch(info, index)
+            assert await prefetch_gets_out(fetcher, store) == 3  # three are in flight, six queue
+            in_flight = {start for _, start, _ in store.ranges}
+            waiting = max(set(range(9)) - {start // BLOCK for start in in_flight})
+            store.hold(lambda key, start: start in in_flight)  # the three stay in flight; any other GET goes
+            with trio.fail_after(30):  # a hang, not a speed: it must not wait for a prefetch slot
+                data, hit = await fetcher.block(info, waiting)
+            assert bytes(data) == b"q" * BLOCK and not hit
+            # Its own GET, while all three prefetches were still in flight: it did not wait for a round of them.
+            assert store.active == 3 and len(store.ranges) == 4
+            asked.append(waiting)
+        finally:
+            store.release()
 
-    asked: list[int] = []
     run(body)
-    assert took[0] < 0.45, took  # its own GET (0.3 s), not after a round of prefetches (0.55 s or more)
     assert [start for _, start, _ in store.ranges].count(asked[0] * BLOCK) == 1  # and it was fetched once
 
 
@@ -465,25 +490,35 @@ def test_a_block_in_parts_is_fetched_in_parallel_gets_and_read_as_a_prefix():
     store = FakeStore()
     payload = bytes(range(256)) * 4096  # 1 MiB block
     info = store.put("k", payload * 2)
-    store.faults.chunk_delay = 0.02  # each 64 KiB piece; a quarter (4 pieces) takes ~0.08 s, the block ~0.32 s
+    store.hold()
     fetcher, cache = make(store, block=1024 * KiB)
-    woken = []
+    first = trio.Event()
+
+    async def reader():
+        data, _ = await fetcher.block(info, 0, need=200_000, parts=4)
+        assert bytes(memoryview(data)[:200_000]) == payload[:200_000]
+        first.set()
 
     async def body(nursery):
         fetcher.start(nursery)
-        began = time.monotonic()
-        data, _ = await fetcher.block(info, 0, need=200_000, parts=4)
-        woken.append(time.monotonic() - began)
-        assert bytes(memoryview(data)[:200_000]) == payload[:200_000]
-        data, _ = await fetcher.block(info, 0, parts=4)
-        woken.append(time.monotonic() - began)
-        assert bytes(data) == payload
+        try:
+            async with trio.open_nursery() as readers:
+                readers.start_soon(reader)
+                await until(lambda: store.active == 4)  # the four quarters' GETs at once (one of the block: one)
+                store.hold(lambda key, start: start != 0)  # the first quarter comes; the other three do not
+                with trio.fail_after(30):  # a hang, not a speed
+                    await first.wait()
+            assert store.active >= 3  # woken while the other three quarters were held at the store
+            store.release()
+            data, _ = await fetcher.block(info, 0, parts=4)
+            assert bytes(data) == payload
+        finally:
+            store.release()
 
     run(body)
     quarter = 256 * KiB
     assert sorted(store.ranges) == [("k", i * quarter, (i + 1) * quarter) for i in range(4)]
     assert store.max_active == 4
-    assert woken[1] < 0.25, woken  # the four quarters came at once (one GET of the block: ~0.32 s)
     assert BlockKey("k", info.etag, 0) in cache
 
 
@@ -494,22 +529,29 @@ def test_a_block_is_cut_in_parts_only_while_no_other_file_is_in_flight_unless_a_
     store = FakeStore()
     payload = bytes(range(256)) * 4096  # 1 MiB block
     a, b, c, d = (store.put(name, payload * (3 if name == "a" else 1)) for name in "abcd")
-    store.faults.chunk_delay = 0.02  # each 64 KiB piece: a block in one GET takes ~0.32 s
     fetcher, _ = make(store, block=1024 * KiB, concurrency=8, inflight=8 * 1024 * KiB, budget=64 * 1024 * KiB)
+
+    async def streaming(key: str, start: int) -> None:
+        """Hold that one GET in flight, and wait until it is at the store."""
+        store.hold(lambda k, s: (k, s) == (key, start))
+        await until(lambda: (key, start) in {(k, s) for k, s, _ in store.ranges})
 
     async def body(nursery):
         fetcher.start(nursery)
-        assert fetcher.prefetch(a, 0)
-        await trio.sleep(0.05)  # a's GET is running
-        assert bytes((await fetcher.block(b, 0, parts=4))[0]) == payload
-        while fetcher.inflight:
-            await trio.sleep(0.01)
-        assert fetcher.prefetch(a, 2)
-        await trio.sleep(0.05)
-        assert bytes((await fetcher.block(a, 1, parts=4))[0]) == payload
-        assert fetcher.prefetch(d, 0)
-        await trio.sleep(0.05)  # d's GET is running
-        assert bytes(await fetcher.forward(c, 0)) == payload
+        try:
+            assert fetcher.prefetch(a, 0)
+            await streaming("a", 0)  # a's GET is running
+            assert bytes((await fetcher.block(b, 0, parts=4))[0]) == payload
+            store.release()
+            await until(lambda: not fetcher.inflight)
+            assert fetcher.prefetch(a, 2)
+            await streaming("a", 2 * 1024 * KiB)  # a block of the same file is running
+            assert bytes((await fetcher.block(a, 1, parts=4))[0]) == payload
+            assert fetcher.prefetch(d, 0)
+            await streaming("d", 0)  # d's GET is running
+            assert bytes(await fetcher.forward(c, 0)) == payload
+        finally:
+            store.release()
 
     run(body)
     quarter = 256 * KiB
@@ -578,27 +620,26 @@ def test_prefetches_leave_demand_reads_a_sixteenth_of_the_connections_and_bytes(
     store = FakeStore()
     info = store.put("k", b"w" * (80 * BLOCK))
     other = store.put("o", b"o" * BLOCK)
-    store.faults.latency = 1.0  # long enough for 60 threads to start on a busy machine
+    store.hold(lambda key, start: key == "k")  # the prefetches' GETs stay in flight, holding their connections
     fetcher, _ = make(store, concurrency=64, inflight=64 * BLOCK, budget=1024 * 1024 * KiB)
     took = []
 
     async def body(nursery):
         fetcher.start(nursery)
-        for index in range(80):
-            assert fetcher.prefetch(info, index)
-        began = time.monotonic()
-        while store.active < 60 and time.monotonic() - began < 0.8:
-            await trio.sleep(0.01)
-        await trio.sleep(0.05)  # no 61st
-        took.append(store.active)
-        began = time.monotonic()
-        data, _ = await fetcher.block(other, 0)
-        took.append(time.monotonic() - began)
-        assert bytes(data) == b"o" * BLOCK
+        try:
+            for index in range(80):
+                assert fetcher.prefetch(info, index)
+            took.append(await prefetch_gets_out(fetcher, store))  # every admitted one is at the store: no 61st
+            took.append(store.active)
+            with trio.fail_after(30):  # a hang, not a speed: it must not wait for a prefetch to end
+                data, _ = await fetcher.block(other, 0)
+            assert bytes(data) == b"o" * BLOCK
+            took.append(store.active)  # its own GET went while all 60 prefetches were still in flight
+        finally:
+            store.release()
 
     run(body)
-    assert took[0] == 60, took
-    assert took[1] < 1.7, took  # its own GET (1 s), not after the first round of prefetches (2 s)
+    assert took == [60, 60, 60], took
 
 
 def test_small_ranges_a_store_reads_on_the_loop_go_there_with_the_same_retries():

@@ -17,9 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from fusecore import control
+from fusecore.launch import ended
 from stoker.s3server import MotoServer, free_port
 from tests.conftest import requires_fuse
 from tests.support.faultproxy import FaultProxy
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, requires_fuse]
 MiB = 1024 * 1024
@@ -203,7 +205,8 @@ def test_changed_object_fails_with_eio_and_new_version_appears_after_ttl(s3, buc
     fd = os.open(path, os.O_RDONLY)
     try:
         assert os.pread(fd, 1000, 0) == old[:1000]
-        time.sleep(0.5)  # let the first block's prefetch settle
+        # The first block's prefetch (of the next block) settles: no GET of the old version is left in flight.
+        assert wait_for(lambda: mounts.stats(mp)["inflight"]["requests"] == 0, 30), mounts.stats(mp)["inflight"]
         put(s3, bucket, "f", b"B" * (4 * MiB))
         with pytest.raises(OSError) as err:
             for off in range(MiB, 4 * MiB, MiB):  # a block not fetched before the change
@@ -212,7 +215,7 @@ def test_changed_object_fails_with_eio_and_new_version_appears_after_ttl(s3, buc
         assert err.value.errno == errno.EIO
     finally:
         os.close(fd)
-    time.sleep(1.5)
+    time.sleep(1.5)  # past the metadata TTL (1 s): a lower bound, which a loaded machine only lengthens
     assert read_whole(path) == b"B" * (4 * MiB)
 
 
@@ -353,11 +356,20 @@ def test_a_mount_whose_process_was_killed_can_be_unmounted_and_mounted_again(s3,
     put(s3, bucket, "f", b"still here")
     mp = mounts.mount(f"s3://{bucket}")
     assert fs_type(mp) == "fuse.stoker"
-    os.kill(mounts.stats(mp)["pid"], signal.SIGKILL)
-    time.sleep(0.5)
-    with pytest.raises(OSError) as err:
-        os.listdir(mp)
-    assert err.value.errno == errno.ENOTCONN
+    pid = mounts.stats(mp)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    assert wait_for(lambda: ended(pid), 30), "the killed mount process did not end"
+
+    def listing_fails_with() -> int | None:
+        try:
+            os.listdir(mp)
+        except OSError as exc:
+            return exc.errno
+        return None
+
+    # The kernel aborts the connection once the last of the process's threads closed /dev/fuse (its main thread
+    # may show as ended before): a listing sent before that ends ECONNABORTED, every one after it ENOTCONN.
+    assert wait_for(lambda: listing_fails_with() == errno.ENOTCONN, 30), listing_fails_with()
     assert is_mounted(mp), "the broken mount is still in mountinfo"
     result = subprocess.run([sys.executable, "-m", "stoker", "unmount", mp], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -5,7 +5,7 @@ the largest order + 1 to pause it)."""
 
 from __future__ import annotations
 
-import os
+import re
 
 import pytest
 
@@ -79,10 +79,32 @@ def test_the_largest_order_is_read_from_buddyinfo(tmp_path):
     assert pages.largest_order(str(tmp_path / "absent")) == pages.DEFAULT_MAX_ORDER
 
 
+def _text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
 def test_this_machine_reads_without_error():
+    """The choice for this machine's own files, against what the test reads of them itself (by the kernel's
+    formats, not through pages' readers): THP offered where enabled brackets always or madvise; free page
+    reporting active where page_reporting_order is a number at most the largest order, which is the count
+    of /proc/buddyinfo's columns after "Node N, zone NAME", less one (orders start at 0)."""
+    enabled = _text("/sys/kernel/mm/transparent_hugepage/enabled")
+    offered = enabled is not None and re.search(r"\[(always|madvise)\]", enabled) is not None
+    with open("/proc/buddyinfo") as f:
+        first = f.readline()
+    columns = re.fullmatch(r"Node\s+\d+,\s+zone\s+\S+((?:\s+\d+)+)\s*", first)
+    assert columns is not None, first
+    largest = len(columns.group(1).split()) - 1
+    reported = _text("/sys/module/page_reporting/parameters/page_reporting_order")
+    reporting = reported is not None and re.fullmatch(r"\s*\d+\s*", reported) is not None \
+        and int(reported) <= largest
     chosen = pages.choose("auto", 4 * 1024 * 1024)
-    assert chosen.huge == (pages.thp_mode() not in ("", "never") and pages.reporting_order() is None)
-    assert os.path.exists("/proc/buddyinfo") and pages.largest_order() >= 9
+    assert chosen.huge == (offered and not reporting), (enabled, reported, largest, chosen.why)
+    assert pages.largest_order() == largest >= 9
 
 
 def test_a_setting_other_than_auto_on_off_is_refused_naming_the_flag():

@@ -10,6 +10,7 @@ from fusecore.config import MountConfig, StoreConfig
 from fusecore.datapath import DataPath
 from fusecore.reader import FIRST_BLOCK_PARTS
 from tests.support.fakestore import FakeStore
+from tests.support.waiting import until
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -28,6 +29,31 @@ def run(dp, fn):
             await fn()
             nursery.cancel_scope.cancel()
     trio.run(main)
+
+
+def watch_walks(dp) -> list[str]:
+    """The paths of the directories whose walk ahead has ended, in the order they ended. A walk ahead lists its
+    directory (Namespace.list_if_one_page) and then issues that directory's prefetches without a checkpoint
+    between the two: once the listing returned, as any other task sees it, the walk ahead is over."""
+    ended: list[str] = []
+    listing = dp.namespace.list_if_one_page
+
+    async def list_if_one_page(node):
+        try:
+            await listing(node)
+        finally:
+            ended.append(node.path)
+
+    dp.namespace.list_if_one_page = list_if_one_page
+    return ended
+
+
+async def settled(dp, walks: list[str] | None = None) -> None:
+    """Wait until nothing of the data path is under way: every walk ahead it started has ended (`walks`, from
+    watch_walks; None for a test that opens no file through the walk) and no GET is in flight or queued.
+    Prefetches are issued synchronously by reads, opens and walks ahead, so nothing more starts without a new
+    read: what the store was asked is then all it will be asked."""
+    await until(lambda: (walks is None or len(walks) == dp.walk.dirs_ahead) and not dp.fetcher.inflight)
 
 
 def read_all(dp, info, chunk):
@@ -119,6 +145,7 @@ def test_opening_small_files_of_a_directory_prefetches_its_other_files():
     for i in range(40):
         store.put(f"imgs/{i:03d}.jpg", random.Random(i).randbytes(100 * KiB))
     dp = datapath(store, block=1 * MiB, prefetch=2 * MiB)  # the walk budget: ~20 files ahead at a time
+    walks = watch_walks(dp)
 
     async def go():
         await dp.namespace.readdir(1)
@@ -129,7 +156,7 @@ def test_opening_small_files_of_a_directory_prefetches_its_other_files():
         for node in order:
             dp.walk.on_open(node)
             await read_all(dp, node.info, 128 * KiB)()
-            await trio.sleep(0.01)
+            await settled(dp, walks)  # a reader slower than the store: its work on a file outlasts the GETs under way
 
     run(dp, go)
     stats = dp.stats()
@@ -239,7 +266,7 @@ def test_a_seek_abandons_the_prefetches_still_queued_for_the_old_position():
         assert dp.fetcher.inflight > 2
         started_before_seek.append(len(store.ranges))
         await dp.reader.read(fh, 30 * MiB, 4096)  # seek far away
-        await trio.sleep(0.5)  # one connection: room for ~10 GETs if the old queue were still wanted
+        await settled(dp)  # every prefetch queued before the seek went, or was dropped
 
     started_before_seek = []
     run(dp, go)
@@ -259,6 +286,7 @@ def test_a_few_random_files_of_a_huge_directory_do_not_fetch_the_directory():
         store.put(name, b"x" * (2 * KiB))
     dp = datapath(store, cache=256 * MiB, block=1 * MiB, prefetch=64 * MiB)
     picks = random.Random(11).sample(range(len(names)), 60)
+    walks = watch_walks(dp)
 
     async def go():
         await dp.namespace.readdir(1)
@@ -268,7 +296,7 @@ def test_a_few_random_files_of_a_huge_directory_do_not_fetch_the_directory():
             node = dp.namespace.node(children[i][1])
             dp.walk.on_open(node)
             await read_all(dp, node.info, 2 * KiB)()
-        await trio.sleep(0.2)
+        await settled(dp, walks)  # every file the walk asked for was fetched
 
     run(dp, go)
     assert store.calls["get"] <= len(picks) + WALK_START + 8 * 4, store.calls["get"]
@@ -321,6 +349,7 @@ def test_a_shuffled_epoch_over_class_folders_is_walked_ahead_into_folders_not_op
     random.Random(5).shuffle(order)
     dp = datapath(store, cache=256 * MiB, block=1 * MiB, prefetch=64 * MiB)
     first_opens_ahead = []
+    walks = watch_walks(dp)
 
     async def go():
         seen = set()
@@ -331,7 +360,7 @@ def test_a_shuffled_epoch_over_class_folders_is_walked_ahead_into_folders_not_op
                 first_opens_ahead.append(any(key == path for key, _, _ in store.ranges))
             node = await _open_as_the_kernel(dp, path)
             assert await read_all(dp, node.info, 8 * KiB)() == store.objects[path][0]
-            await trio.sleep(0.005)
+            await settled(dp, walks)  # a reader slower than the store: its work on a sample outlasts the GETs under way
 
     run(dp, go)
     assert dp.walk.dirs_ahead > 0
@@ -346,12 +375,14 @@ def test_the_walk_ahead_lists_a_folder_with_one_request_and_leaves_a_bigger_one_
         store.put(f"train/002x/{i:03d}.jpg", b"y" * KiB)
     dp = datapath(store, cache=256 * MiB, block=1 * MiB, prefetch=64 * MiB)
     order = [f"train/{c:03d}/{i:03d}.jpg" for c in (0, 1) for i in range(8)]
+    walks = watch_walks(dp)
 
     async def go():
         for path in order:
             node = await _open_as_the_kernel(dp, path)
             await read_all(dp, node.info, 8 * KiB)()
-        await trio.sleep(0.2)
+        await settled(dp, walks)  # every walk ahead listed (or left) its folder and its files were fetched
+        assert "train/002x" in walks
 
     run(dp, go)
     assert dp.walk.dirs_ahead >= 4  # folders 002x to 005, ahead of the reader
@@ -364,12 +395,13 @@ def test_a_reader_of_one_file_per_folder_never_pays_for_walks():
     store = FakeStore()
     _class_folders(store, 30, 10)
     dp = datapath(store, cache=256 * MiB, block=1 * MiB, prefetch=64 * MiB)
+    walks = watch_walks(dp)
 
     async def go():
         for c in range(30):
             node = await _open_as_the_kernel(dp, f"train/{c:03d}/004.jpg")
             await read_all(dp, node.info, 8 * KiB)()
-        await trio.sleep(0.05)
+        await settled(dp, walks)
 
     run(dp, go)
     assert store.calls["get"] == 30 and dp.walk.issued == 0 and dp.walk.dirs_ahead == 0
@@ -439,8 +471,7 @@ def test_an_owner_reads_through_for_a_member_but_only_serves_what_it_holds_to_an
         out.append(dp._for_peer(owner_ask))
         pending = dp._for_peer(BlockAsk.block(info.key, info.etag, 1, 256 * KiB, 256 * KiB, info.size))
         assert isinstance(pending, Future)
-        while not pending.done():
-            await trio.sleep(0.01)
+        await until(pending.done)
         out.append(bytes(pending.result()))
         out.append(bytes(dp._for_peer(owner_ask)))  # now held: served to an owner too
 
@@ -461,20 +492,22 @@ def test_an_owner_reads_a_big_block_through_for_a_member_in_parts_while_another_
     store = FakeStore()
     payload = random.Random(10).randbytes(2 * MiB)
     info, other = store.put("data/x.bin", payload), store.put("data/y.bin", payload)
-    store.faults.chunk_delay = 0.01  # each 64 KiB piece: y's GET is still running when the member asks
+    store.hold(lambda key, start: key == other.key)  # y's GET is still running when the member asks
     dp = datapath(store, cache=64 * MiB, block=1 * MiB)
     me, member = "127.0.0.1:1", "127.0.0.2:1"
     out = []
 
     async def go():
-        dp.cluster = dp.fetcher.cluster = Cluster(me, [me, member], 2, b"a key of sixteen bytes")
-        assert dp.fetcher.prefetch(other, 0)
-        await trio.sleep(0.02)
-        pending = dp._for_peer(BlockAsk.block(info.key, info.etag, 1, MiB, MiB, info.size))
-        assert isinstance(pending, Future)
-        while not pending.done():
-            await trio.sleep(0.01)
-        out.append(bytes(pending.result()))
+        try:
+            dp.cluster = dp.fetcher.cluster = Cluster(me, [me, member], 2, b"a key of sixteen bytes")
+            assert dp.fetcher.prefetch(other, 0)
+            await until(lambda: any(key == other.key for key, _, _ in store.ranges))
+            pending = dp._for_peer(BlockAsk.block(info.key, info.etag, 1, MiB, MiB, info.size))
+            assert isinstance(pending, Future)
+            await until(pending.done)  # while y's GET is held: the parts did not wait for it
+            out.append(bytes(pending.result()))
+        finally:
+            store.release()
 
     run(dp, go)
     assert out == [payload[MiB:]]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -64,6 +63,14 @@ def node_plugin(kube, tmp_path, moto_server):
     unmount_everything_under(str(tmp_path))
 
 
+def handover_reads(kube, cache_name: str) -> int:
+    """How often DatasetCache `cache_name`'s handover Secret was read. A warm agent reads it at the start of each
+    of its passes over the cache, one pass after another: once two more of its reads came, the pass the first
+    began has ended. The operator reads it too when it refreshes the handover: on resume, and on its 60 s timer."""
+    path = f"/api/v1/namespaces/{RELEASE_NS}/secrets/{handover_name(NAMESPACE, cache_name)}"
+    return sum(1 for method, url in list(kube.requests) if method == "GET" and url.split("?")[0] == path)
+
+
 def test_datasetcache_warms_a_real_mount_and_releases_the_gated_pod(kube, operator, node_plugin, moto_server,
                                                                      s3, bucket):
     files = {f"imagenet/train/{i:03d}.jpg": os.urandom(50_000 + 977 * i) for i in range(40)}
@@ -111,10 +118,15 @@ def test_datasetcache_warms_a_real_mount_and_releases_the_gated_pod(kube, operat
     assert set(handover["data"]) == {"volume", "accessKeyId", "secretAccessKey"}
     assert "secretRef" not in st["volume"]
     s3.create_bucket(Bucket=f"{bucket}-elses")
+    reads = handover_reads(kube, "imagenet")
+    assert reads >= 1
     kube.patch("stoker.dev/v1alpha1", "datasetcaches", "imagenet", NAMESPACE, {"status": {"volume": {
         "id": "pv-forged", "attributes": {"bucket": f"{bucket}-elses", "endpointUrl": moto_server.endpoint}}}},
                subresource="status")
-    time.sleep(3)  # the agents never read a DatasetCache: their plan and volume come from the release namespace
+    # The agents never read a DatasetCache: their plan and volume come from the release namespace. Checked once
+    # an agent's pass that began after the forged status was written has ended (two more reads by the agent,
+    # three with one the operator's timer may have made meanwhile).
+    assert kube.wait_for(lambda: handover_reads(kube, "imagenet") >= reads + 3, 60), node_plugin.log()[-3000:]
     assert [r.volume_id for r in node_plugin.state.records()] == ["pv-imagenet"]
     # The gated pod was released onto the warm node; the other gate stays.
     pod = kube.wait_for(lambda: (p := kube.get("v1", "pods", "trainer-0", NAMESPACE))
@@ -128,10 +140,13 @@ def test_datasetcache_warms_a_real_mount_and_releases_the_gated_pod(kube, operat
     gets = control.call(sock, {"op": "stats"})["requests"]["get"]
     operator.stop()
     node_plugin.stop()
+    reads = handover_reads(kube, "imagenet")
     operator.start()
     node_plugin.start()
     assert kube.wait_for(lambda: "Resuming is processed: 1 succeeded" in operator.log().split("is stopping")[-1], 30)
-    time.sleep(3)  # a few agent re-checks
+    # The restarted agent's first pass has ended: two reads by the agent, beside the operator's on resume and one
+    # its timer may have made meanwhile.
+    assert kube.wait_for(lambda: handover_reads(kube, "imagenet") >= reads + 4, 60), node_plugin.log()[-3000:]
     after = status(kube, "imagenet")
     assert after["phase"] == "Ready" and node_report(kube, "imagenet", "gpu-1")["updated"] == before_report["updated"]
     assert control.call(sock, {"op": "stats"})["requests"]["get"] == gets

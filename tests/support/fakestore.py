@@ -7,6 +7,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 from fusecore.objects import Listing, ObjectInfo, Progress
 from fusecore.store_errors import AccessDenied, NotFound, PreconditionFailed, TransientError, Unavailable
@@ -27,6 +28,13 @@ class Faults:
     explode: int = 0  # next N GETs raise something no store error covers (a bug, a malformed answer)
 
 
+HOLD_LIMIT = 60.0  # seconds a held GET waits at most (a test that never lets it go fails rather than hangs)
+
+
+def _nothing_held(key: str, start: int) -> bool:
+    return False
+
+
 class FakeStore:
     def __init__(self, page_size: int = 1000):
         self.objects: dict[str, tuple[bytes, str, float]] = {}
@@ -37,6 +45,21 @@ class FakeStore:
         self.max_active = 0
         self.ranges: list[tuple[str, int, int]] = []
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._held: Callable[[str, int], bool] = _nothing_held
+
+    # ---- holding GETs in flight ----------------------------------------------------------------
+    def hold(self, which: Callable[[str, int], bool] = lambda key, start: True) -> None:
+        """GETs of (key, start) that `which` answers True for wait at their start, already counted (in `calls`,
+        `ranges` and `active`), until a later hold() or release() lets them go: a test keeps GETs in flight for
+        exactly as long as it needs them there, whatever the machine's speed."""
+        with self._changed:
+            self._held = which
+            self._changed.notify_all()
+
+    def release(self) -> None:
+        """Let every held GET go on; none is held from now on."""
+        self.hold(_nothing_held)
 
     # ---- set-up helpers ----------------------------------------------------------------------
     def put(self, key: str, data: bytes) -> ObjectInfo:
@@ -117,6 +140,9 @@ class FakeStore:
             if faults.throttled > 0:
                 faults.throttled -= 1
         try:
+            with self._changed:
+                if not self._changed.wait_for(lambda: not self._held(key, start), HOLD_LIMIT):
+                    raise Unavailable(f"get {key!r}: held for {HOLD_LIMIT:g}s (a test never let it go)")
             if explode:
                 raise RuntimeError("malformed Content-Length: 'twelve'")
             if throttle:
