@@ -175,9 +175,8 @@ def test_a_stalled_peer_costs_a_bounded_wait_then_is_avoided_and_later_tried_aga
     try:
         started = time.monotonic()
         assert trio.run(client.fetch, peer, BlockAsk.block("k", "e", 0, 10)) is None
-        assert time.monotonic() - started < 1.5, "bounded by the first-byte timeout"
-        started = time.monotonic()
-        assert trio.run(client.fetch, peer, BlockAsk.block("k", "e", 0, 10)) is None and time.monotonic() - started < 0.05, "avoided"
+        assert time.monotonic() - started < 3, "bounded by the first-byte timeout (0.3 s), not the owner's 10 s"
+        assert trio.run(client.ask, peer, BlockAsk.block("k", "e", 0, 10)) == ("avoided", None), "not asked again"
         assert client.failures[peer] == 1
         now[0] += 31
         assert not client.avoided(peer)
@@ -194,7 +193,7 @@ def test_a_refused_connection_is_a_quick_failure():
     client = PeerClient(KEY)
     started = time.monotonic()
     assert trio.run(client.fetch, f"127.0.0.1:{port}", BlockAsk.block("k", "e", 0, 10)) is None
-    assert time.monotonic() - started < 1 and client.avoided(f"127.0.0.1:{port}")
+    assert time.monotonic() - started < 2 and client.avoided(f"127.0.0.1:{port}")
 
 
 def test_a_busy_peer_answers_503_at_once_and_is_not_avoided():
@@ -363,7 +362,7 @@ def test_an_owner_that_goes_silent_while_reading_through_is_given_up_within_the_
     try:
         started = time.monotonic()
         assert trio.run(client.ask, peer, BlockAsk.block("k", "e", 0, 10)) == ("failed", None)
-        assert time.monotonic() - started < 2, "bounded by the silence, not by the owner's wait"
+        assert time.monotonic() - started < 2.5, "bounded by the silence (0.3 s), not by the owner's wait (3 s and more)"
         assert client.avoided(peer)
     finally:
         silent.close()
@@ -459,7 +458,7 @@ def test_an_answer_head_trickled_byte_by_byte_is_given_up_within_the_first_byte_
     try:
         started = time.monotonic()
         assert trio.run(client.ask, f"127.0.0.1:{listener.getsockname()[1]}", BlockAsk.block("k", "e", 0, 10)) == ("failed", None)
-        assert time.monotonic() - started < 1.5
+        assert time.monotonic() - started < 3, "bounded by the first-byte bound (0.3 s), not the trickle"
     finally:
         stop.set()
         listener.close()
