@@ -18,13 +18,12 @@ sealed payload and is authenticated with it (associated data).
 from __future__ import annotations
 
 import os
-
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from typing import TYPE_CHECKING
 
 from .failures import StokerError
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 RANDOM = 16  # bytes of each end's random at a connection's opening
 TAG = 16  # bytes a sealed message is longer than its plaintext (GCM's tag)
@@ -39,7 +38,12 @@ def fresh_random() -> bytes:
     return os.urandom(RANDOM)
 
 
-def _key(secret: bytes, salt: bytes, info: bytes) -> AESGCM:
+def _key(secret: bytes, salt: bytes, info: bytes) -> "AESGCM":
+    # (imported here: OpenSSL's bindings cost a mount ~8 MiB of memory, and only members of a cluster use them)
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
     return AESGCM(HKDF(hashes.SHA256(), 32, salt, VERSION + b"\0" + info).derive(secret))
 
 
@@ -54,6 +58,9 @@ class Session:
     def __init__(self, secret: bytes, asker: bytes, owner: bytes, cache: str = ""):
         if len(asker) != RANDOM or len(owner) != RANDOM:
             raise Forged("a connection's randoms must be 16 bytes each")
+        from cryptography.exceptions import InvalidTag
+
+        self._invalid = InvalidTag
         salt = asker + owner
         self._asks = _key(secret, salt, b"ask " + cache.encode())
         self._answers = _key(secret, salt, b"answer " + cache.encode())
@@ -67,7 +74,7 @@ class Session:
     def open_ask(self, sealed: bytes) -> bytes:
         try:
             plain = self._asks.decrypt(_nonce(self._asks_opened), sealed, None)
-        except InvalidTag:
+        except self._invalid:
             raise Forged("an ask that does not open with this connection's key") from None
         self._asks_opened += 1
         return plain
@@ -87,7 +94,7 @@ class Session:
         """The payload of a sealed answer into `into` (exactly its length, the sealed length less TAG)."""
         try:
             self._answers.decrypt_into(_nonce(self._answers_opened), sealed, kind, into)
-        except InvalidTag:
+        except self._invalid:
             raise Forged("an answer that does not open with this connection's key") from None
         self._answers_opened += 1
 
@@ -96,7 +103,7 @@ class Scratch:
     """Buffers reused for sealed blocks: a fresh 4 MiB buffer for each costs its page faults every time (~1 ms here,
     more than the cipher). Small ones come from the heap, as they would anyway. For one event loop's use."""
 
-    def __init__(self, keep: int = 4, least: int = 256 * 1024):
+    def __init__(self, keep: int = 2, least: int = 256 * 1024):
         self._free: list[bytearray] = []
         self._keep, self._least = keep, least
 

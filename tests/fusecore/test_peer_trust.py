@@ -130,3 +130,47 @@ def test_a_block_held_at_another_length_than_its_extent_is_never_served():
     trio.run(main)
     assert out == [payload]
     assert dp.metrics.value(dp.metrics.errors, kind="wrong-length") == 1
+
+
+def test_a_member_whose_owners_answers_are_altered_on_the_wire_reads_the_right_bytes_from_the_store():
+    """A node on the path between two members flips a byte of every answer the owner sends: none opens, so the
+    member's reads of the blocks that owner owns come from the store, every byte right; the owner is counted
+    failed and avoided (nothing forged is ever served or kept)."""
+    from fusecore.peers import PeerServer
+    from tests.support.tamper import TamperProxy
+
+    store = FakeStore()
+    payloads = {f"data/f{i}.bin": random.Random(i).randbytes(150_000 + i) for i in range(12)}
+    infos = [store.put(key, body) for key, body in payloads.items()]
+    port = free_port()
+    owner_addr, member_addr = f"127.0.0.2:{port}", f"127.0.0.3:{port}"
+    owner, member = datapath(store), datapath(store)
+    seen: dict[str, object] = {}
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            owner.start(nursery)
+            owner.cluster = owner.fetcher.cluster = Cluster(owner_addr, [owner_addr, member_addr], 1, KEY)
+            real = PeerServer(("127.0.0.5", 0), KEY, owner._for_peer).start(nursery)  # the owner, behind the path
+            proxy = TamperProxy(real.address, "127.0.0.2", port)  # where the members reach it
+            proxy.flip_all = True
+            member.cluster = member.fetcher.cluster = Cluster(member_addr, [owner_addr, member_addr], 1, KEY)
+            member.start(nursery)
+            for info in infos:
+                await read(owner, info.key)  # the owner holds its share
+            owned = [i for i in infos if owner.cluster.owns(i.key, i.etag, 0)]
+            gets = store.calls["get"]
+            seen["read"] = {info.key: await read(member, info.key) for info in infos}
+            seen["owned"], seen["gets"] = len(owned), store.calls["get"] - gets
+            seen["flipped"], seen["served"] = proxy.flipped, real.served
+            proxy.close()
+            nursery.cancel_scope.cancel()
+        owner.close()
+        member.close()
+
+    trio.run(main)
+    assert seen["read"] == payloads
+    assert seen["owned"] >= 2 and seen["flipped"] >= 1 and seen["served"] >= 1  # answers went out, altered
+    assert seen["gets"] >= len(payloads), "every file from the store: the member's own blocks and the owner's alike"
+    assert member.cluster is not None and member.cluster.per_peer()[owner_addr]["failed"] >= 1
+    assert member.cluster.bytes_from_peers == 0

@@ -7,17 +7,20 @@ from __future__ import annotations
 import socket
 import threading
 
+HELLO = 100  # bytes of an owner's answer to a hello, at most (flip_all leaves them alone)
+
 
 class TamperProxy:
-    def __init__(self, upstream: tuple[str, int], host: str = "127.0.0.1"):
+    def __init__(self, upstream: tuple[str, int], host: str = "127.0.0.1", port: int = 0):
         self.upstream = upstream
         self.flip: int | None = None  # offset in each connection's answer stream whose byte is flipped
+        self.flip_all = False  # flip a byte in every chunk an owner sends past its connection's hello (every answer)
         self.asked = bytearray()  # every byte askers sent, all connections in turn
         self.answered = bytearray()  # every byte owners sent (before any flip)
         self.requests: list[bytes] = []  # each connection's asker bytes
         self.flipped = 0
         self._lock = threading.Lock()
-        self._listener = socket.create_server((host, 0))
+        self._listener = socket.create_server((host, port))
         self.address = self._listener.getsockname()[:2]
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
@@ -47,9 +50,10 @@ class TamperProxy:
                     (self.answered if answers else self.asked).extend(data)
                     if record is not None:
                         record.extend(data)
-                if answers and self.flip is not None and seen <= self.flip < seen + len(data):
+                if answers and (self.flip_all and seen + len(data) > HELLO
+                                or self.flip is not None and seen <= self.flip < seen + len(data)):
                     data = bytearray(data)
-                    data[self.flip - seen] ^= 0x01
+                    data[max(HELLO - seen, len(data) // 2) if self.flip_all else self.flip - seen] ^= 0x01
                     self.flipped += 1
                 seen += len(data)
                 dst.sendall(data)
