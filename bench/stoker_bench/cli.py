@@ -17,7 +17,7 @@ from .report import draw_chart, write, write_operator, write_table
 from .runner import run_all
 from .systems import SYSTEMS
 from .targets import evaluate
-from .workloads import WORKLOADS
+from .workloads import ON_REQUEST, WORKLOADS
 
 COMPARE_WORKLOADS = "seq1,shards,small,partial"  # the data path's shapes: one stream, shard readers, small files
 
@@ -30,7 +30,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--systems", default=None,
                    help=f"comma-separated, of {','.join(SYSTEMS)} (default: all; with --compare: stoker)")
     p.add_argument("--workloads", default=None,
-                   help=f"comma-separated, of {','.join(WORKLOADS)} (default: all; with --compare: "
+                   help=f"comma-separated, of {','.join(WORKLOADS)} (default: all but {','.join(sorted(ON_REQUEST))}; with --compare: "
                         f"{COMPARE_WORKLOADS})")
     p.add_argument("--latency-ms", type=float, default=20.0, help="first-byte latency of the store (default 20)")
     p.add_argument("--bandwidth-mbps", type=float, default=16.0, help="MB/s per connection (default 16)")
@@ -216,7 +216,7 @@ def _bad_cluster(args: argparse.Namespace) -> bool:
 def _plan(args: argparse.Namespace) -> tuple[list[str], list[str]] | None:
     """The systems and workloads asked for, or None after saying why they cannot run."""
     default_systems = "stoker" if args.compare else ",".join(SYSTEMS)
-    default_workloads = COMPARE_WORKLOADS if args.compare else ",".join(WORKLOADS)
+    default_workloads = COMPARE_WORKLOADS if args.compare else ",".join(w for w in WORKLOADS if w not in ON_REQUEST)
     systems = [s for s in (args.systems or default_systems).split(",") if s]
     workloads = [w for w in (args.workloads or default_workloads).split(",") if w]
     unknown = [s for s in systems if s not in SYSTEMS] + [w for w in workloads if w not in WORKLOADS]

@@ -87,7 +87,7 @@ UNTHROTTLED = {"ceiling"}  # workloads run against a store of their own, with no
 
 
 def headline(workload: str, o: Outcome) -> tuple[float, str]:
-    if workload in ("small", "ceiling", "disk"):
+    if workload in ("small", "ceiling", "disk", "flat", "classes"):
         return o.files / o.seconds, "files/s"
     if workload == "dataloader":
         return o.files / o.seconds, "samples/s"
