@@ -165,6 +165,7 @@ class DataPath:
             "open_files": self.reader.open_files,
             "walk_prefetches": self.walk.issued,
             "walk_dirs_ahead": self.walk.dirs_ahead,
+            "walk_dirs_whole": self.walk.whole_dirs,
             "fuse_reads": {"count": self.reader.read_calls, "bytes_requested": self.reader.read_bytes},
             "errors": errors,
             "skipped_names": self.namespace.skipped_names,

@@ -9,6 +9,14 @@ file it opened that the walk had fetched. A loader going through the directory k
 ahead; one opening a few random files of a huge directory costs at most WALK_START extra GETs
 instead of fetching the directory (demand reads keep the connections).
 
+A reader that has opened PASS_FRACTION of a directory's small files (PASS_MIN at least), in any order, is taken
+to be going through all of it (a shuffled epoch over one flat folder, as COCO's train2017): where the cache can
+hold the whole directory (PASS_CACHE_SHARE of its budget), the walk then fetches every file of it ahead of the
+reader, as fast as the prefetch slots and the byte budget allow. Before that, a flat folder read in shuffled order
+rarely opens a file the walk already fetched, so its bound never grew: the store's slots sat idle while readers
+waited. A reader that stops after a few files of a huge folder never reaches the fraction, and a folder the cache
+cannot hold is never fetched whole.
+
 A directory's walk starts at its second open (one open says nothing of the next), or at its first once the
 reader opened TRUST_HITS files the walks of its sibling directories had fetched: a shuffled epoch over class
 folders shows that within its first few dozen samples. The walk then also goes ahead of the reader into sibling
@@ -41,6 +49,9 @@ WALK_GROWTH = 8  # more files ahead for each opened file the walk had fetched
 TRUST_HITS = 4  # opened files the walks of one directory's subdirectories fetched before those walk at a first open
 TREE_START = 16  # sibling directories walked ahead of the reader once they are trusted
 TREE_GROWTH = 2  # more for each directory walked ahead that the reader then opened
+PASS_FRACTION = 1 / 16  # of a directory's small files, opened in any order: the reader goes through all of it
+PASS_MIN = 64  # files opened at least before a directory is taken to be read whole
+PASS_CACHE_SHARE = 0.5  # of the cache budget, at most, that a directory fetched whole ahead of its reader may take
 
 
 @dataclass
@@ -52,6 +63,9 @@ class _DirState:
     hits: int = 0  # opened files the walk had issued
     index: dict[str, int] | None = None  # key -> position in files
     opened_ahead: set[int] = field(default_factory=set)  # positions at or past `next` the reader opened first
+    total: int = 0  # bytes of its files
+    seen: set[int] = field(default_factory=set)  # positions the reader opened (each once)
+    whole: bool = False  # the reader goes through all of it: fetch it all (see PASS_FRACTION)
 
     def position(self, key: str) -> int | None:
         if self.index is None:
@@ -59,8 +73,18 @@ class _DirState:
         return self.index.get(key)
 
     def room(self) -> int:
-        """How many more files may be issued now: the walk stays within what the reader takes."""
+        """How many more files may be issued now: the walk stays within what the reader takes (or, for a directory
+        read whole, all of it)."""
+        if self.whole:
+            return len(self.files) - self.next
         return WALK_START + WALK_GROWTH * self.hits - (self.next - self.hits)
+
+    def note_open(self, position: int, cache_budget: int) -> None:
+        """The reader opened the file at `position`: is it going through the whole directory now?"""
+        self.seen.add(position)
+        if not self.whole and len(self.seen) >= max(PASS_MIN, PASS_FRACTION * len(self.files)) \
+                and self.total <= PASS_CACHE_SHARE * cache_budget:
+            self.whole = True
 
 
 @dataclass
@@ -107,6 +131,11 @@ class DirectoryPrefetcher:
         self.issued = 0
         self.dirs_ahead = 0  # directories listed and walked before the reader opened a file of them
 
+    @property
+    def whole_dirs(self) -> int:
+        """Directories being fetched whole ahead of their reader (PASS_FRACTION)."""
+        return sum(state.whole for state in self._dirs.values())
+
     def start(self, nursery: trio.Nursery) -> None:
         """Where walks ahead into sibling directories list them (without it, the walk never goes ahead)."""
         self._nursery = nursery
@@ -123,6 +152,8 @@ class DirectoryPrefetcher:
         self._dirs.move_to_end(parent.inode)
         state.opened += 1
         position = state.position(node.info.key)
+        if position is not None:
+            state.note_open(position, self.cache.budget)
         grandparent = self.ns.parent_of(parent)
         family = self._family(grandparent) if grandparent is not None else None
         if family is not None and parent.inode in family.ahead:
@@ -146,8 +177,8 @@ class DirectoryPrefetcher:
             files = self.ns.listed_files(node)
             if files is None:
                 return None
-            state = _remember(self._dirs, node.inode,
-                              _DirState(node.listed_at, [f for f in files if 0 < f.size <= self.small_file_max]))
+            small = [f for f in files if 0 < f.size <= self.small_file_max]
+            state = _remember(self._dirs, node.inode, _DirState(node.listed_at, small, total=sum(f.size for f in small)))
         return state
 
     def _family(self, node: Node) -> _Family:

@@ -302,6 +302,45 @@ def test_a_few_random_files_of_a_huge_directory_do_not_fetch_the_directory():
     assert store.calls["get"] <= len(picks) + WALK_START + 8 * 4, store.calls["get"]
 
 
+@pytest.mark.parametrize("cache_mib", [256, 8])
+def test_a_shuffled_pass_over_one_flat_folder_is_fetched_whole_ahead_where_the_cache_holds_it(cache_mib):
+    """A flat folder read in shuffled order rarely opens a file the walk fetched, so the walk's own bound never
+    grew (issue 44: the store's slots sat idle). Once the reader opened PASS_FRACTION of it, a folder the cache
+    can hold is fetched whole ahead of the reader, each file once; one the cache cannot hold stays as it was."""
+    from fusecore.walk import PASS_FRACTION, PASS_MIN, WALK_GROWTH, WALK_START
+
+    store = FakeStore()
+    names = [f"flat/{i:05d}.jpg" for i in range(800)]
+    bodies = {name: random.Random(name).randbytes(8 * KiB) for name in names}
+    for name in names:
+        store.put(name, bodies[name])
+    dp = datapath(store, cache=cache_mib * MiB, block=1 * MiB, prefetch=min(64, cache_mib // 2) * MiB)
+    order = random.Random(12).sample(range(len(names)), len(names))
+    walks = watch_walks(dp)
+    issued_at: list[int] = []
+
+    async def go():
+        flat = await dp.namespace.lookup(1, "flat")
+        children = await dp.namespace.readdir(flat.inode)
+        for n, i in enumerate(order):
+            node = dp.namespace.node(children[i][1])
+            dp.walk.on_open(node)
+            assert await read_all(dp, node.info, 8 * KiB)() == bodies[names[i]]
+            if n + 1 == max(PASS_MIN, int(PASS_FRACTION * len(names))) + 20:
+                await settled(dp, walks)
+                issued_at.append(dp.walk.issued)
+        await settled(dp, walks)
+
+    run(dp, go)
+    assert store.calls["get"] == len(names), "each file fetched once, by the walk or its reader"
+    if cache_mib == 256:
+        assert dp.walk.whole_dirs == 1
+        assert issued_at[0] >= len(names) - max(PASS_MIN, int(PASS_FRACTION * len(names))) - 20, issued_at  # the rest
+    else:  # 6.25 MiB of files, more than half of an 8 MiB cache: never fetched whole
+        assert dp.walk.whole_dirs == 0
+        assert issued_at[0] <= WALK_START + WALK_GROWTH * 120, issued_at
+
+
 def test_a_loader_going_through_a_directory_keeps_the_walk_ahead():
     store = FakeStore()
     store.faults.latency = 0.01
