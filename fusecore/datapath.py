@@ -19,7 +19,7 @@ from .cache import BlockCache, Buffer
 from .cluster import Cluster, check_ask, held, read_key
 from .config import WARM_FRACTION, ConfigError, Identity, MountConfig
 from .disk import DiskTier
-from .fetcher import Fetcher
+from .fetcher import CAUSES, Fetcher
 from .messages import JoinRequest, WarmProgress
 from .metrics import MountMetrics
 from .namespace import Namespace
@@ -150,6 +150,8 @@ class DataPath:
                 "throttled": int(m.value(m.throttled)),
             },
             "bytes_fetched": int(m.value(m.get_bytes)),
+            # why they were fetched (fetcher.CAUSES): where a distributed cache's store bytes go past the dataset
+            "store_bytes_by_cause": {cause: int(m.value(m.store_bytes, cause=cause)) for cause in CAUSES},
             "bytes_served": {
                 "cache": int(m.value(m.bytes_served, source="cache")),
                 "network": int(m.value(m.bytes_served, source="network")),

@@ -36,7 +36,7 @@ class _Pending:
     """The shared future of one block GET; readers may take bytes as soon as they arrive."""
 
     __slots__ = ("done", "data", "error", "demanded", "visit", "buffer", "progress", "queued", "attempts", "logged",
-                 "arrived", "started", "prefetch_bytes", "parts", "split", "source")
+                 "arrived", "started", "prefetch_bytes", "parts", "split", "source", "cause", "peer_missed")
 
     def __init__(self, demanded: bool, visit: Hashable | None, queued: int = 0):
         self.started = False  # its task runs (a prefetch may wait in the fetcher's queue until then)
@@ -55,6 +55,8 @@ class _Pending:
         self.queued = queued  # bytes a prefetch promised, until its GET reserves them in the cache
         self.arrived: trio.Event | None = None  # set when the bytes some reader waits for are there
         self.source = "store"  # the tier the bytes came from (_nearer): "disk", "peer" or "store"
+        self.cause = "demand"  # why its bytes came from the store (CAUSES), for the store's bytes by cause
+        self.peer_missed = False  # an owner was asked for the bytes and did not give them
 
     async def wait_for(self, need: int) -> None:
         """Return once the first `need` bytes arrived or the GET ended (one wake-up from the worker thread)."""
@@ -85,6 +87,23 @@ def _waker(event: trio.Event) -> Callable[[], None]:
             pass
 
     return wake
+
+
+# Why a GET's bytes came from the store (stoker_store_bytes{cause}, `stoker stats` store_bytes_by_cause): a reader
+# waited for them ("demand"), they were fetched ahead of it ("read-ahead": a stream's window, the directory walk, a
+# warm), a young random run's exact range ("range"), an owner read them through for a peer ("read-through"), or an
+# owner was asked first and did not give them ("fallback": it missed, failed, was busy, or its answer was refused).
+CAUSES = ("demand", "read-ahead", "range", "read-through", "fallback")
+
+
+def _cause(key: CacheKey, pending: _Pending, demand: bool) -> str:
+    if pending.visit == "peer":
+        return "read-through"
+    if pending.peer_missed:
+        return "fallback"
+    if isinstance(key, RangeKey):
+        return "range"
+    return "demand" if demand else "read-ahead"
 
 
 class Fetcher:
@@ -320,7 +339,7 @@ class Fetcher:
         index = start // self.block_size
         return index if (stop - 1) // self.block_size == index else None
 
-    async def _nearer(self, obj: ObjectInfo, start: int, stop: int) -> tuple[Buffer, str] | None:
+    async def _nearer(self, obj: ObjectInfo, start: int, stop: int, pending: _Pending) -> tuple[Buffer, str] | None:
         """Bytes [start, stop) from the tiers between memory and the store, in the one read order (design §7):
         this node's disk, then an owner of their block on another node; None: the store."""
         index = self._block_of(start, stop)
@@ -330,7 +349,7 @@ class Fetcher:
         if data is not None:
             return data, "disk"
         if self.cluster is not None:
-            data = await self._from_peer(obj, index, start, stop)
+            data = await self._from_peer(obj, index, start, stop, pending)
             if data is not None:
                 return data, "peer"
         return None
@@ -354,7 +373,7 @@ class Fetcher:
             return data
         return bytes(memoryview(data)[start - lo:stop - lo])  # a random reader's range: only its bytes stay
 
-    async def _from_peer(self, obj: ObjectInfo, index: int, start: int, stop: int) -> Buffer | None:
+    async def _from_peer(self, obj: ObjectInfo, index: int, start: int, stop: int, pending: _Pending) -> Buffer | None:
         """Bytes [start, stop) (block `index`, or a range inside it) from an owner of the block that answers with
         exactly them, reading them through if it does not hold them (else the store)."""
         assert self.cluster is not None
@@ -363,7 +382,9 @@ class Fetcher:
             return None
         want = BlockAsk(obj.key, obj.etag, index, start, stop, obj.size, through)
         async with self._threads:  # the same bound on what is in flight as the store's GETs
-            return await self.cluster.fetch(peers, want)
+            data = await self.cluster.fetch(peers, want)
+        pending.peer_missed = data is None
+        return data
 
     def _receive(self, obj: ObjectInfo, start: int, lo: int, hi: int, pending: _Pending, progress: Progress) -> None:
         """In a worker thread: the rest of bytes [lo, hi) of the block (which begins at `start`) into its
@@ -414,6 +435,7 @@ class Fetcher:
                 continue
             finally:
                 self.metrics.get_bytes.inc(progress.received - done)
+                self.metrics.store_bytes.labels(cause=pending.cause).inc(progress.received - done)
             self.metrics.get_latency.observe(time.monotonic() - began)
             return
 
@@ -456,11 +478,12 @@ class Fetcher:
         self.metrics.inflight_requests.inc()
         self.metrics.inflight_bytes.inc(nbytes)
         try:
-            nearer = await self._nearer(obj, start, end)
+            nearer = await self._nearer(obj, start, end, pending)
             if nearer is not None:
                 pending.buffer, pending.source = nearer
                 pending.progress.advance(nbytes)
                 return pending.buffer
+            pending.cause = _cause(key, pending, demand)
             pending.buffer = self.cache.take_buffer(nbytes)  # else mapped by a receiving thread
             deadline = self._clock() + self.read_deadline
             parts = min(pending.parts, nbytes // (RANGE_PART if isinstance(key, RangeKey) else MIN_PART))

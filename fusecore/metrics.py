@@ -23,6 +23,8 @@ class MountMetrics:
                                     ["source"], registry=r)
         self.get_requests = Counter("stoker_get_requests", "Range GET requests sent", ["kind"], registry=r)
         self.get_bytes = Counter("stoker_get_bytes", "Bytes received from range GETs", registry=r)
+        self.store_bytes = Counter("stoker_store_bytes", "Bytes received from the store, by why they were fetched "
+                                   "(demand, read-ahead, range, read-through, fallback)", ["cause"], registry=r)
         self.get_latency = Histogram("stoker_get_latency_seconds", "Range GET latency (whole body)",
                                      buckets=_LATENCY_BUCKETS, registry=r)
         self.list_requests = Counter("stoker_list_requests", "LIST requests sent", registry=r)

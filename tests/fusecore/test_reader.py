@@ -603,3 +603,50 @@ def test_a_block_a_stream_is_in_the_middle_of_outlives_small_files_read_whole_me
     run(dp, go)
     fetched = sum(end - start for key, start, end in store.ranges if key == "big")
     assert fetched == 8 * MiB, fetched / MiB
+
+
+def test_the_stores_bytes_are_told_apart_by_why_they_were_fetched():
+    """stoker stats' store_bytes_by_cause: a reader's own block (demand), what the read-ahead fetched for it, a young
+    random run's exact range, a block read through for a peer, and one read from the store after its owner did not
+    give it (fallback). They add up to every byte the store sent."""
+    from concurrent.futures import Future
+
+    from fusecore.cluster import Cluster
+    from fusecore.ownership import Owners, block_id
+    from fusecore.peers import BlockAsk
+
+    store = FakeStore()
+    seq = store.put("data/seq.bin", random.Random(1).randbytes(2 * MiB))
+    rnd = store.put("data/rnd.bin", random.Random(2).randbytes(2 * MiB))
+    me, gone = "127.0.0.1:1", "127.0.0.2:1"  # nothing listens at the other member: asking it fails
+    owners = Owners([me, gone], 1)
+    by_owner: dict[str, object] = {}
+    for i in range(64):  # one small file each member owns
+        info = store.put(f"data/o{i}.bin", random.Random(10 + i).randbytes(200 * KiB))
+        by_owner.setdefault(owners.of(block_id(info.key, info.etag, 0))[0], info)
+        if len(by_owner) == 2:
+            break
+    mine, theirs = by_owner[me], by_owner[gone]
+    dp = datapath(store, cache=64 * MiB, block=256 * KiB)
+    causes: dict[str, int] = {}
+
+    async def go():
+        assert await read_all(dp, seq, 256 * KiB)() == store.objects["data/seq.bin"][0]  # demand, read-ahead
+        fh = dp.reader.open(rnd)
+        await dp.reader.read(fh, 700 * KiB, 64 * KiB)  # a random read past the start: its exact range
+        dp.reader.release(fh)
+        await settled(dp)
+        dp.cluster = dp.fetcher.cluster = Cluster(me, [me, gone], 1, b"a key of sixteen bytes")
+        pending = dp._for_peer(BlockAsk.block(mine.key, mine.etag, 0, mine.size, 256 * KiB, mine.size))
+        assert isinstance(pending, Future)
+        await until(pending.done)
+        assert await read_all(dp, theirs, 256 * KiB)() == store.objects[theirs.key][0]  # its owner fails: the store
+        await settled(dp)
+        causes.update(dp.stats()["store_bytes_by_cause"])
+        causes["fetched"] = dp.stats()["bytes_fetched"]
+
+    run(dp, go)
+    assert causes["demand"] > 0 and causes["read-ahead"] > 0, causes
+    assert causes["range"] == 64 * KiB, causes
+    assert causes["read-through"] == 200 * KiB and causes["fallback"] == 200 * KiB, causes
+    assert sum(causes[c] for c in ("demand", "read-ahead", "range", "read-through", "fallback")) == causes["fetched"]
