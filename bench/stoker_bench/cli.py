@@ -56,6 +56,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                    help="instead: data-parallel training on N nodes (N mounts on loopback addresses), per-node "
                         "caches against one distributed cache (DistributedSampler partitions, --epochs epochs)")
     p.add_argument("--epochs", type=int, default=3, help="--cluster: epochs (default 3)")
+    p.add_argument("--shard-quarters", action="store_true",
+                   help="--cluster: each node reads a different quarter of every shard each epoch (1 MiB reads from "
+                        "the quarter's start) beside its small files, instead of whole shards")
     p.add_argument("--replicas", type=int, default=1, help="--cluster: copies of each block (default 1)")
     p.add_argument("--no-kill", action="store_true",
                    help="--cluster: skip the last epochs, in which one node's mount is killed halfway (warmed) or "
@@ -137,6 +140,7 @@ def run_cluster(args: argparse.Namespace) -> int:
                              scale=args.scale, workdir=workdir, latency=args.latency_ms / 1000,
                              bandwidth=args.bandwidth_mbps * 1e6, peer_timeout=args.peer_timeout,
                              warm={"both": (True, False), "yes": (True,), "no": (False,)}[args.warm],
+                             quarters=args.shard_quarters,
                              log=lambda line: print(line, flush=True))
     finally:
         if not args.keep:

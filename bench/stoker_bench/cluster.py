@@ -37,7 +37,7 @@ from stoker.s3server import free_port
 from .fixture import StoreProcess
 from .runner import RssSampler, _proc_cpu
 from .systems import Stoker
-from .workloads import KiB, MiB, _parallel, read_stream
+from .workloads import KiB, MiB, _parallel, read_part, read_stream
 
 READERS = 8  # per node: a DataLoader's workers
 STOP_SECONDS = 8.0  # how long the stop epoch keeps one node's mount stopped (SIGSTOP)
@@ -46,10 +46,15 @@ STOP_SECONDS = 8.0  # how long the stop epoch keeps one node's mount stopped (SI
 @dataclass
 class ClusterDataset:
     items: list[tuple[str, int]]
+    quarters: bool = False  # each node reads a different quarter of every shard each epoch, not whole shards
 
     @classmethod
-    def build(cls, scale: float) -> "ClusterDataset":
+    def build(cls, scale: float, quarters: bool = False) -> "ClusterDataset":
         rng = random.Random(7)
+        if quarters:  # issue 44's shape: 2,000 files of 103-117 KB and 4 shards of 16 MiB, at the default scale
+            small = [(f"train/{i % 50:02d}/img-{i:05d}.jpg", rng.randint(103_000, 117_000))
+                     for i in range(max(200, int(8000 * scale)))]
+            return cls(small + [(f"shards/shard-{i:02d}.tar", 16 * MiB) for i in range(4)], quarters=True)
         small = [(f"train/{i % 50:02d}/img-{i:05d}.jpg", rng.randint(90_000, 130_000))
                  for i in range(max(200, int(8000 * scale)))]
         shards = [(f"shards/shard-{i:02d}.tar", 16 * MiB) for i in range(max(2, int(16 * scale)))]
@@ -59,11 +64,19 @@ class ClusterDataset:
     def bytes(self) -> int:
         return sum(size for _, size in self.items)
 
-    def partition(self, epoch: int, nodes: int, rank: int) -> list[tuple[str, int]]:
-        """DistributedSampler(shuffle=True) after set_epoch(epoch): a reshuffled 1/N for each rank."""
-        order = list(range(len(self.items)))
+    def partition(self, epoch: int, nodes: int, rank: int) -> list[tuple[str, int, int, int]]:
+        """DistributedSampler(shuffle=True) after set_epoch(epoch): a reshuffled 1/N for each rank, as (key, size,
+        offset, length) reads. With `quarters`, the shards are not shuffled out: every node reads quarter
+        (rank + epoch) % 4 of every shard, from its start to its end, beside its small files."""
+        items = [item for item in self.items if not (self.quarters and item[1] > MiB)]
+        order = list(range(len(items)))
         random.Random(epoch).shuffle(order)
-        return [self.items[i] for i in order[rank::nodes]]
+        reads = [(*items[i], 0, items[i][1]) for i in order[rank::nodes]]
+        if self.quarters:
+            q = (rank + epoch) % 4
+            reads += [(key, size, q * size // 4, size // 4) for key, size in self.items if size > MiB]
+            random.Random(epoch * 100 + rank).shuffle(reads)
+        return reads
 
 
 @dataclass
@@ -90,6 +103,7 @@ class EpochRow:
     warm_errors: int = 0  # blocks a warm could not fetch (a warm row: what each node's warm reported)
     warm_skipped: int = 0  # files a warm left out (they did not fit the cache)
     longest_read_s: float = 0.0  # the longest single file read on the nodes not killed or stopped
+    store_by_cause: dict = field(default_factory=dict)  # the live nodes' store bytes by why they were fetched
     served_by_victim: int = 0  # blocks the killed or stopped node served to the others in this phase
     note: str = ""
 
@@ -150,18 +164,21 @@ class Node:
     def stats(self) -> dict:
         return control.call(self.sock, {"op": "stats"})
 
-    def read(self, items: list[tuple[str, int]]) -> None:
+    def read(self, items: list[tuple[str, int, int, int]]) -> None:
         self.files = self.bytes = self.failed = self.wrong = 0
         self.longest = 0.0
         lock = threading.Lock()
 
-        def one(item: tuple[str, int]) -> None:
-            key, size = item
+        def one(item: tuple[str, int, int, int]) -> None:
+            key, size, offset, length = item
             small = size <= MiB  # small files are checked whole, shards every 16 MiB and at the end
             began = time.monotonic()
             try:
-                n, wrong = read_stream(self.mount, key, size, bs=256 * KiB if small else MiB,
-                                       verify_every=1 if small else 16)
+                if length < size:  # a part of a shard, from its offset, in 1 MiB reads (every piece checked)
+                    n, wrong = read_part(self.mount, key, offset, length, bs=MiB)
+                else:
+                    n, wrong = read_stream(self.mount, key, size, bs=256 * KiB if small else MiB,
+                                           verify_every=1 if small else 16)
             except OSError:
                 with lock:
                     self.failed += 1
@@ -202,14 +219,17 @@ def _start_nodes(mode: str, n: int, replicas: int, store: StoreProcess, workdir:
     return nodes
 
 
-def _totals(nodes: list[Node], skip: int | None = None) -> tuple[int, int, int, int]:
+def _totals(nodes: list[Node], skip: int | None = None, causes: dict | None = None) -> tuple[int, int, int, int]:
     """(bytes received from peers, cache bytes, blocks peers did not hold, failed peer requests) summed over
-    the live nodes (but `skip`)."""
+    the live nodes (but `skip`); their store bytes by cause added into `causes`."""
     peers = cached = missed = failed = 0
     for node in nodes:
         if node.killed or node.rank == skip:
             continue
         s = node.stats()
+        for cause, nbytes in s.get("store_bytes_by_cause", {}).items():
+            if causes is not None:
+                causes[cause] = causes.get(cause, 0) + nbytes
         peers += s.get("bytes_by_source", {}).get("peers", 0)
         cached += s["cache"]["bytes"]
         for row in s.get("cluster", {}).get("peers", {}).values():
@@ -231,7 +251,8 @@ def _phase(mode: str, label: str, nodes: list[Node], store: StoreProcess, datase
     victim = kill_rank if kill_rank is not None else stop_rank if stop_rank is not None else victim
     served_before = _served(nodes[victim]) if victim is not None and kill_rank is None else 0
     before_store = store.stats()
-    before_peers, _, before_missed, before_failed = _totals(nodes, skip=kill_rank)
+    causes_before: dict[str, int] = {}
+    before_peers, _, before_missed, before_failed = _totals(nodes, skip=kill_rank, causes=causes_before)
     cpu_before = _cpu(nodes, store, skip=kill_rank)
     samplers = [RssSampler(node.pid) for node in nodes if not node.killed]
     for sampler in samplers:
@@ -263,7 +284,10 @@ def _phase(mode: str, label: str, nodes: list[Node], store: StoreProcess, datase
     row.cpu_mounts, row.cpu_store, row.cpu_readers = (round(a - b, 1) for a, b in zip(cpu_after, cpu_before))
     row.cpu_busy = round(sum(row.cpu_mounts_store_readers()) / (row.seconds * (os.cpu_count() or 1)), 2)
     after_store = store.stats()
-    after_peers, cached, missed, failed = _totals(nodes)
+    causes_after: dict[str, int] = {}
+    after_peers, cached, missed, failed = _totals(nodes, skip=kill_rank, causes=causes_after)
+    row.store_by_cause = {cause: round((nbytes - causes_before.get(cause, 0)) / dataset.bytes, 4)
+                          for cause, nbytes in causes_after.items() if nbytes - causes_before.get(cause, 0)}
     row.peer_missed, row.peer_failed = missed - before_missed, failed - before_failed
     live = [node for node in nodes if not node.killed and node.rank != stop_rank]
     row.store_gets = after_store["gets"] - before_store["gets"]
@@ -324,12 +348,14 @@ def _line(row: EpochRow) -> str:
             f"rss {row.peak_rss_mib} MiB, cache {row.cache_mib_per_node} MiB/node, peer misses {row.peer_missed} "
             f"failures {row.peer_failed}, longest file read {row.longest_read_s} s"
             + (f", the stopped/killed node served {row.served_by_victim}" if row.served_by_victim else "")
+            + (f", store bytes by cause (x dataset) {row.store_by_cause}" if row.store_by_cause else "")
             + (f", {row.failed_reads} FAILED" if row.failed_reads else "") + (f", {row.wrong} WRONG" if row.wrong else ""))
 
 
 def run(*, n: int, replicas: int, epochs: int, kill: bool, scale: float, workdir: str, latency: float,
-        bandwidth: float, peer_timeout: float, warm: tuple[bool, ...] = (True, False), log=print) -> ClusterResult:
-    dataset = ClusterDataset.build(scale)
+        bandwidth: float, peer_timeout: float, warm: tuple[bool, ...] = (True, False), quarters: bool = False,
+        log=print) -> ClusterResult:
+    dataset = ClusterDataset.build(scale, quarters)
     cache_bytes = cache_per_node(dataset.items, n, replicas)
     result = ClusterResult(n, replicas, dataset.bytes, len(dataset.items), cache_bytes)
     with StoreProcess({"bench": dict(dataset.items)}, latency=latency, bandwidth=bandwidth, workdir=workdir) as store:

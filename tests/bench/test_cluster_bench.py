@@ -17,8 +17,24 @@ def test_partitions_are_a_reshuffled_split_of_the_dataset_each_epoch():
     d = ClusterDataset.build(0.02)
     for epoch in (1, 2):
         parts = [d.partition(epoch, 3, rank) for rank in range(3)]
-        assert sorted(i for p in parts for i in p) == sorted(d.items), "each item once per epoch, on one node"
+        assert all((offset, length) == (0, size) for p in parts for _, size, offset, length in p), "whole files"
+        assert sorted(i[:2] for p in parts for i in p) == sorted(d.items), "each item once per epoch, on one node"
     assert d.partition(1, 3, 0) != d.partition(2, 3, 0), "set_epoch reshuffles"
+
+
+def test_with_shard_quarters_each_node_reads_another_quarter_of_every_shard_each_epoch():
+    d = ClusterDataset.build(0.02, quarters=True)
+    shards = [(key, size) for key, size in d.items if size > 1024 * 1024]
+    assert len(shards) == 4
+    for epoch in (1, 2):
+        parts = [d.partition(epoch, 4, rank) for rank in range(4)]
+        small = sorted(i[:2] for p in parts for i in p if i[1] <= 1024 * 1024)
+        assert small == sorted(i for i in d.items if i[1] <= 1024 * 1024), "each small file once, on one node"
+        for key, size in shards:  # the four nodes read its four quarters, one each
+            quarters = sorted((offset, length) for p in parts for k, _, offset, length in p if k == key)
+            assert quarters == [(q * size // 4, size // 4) for q in range(4)]
+    assert {i[2] for i in d.partition(1, 4, 0) if i[1] > 1024 * 1024} != \
+        {i[2] for i in d.partition(2, 4, 0) if i[1] > 1024 * 1024}, "another quarter each epoch"
 
 
 def test_targets_name_each_figure_met_or_missed():
