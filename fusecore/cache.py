@@ -227,6 +227,24 @@ class BlockCache:
         self.misses += 1
         return None
 
+    def held_within(self, key: str, etag: str, start: int, stop: int) -> list[tuple[int, int, Buffer]]:
+        """Held ranges of `key`'s version `etag` that lie inside [start, stop), without overlaps, in order, with their
+        bytes: what a GET of the whole block need not fetch again (a reader that started mid-file, then read on)."""
+        found: list[tuple[int, int, Buffer]] = []
+        spans = self._ranges.get((key, etag), ())
+        last = start
+        for lo, hi in spans[bisect.bisect_left(spans, (start, 0)):]:
+            if lo >= stop:
+                break
+            if lo >= last and hi <= stop:
+                range_key = RangeKey(key, etag, lo, hi)
+                entry = next((e for seg in (self._window, self._main, self._lent, self._staged)
+                              if (e := seg.get(range_key)) is not None), None)
+                if entry is not None and len(entry.data) == hi - lo:
+                    found.append((lo, hi, entry.data))
+                    last = hi
+        return found
+
     def passed(self, key: CacheKey) -> None:
         """Its reader read the block to its end: in the window it goes first when room is needed, before a block a
         reader is still in the middle of (a stream's 4 MiB block, which small files read whole would push out

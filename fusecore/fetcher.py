@@ -459,6 +459,47 @@ class Fetcher:
         if errors:
             raise errors[0]
 
+    async def _get_around(self, obj: ObjectInfo, start: int, nbytes: int, held: list[tuple[int, int, Buffer]],
+                          pending: _Pending, deadline: float) -> None:
+        """The block (at `start`) with the ranges of it already held copied in and only the rest fetched, the gaps
+        at once: a reader that started inside the block (its young random run fetched that exact range) and then
+        read on would otherwise fetch those bytes a second time, and in a distributed cache every node that started
+        there would (issue 44: 1.06x the dataset in an epoch of shard quarters)."""
+        if pending.buffer is None:
+            pending.buffer = await trio.to_thread.run_sync(allocate, nbytes, self.huge_pages, limiter=self._threads)
+        view = memoryview(pending.buffer)
+        extents: list[tuple[int, int]] = []
+        gaps: list[int] = []
+        at = 0
+        for lo, hi, data in held:
+            lo, hi = lo - start, hi - start
+            if lo > at:
+                gaps.append(len(extents))
+                extents.append((at, lo))
+            view[lo:hi] = memoryview(data).cast("B")[:hi - lo]
+            extents.append((lo, hi))
+            at = hi
+        if at < nbytes:
+            gaps.append(len(extents))
+            extents.append((at, nbytes))
+        parts = Parts(pending.progress, nbytes, len(extents), extents)
+        for i, (lo, hi) in enumerate(extents):
+            if i not in gaps:
+                parts.progress[i].advance(hi - lo)  # held: there already
+        errors: list[StoreError] = []
+
+        async def one(lo: int, hi: int, progress: Progress) -> None:
+            try:
+                await self._get(obj, start, lo, hi, pending, progress, deadline)
+            except StoreError as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for i in gaps:
+                nursery.start_soon(one, *extents[i], parts.progress[i])
+        if errors:
+            raise errors[0]
+
     def _alone(self, key: CacheKey) -> bool:
         """Is `key`'s file the only one with blocks in flight? Parts fill an idle pipe sooner; while other
         files stream, the pipe is full and more GETs only cost CPU (shards read by four readers)."""
@@ -486,6 +527,11 @@ class Fetcher:
             pending.cause = _cause(key, pending, demand)
             pending.buffer = self.cache.take_buffer(nbytes)  # else mapped by a receiving thread
             deadline = self._clock() + self.read_deadline
+            had = self.cache.held_within(obj.key, obj.etag, start, end) if isinstance(key, BlockKey) else []
+            if had:
+                await self._get_around(obj, start, nbytes, had, pending, deadline)
+                assert pending.buffer is not None
+                return pending.buffer
             parts = min(pending.parts, nbytes // (RANGE_PART if isinstance(key, RangeKey) else MIN_PART))
             if parts > 1 and (isinstance(key, RangeKey) or pending.split or self._alone(key)):
                 await self._get_parts(obj, start, nbytes, parts, pending, deadline)

@@ -62,9 +62,9 @@ class Parts:
     """A block received in several GETs at once: each part has its own Progress, and the block's
     Progress counts the bytes before the first part still missing some (readers read a prefix)."""
 
-    def __init__(self, whole: Progress, nbytes: int, count: int):
+    def __init__(self, whole: Progress, nbytes: int, count: int, extents: list[tuple[int, int]] | None = None):
         size = nbytes // count
-        self.extents = [(i * size, nbytes if i == count - 1 else (i + 1) * size) for i in range(count)]
+        self.extents = extents or [(i * size, nbytes if i == count - 1 else (i + 1) * size) for i in range(count)]
         self.progress = [_Part(self) for _ in self.extents]
         self._whole = whole
         self._lock = threading.Lock()  # parts advance from their own worker threads
