@@ -134,6 +134,7 @@ class Fetcher:
         self._queue: deque[tuple[BlockKey, ObjectInfo, _Pending, Callable[[], bool]]] = deque()
         self._bytes = ByteBudget(inflight_limit, self._prefetch_share(inflight_limit))
         self._pending: dict[CacheKey, _Pending] = {}
+        self._ranges_in_flight = 0  # of those, exact ranges (a block's fetch waits for those inside it: _ranges_inside)
         self._queued = 0  # bytes of prefetches launched but not yet reserved in the cache
         self._nursery: trio.Nursery | None = None
 
@@ -256,6 +257,8 @@ class Fetcher:
     def _launch(self, key: CacheKey, obj: ObjectInfo, *, demanded: bool, visit: Hashable | None,
                 parts: int = 1, split: bool = False) -> _Pending:
         pending = self._pending[key] = _Pending(demanded, visit)
+        if isinstance(key, RangeKey):
+            self._ranges_in_flight += 1
         pending.parts, pending.split = parts, split
         self._start(key, obj, pending)
         return pending
@@ -289,6 +292,8 @@ class Fetcher:
         """The GET is over (or will never run): wake its readers, forget it."""
         self._settle(pending)
         del self._pending[key]
+        if isinstance(key, RangeKey):
+            self._ranges_in_flight -= 1
         pending.finish()
 
     def _settle(self, pending: _Pending) -> None:
@@ -459,6 +464,16 @@ class Fetcher:
         if errors:
             raise errors[0]
 
+    async def _ranges_inside(self, obj: ObjectInfo, start: int, end: int) -> None:
+        """Wait for the exact ranges of this block still coming (a reader that started inside it, or a peer's), so that
+        the block's fetch takes them in rather than fetching their bytes a second time alongside."""
+        coming = [p for k, p in self._pending.items()
+                  if isinstance(k, RangeKey) and (k.key, k.etag) == (obj.key, obj.etag) and start <= k.start
+                  and k.stop <= end]
+        with trio.move_on_after(self.read_deadline):  # (each is bounded by its own deadline too)
+            for pending in coming:
+                await pending.done.wait()
+
     async def _get_around(self, obj: ObjectInfo, start: int, nbytes: int, held: list[tuple[int, int, Buffer]],
                           pending: _Pending, deadline: float) -> None:
         """The block (at `start`) with the ranges of it already held copied in and only the rest fetched, the gaps
@@ -527,6 +542,8 @@ class Fetcher:
             pending.cause = _cause(key, pending, demand)
             pending.buffer = self.cache.take_buffer(nbytes)  # else mapped by a receiving thread
             deadline = self._clock() + self.read_deadline
+            if isinstance(key, BlockKey) and self._ranges_in_flight:
+                await self._ranges_inside(obj, start, end)
             had = self.cache.held_within(obj.key, obj.etag, start, end) if isinstance(key, BlockKey) else []
             if had:
                 await self._get_around(obj, start, nbytes, had, pending, deadline)

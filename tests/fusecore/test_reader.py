@@ -653,3 +653,35 @@ def test_the_stores_bytes_are_told_apart_by_why_they_were_fetched():
     assert causes["range"] == 64 * KiB, causes
     assert causes["read-through"] == 200 * KiB and causes["fallback"] == 200 * KiB, causes
     assert sum(causes[c] for c in ("demand", "read-ahead", "range", "read-through", "fallback")) == causes["fetched"]
+
+
+def test_a_block_fetched_while_a_range_inside_it_is_coming_takes_the_range_in_rather_than_fetching_it_again():
+    """A member asks the owner for a range of a block (a reader that started there) and, before it came, for the whole
+    block (the reader read on, or another member asked): the block's GET waits for the range and fetches the rest."""
+    store = FakeStore()
+    data = random.Random(13).randbytes(4 * MiB)
+    info = store.put("data/shard.bin", data)
+    dp = datapath(store, cache=64 * MiB, block=1 * MiB)
+    got: dict[str, bytes] = {}
+
+    async def go():
+        store.hold(lambda key, start: start == MiB + 256 * KiB)  # the range's GET stays in flight
+        async with trio.open_nursery() as nursery:
+            async def the_range():
+                buf, _, base = await dp.fetcher.range(info, MiB + 256 * KiB, MiB + 512 * KiB)
+                got["range"] = bytes(memoryview(buf)[MiB + 256 * KiB - base:MiB + 512 * KiB - base])
+
+            async def the_block():
+                got["block"] = bytes((await dp.fetcher.block(info, 1))[0])
+
+            nursery.start_soon(the_range)
+            await until(lambda: any(s == MiB + 256 * KiB for _, s, _ in store.ranges))  # the range's GET is out
+            nursery.start_soon(the_block)
+            await trio.testing.wait_all_tasks_blocked()
+            store.release()
+
+    run(dp, go)
+    assert got == {"range": data[MiB + 256 * KiB:MiB + 512 * KiB], "block": data[MiB:2 * MiB]}
+    spans = sorted((s, e) for _, s, e in store.ranges)
+    assert spans[0][0] == MiB and spans[-1][1] == 2 * MiB and all(a[1] == b[0] for a, b in zip(spans, spans[1:])), \
+        f"each byte of the block fetched once: {spans}"
