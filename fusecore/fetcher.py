@@ -450,6 +450,12 @@ class Fetcher:
         if pending.buffer is None:
             pending.buffer = await trio.to_thread.run_sync(allocate, nbytes, self.huge_pages, limiter=self._threads)
         parts = Parts(pending.progress, nbytes, count)
+        await self._get_all(obj, start, pending, deadline, [(*extent, progress) for extent, progress
+                                                              in zip(parts.extents, parts.progress)])
+
+    async def _get_all(self, obj: ObjectInfo, start: int, pending: _Pending, deadline: float,
+                       pieces: list[tuple[int, int, Progress]]) -> None:
+        """Bytes [lo, hi) of the block for each piece, all at once; the first failure once all have ended."""
         errors: list[StoreError] = []
 
         async def one(lo: int, hi: int, progress: Progress) -> None:
@@ -459,7 +465,7 @@ class Fetcher:
                 errors.append(exc)
 
         async with trio.open_nursery() as nursery:
-            for (lo, hi), progress in zip(parts.extents, parts.progress):
+            for lo, hi, progress in pieces:
                 nursery.start_soon(one, lo, hi, progress)
         if errors:
             raise errors[0]
@@ -501,19 +507,7 @@ class Fetcher:
         for i, (lo, hi) in enumerate(extents):
             if i not in gaps:
                 parts.progress[i].advance(hi - lo)  # held: there already
-        errors: list[StoreError] = []
-
-        async def one(lo: int, hi: int, progress: Progress) -> None:
-            try:
-                await self._get(obj, start, lo, hi, pending, progress, deadline)
-            except StoreError as exc:
-                errors.append(exc)
-
-        async with trio.open_nursery() as nursery:
-            for i in gaps:
-                nursery.start_soon(one, *extents[i], parts.progress[i])
-        if errors:
-            raise errors[0]
+        await self._get_all(obj, start, pending, deadline, [(*extents[i], parts.progress[i]) for i in gaps])
 
     def _alone(self, key: CacheKey) -> bool:
         """Is `key`'s file the only one with blocks in flight? Parts fill an idle pipe sooner; while other
