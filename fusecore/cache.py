@@ -233,7 +233,8 @@ class BlockCache:
         found: list[tuple[int, int, Buffer]] = []
         spans = self._ranges.get((key, etag), ())
         last = start
-        for lo, hi in spans[bisect.bisect_left(spans, (start, 0)):]:
+        for i in range(bisect.bisect_left(spans, (start, 0)), len(spans)):
+            lo, hi = spans[i]
             if lo >= stop:
                 break
             if lo >= last and hi <= stop:

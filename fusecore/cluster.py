@@ -84,8 +84,9 @@ class Cluster:
         check_member(me)
         if key != self.key:
             self.key = self.client.key = key
+            self.client.close()  # pooled connections keep the old key's sessions
             if self.server is not None:
-                self.server.key = key
+                self.server.rekey(key)  # and so do the askers' connections it keeps
         if me != self.me:
             self.me = me
             self._show_owners()

@@ -100,8 +100,9 @@ class DataPath:
             assert self.cluster is not None
             self.cluster.asks_disagreeing += 1
             seen = self.cluster.asks_disagreeing
-            (log.info if seen & (seen - 1) == 0 else log.debug)(  # the 1st, 2nd, 4th, 8th...: no flood of lines"a peer asked %s (%s, %d bytes), which this node lists %s: not read through", want.key,
-                     want.etag, want.size, "as no object" if info is None else f"as ({info.etag}, {info.size} bytes)")
+            say = log.info if seen & (seen - 1) == 0 else log.debug  # the 1st, 2nd, 4th, 8th...: no flood of lines
+            say("a peer asked %s (%s, %d bytes), which this node lists %s: not read through", want.key, want.etag,
+                want.size, "as no object" if info is None else f"as ({info.etag}, {info.size} bytes)")
             pending.set_exception(ValueError("the ask disagrees with this node's listing"))
             return
         try:

@@ -36,7 +36,8 @@ class _Pending:
     """The shared future of one block GET; readers may take bytes as soon as they arrive."""
 
     __slots__ = ("done", "data", "error", "demanded", "visit", "buffer", "progress", "queued", "attempts", "logged",
-                 "arrived", "started", "prefetch_bytes", "parts", "split", "source", "cause", "peer_missed")
+                 "arrived", "started", "prefetch_bytes", "parts", "split", "source", "cause", "peer_missed",
+                 "fetching")
 
     def __init__(self, demanded: bool, visit: Hashable | None, queued: int = 0):
         self.started = False  # its task runs (a prefetch may wait in the fetcher's queue until then)
@@ -57,6 +58,7 @@ class _Pending:
         self.source = "store"  # the tier the bytes came from (_nearer): "disk", "peer" or "store"
         self.cause = "demand"  # why its bytes came from the store (CAUSES), for the store's bytes by cause
         self.peer_missed = False  # an owner was asked for the bytes and did not give them
+        self.fetching = False  # past the byte budget: its bytes are on their way (a block may wait for it)
 
     async def wait_for(self, need: int) -> None:
         """Return once the first `need` bytes arrived or the GET ended (one wake-up from the worker thread)."""
@@ -473,9 +475,9 @@ class Fetcher:
     async def _ranges_inside(self, obj: ObjectInfo, start: int, end: int) -> None:
         """Wait for the exact ranges of this block still coming (a reader that started inside it, or a peer's), so that
         the block's fetch takes them in rather than fetching their bytes a second time alongside."""
-        coming = [p for k, p in self._pending.items()
-                  if isinstance(k, RangeKey) and (k.key, k.etag) == (obj.key, obj.etag) and start <= k.start
-                  and k.stop <= end]
+        coming = [p for k, p in self._pending.items()  # (only those past the byte budget: this block holds some)
+                  if isinstance(k, RangeKey) and p.fetching and (k.key, k.etag) == (obj.key, obj.etag)
+                  and start <= k.start and k.stop <= end]
         with trio.move_on_after(self.read_deadline):  # (each is bounded by its own deadline too)
             for pending in coming:
                 await pending.done.wait()
@@ -525,6 +527,7 @@ class Fetcher:
             held = pending.prefetch_bytes
         self.cache.reserve(nbytes)
         self._settle(pending)  # promised until here: waiting for the byte budget must not free room
+        pending.fetching = True
         self.metrics.inflight_requests.inc()
         self.metrics.inflight_bytes.inc(nbytes)
         try:
@@ -534,10 +537,10 @@ class Fetcher:
                 pending.progress.advance(nbytes)
                 return pending.buffer
             pending.cause = _cause(key, pending, demand)
-            pending.buffer = self.cache.take_buffer(nbytes)  # else mapped by a receiving thread
-            deadline = self._clock() + self.read_deadline
             if isinstance(key, BlockKey) and self._ranges_in_flight:
                 await self._ranges_inside(obj, start, end)
+            pending.buffer = self.cache.take_buffer(nbytes)  # else mapped by a receiving thread
+            deadline = self._clock() + self.read_deadline
             had = self.cache.held_within(obj.key, obj.etag, start, end) if isinstance(key, BlockKey) else []
             if had:
                 await self._get_around(obj, start, nbytes, had, pending, deadline)

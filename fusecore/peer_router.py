@@ -6,8 +6,8 @@ consuming it (MSG_PEEK), and passes the connection itself (its descriptor, SCM_R
 that serves the cache named in the path, `/c/<cache id>/...` (peers.cache_prefix). The mount reads the
 request and answers as if it had accepted the connection; no byte of a block goes through the router.
 
-The router holds no key and checks no signature: the mount does (the HMAC covers the whole target,
-prefix included, so a request signed for one cache is refused by every other). An unknown cache is
+The router holds no key and opens nothing: the mount does (its keys are derived with its own cache's key and
+id, so an ask sealed for one cache opens for no other). An unknown cache is
 answered 404, a mount that does not take the connection 503: both are a miss for the asker, which
 then reads the store. A connection that sends no request line within peek_timeout, or something that
 is not one, is answered 400.
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import array
 import errno
-import ipaddress
 import logging
 import re
 import resource
@@ -42,7 +41,7 @@ import socket
 import threading
 import time
 
-from .sources import BySource
+from .sources import BySource, source_of
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +227,7 @@ class PeerRouter:
                 continue  # that connection is gone already (reset before it was accepted)
             try:
                 conn.setblocking(False)
-                source = _source(peer[0])
+                source = source_of(peer[0])
             except (OSError, ValueError):
                 conn.close()
                 continue
@@ -383,16 +382,6 @@ class PeerRouter:
         self._selector.close()
         for sock in (self._listener, self._wake_r, self._wake_w, self._out):
             sock.close()
-
-
-def _source(host: str) -> str:
-    """What the per-source bound counts a connection by: its address, or an IPv6 one's /64 (one host may have it all)."""
-    if ":" not in host:
-        return host
-    ip = ipaddress.IPv6Address(host.split("%", 1)[0])
-    if ip.ipv4_mapped is not None:
-        return str(ip.ipv4_mapped)
-    return str(ipaddress.IPv6Network((int(ip) >> 64 << 64, 64)))
 
 
 def _descriptor_share() -> int:

@@ -68,7 +68,7 @@ import trio
 
 from .cache import Buffer
 from .idle import IdlePool
-from .sources import BySource
+from .sources import BySource, source_of
 from .seal import RANDOM, TAG, Forged, Scratch, Session, fresh_random
 from .wire import Malformed, SendAll, Steps, Wire, left, run_on_loop
 
@@ -80,7 +80,9 @@ MAX_CLIENTS = 256  # asks a node answers at once; more are told BUSY (memory sta
 MAX_CONNECTIONS = 2048  # connections a node keeps from all askers (each asker pools POOLED and asks ~64 at once)
 MAX_PER_SOURCE = 160  # connections a node keeps from one address: an asker's pool and its asks in flight, with room
 IDLE_TIMEOUT = 10.0  # seconds a peer connection may stay silent (or not take its answer) before it is closed
-OPENING_TIMEOUT = 2.0  # seconds a connection has to say hello and open its first ask (an asker does both at once)
+OPENING_TIMEOUT = 2.0  # seconds a connection has to say hello and open its first ask (an asker sends its hello with
+# its connect, and its first ask one round trip later)
+SHED_PEEKS = 32  # connections never heard from that shedding looks at for one that sent nothing at all
 POOLED = 32  # idle connections an asker keeps to each peer (a connection per block cost about as much CPU as the
 # block's bytes: keep-alive halves the CPU of a 100 KB peer read). As many as the asks a node's walk and read-ahead
 # have in flight to one peer: with 2, two asks in three opened a connection (and the owner accepted it)
@@ -380,11 +382,29 @@ class PeerServer:
             for fd in fds:
                 try:
                     conn = socket.socket(fileno=fd)
-                    conn.getpeername()
                 except OSError:
                     os.close(fd)
                     continue
+                try:
+                    conn.getpeername()
+                except OSError:  # gone already (the socket owns the descriptor now: closed once, by it)
+                    conn.close()
+                    continue
                 nursery.start_soon(self._connection, conn)
+
+    def rekey(self, key: bytes) -> None:
+        """A new key for the cache: connections opened under the old one are closed (their sessions' keys come from
+        it), on the serving loop, so a member cut off by a new key keeps no connection."""
+        self.key = key
+        token = self._token
+        if token is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(self._drop_all)
+
+    def _drop_all(self) -> None:
+        for kept in list(self._kept.all):
+            self._kept.discard(kept)
+            kept.scope.cancel()
 
     def _keep(self, source: str, sock: socket.socket) -> _Kept | None:
         """Room for a connection from `source` within both bounds (a connection of that source shed first when it
@@ -400,8 +420,9 @@ class PeerServer:
     def _shed(self, among: Callable[[], Iterator[_Kept]]) -> bool:
         """Close the oldest connection that never said anything, else the oldest that never opened an ask, else the
         oldest idle one (its asker opens another when it next asks); False if all are answering."""
-        victim = (next((k for k in among() if k.silent()), None) or next((k for k in among() if not k.opened), None)
-                  or next((k for k in among() if k.idle), None))
+        unheard = (k for k in among() if not k.heard)
+        victim = (next((k for _, k in zip(range(SHED_PEEKS), unheard) if k.silent()), None)
+                  or next((k for k in among() if not k.opened), None) or next((k for k in among() if k.idle), None))
         if victim is None:
             return False
         self._kept.discard(victim)
@@ -414,7 +435,7 @@ class PeerServer:
         something that is not the protocol, stays silent for idle_timeout, or takes no answer for as long."""
         self.connections += 1
         name = _name(sock)
-        kept = self._keep(name, sock)
+        kept = self._keep(source_of(name), sock)
         if kept is None:
             self.turned_away += 1
             sock.close()
@@ -725,8 +746,7 @@ class PeerClient:
                 until = time.monotonic() + self.timeouts.body  # for the bytes and the answer's end
                 sealed = self._scratch.take(size - 1)
                 try:
-                    if (yield from wire.into(sealed, self.timeouts.body, _ignore)) < len(sealed):
-                        raise Malformed("the connection ended inside an answer")
+                    yield from wire.exactly_into(sealed, until)
                     body = bytearray(length)
                     session.open_answer_into(kind, sealed, body)
                 finally:
@@ -750,10 +770,6 @@ class PeerClient:
     def close(self) -> None:
         """Close the idle connections."""
         self._idle.close()
-
-
-def _ignore(_: int) -> None:
-    pass
 
 
 def _end(wire: Wire, until: float) -> Steps[None]:

@@ -109,9 +109,9 @@ class Scratch:
 
     def take(self, nbytes: int) -> memoryview:
         if nbytes >= self._least:
-            for i, buf in enumerate(self._free):
-                if len(buf) >= nbytes:
-                    return memoryview(self._free.pop(i))[:nbytes]
+            fits = [i for i, buf in enumerate(self._free) if len(buf) >= nbytes]
+            if fits:  # the smallest that fits (a 4 MiB one kept for the next block)
+                return memoryview(self._free.pop(min(fits, key=lambda i: len(self._free[i]))))[:nbytes]
         return memoryview(bytearray(nbytes))
 
     def give(self, view: memoryview) -> None:

@@ -3,9 +3,20 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Generic, Hashable, Iterator, TypeVar
 
 T = TypeVar("T", bound=Hashable)
+
+
+def source_of(host: str) -> str:
+    """What a per-source bound counts a connection by: its address, or an IPv6 one's /64 (one host may have it all)."""
+    if ":" not in host:
+        return host
+    ip = ipaddress.IPv6Address(host.split("%", 1)[0])
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.IPv6Network((int(ip) >> 64 << 64, 64)))
 
 
 class BySource(Generic[T]):

@@ -113,6 +113,17 @@ class Wire:
             have += got
         return out
 
+    def exactly_into(self, view: memoryview, until: float | None) -> Steps[None]:
+        """The next len(view) bytes into `view`, all of them by `until`."""
+        have = min(len(view), len(self._buf))
+        view[:have] = self._buf[:have]
+        del self._buf[:have]
+        while have < len(view):
+            got = yield RecvInto(view[have:], until)
+            if not got:
+                raise Malformed(f"a short body ({have} of {len(view)} bytes)")
+            have += got
+
     def into(self, view: memoryview, timeout: float, advance: Callable[[int], None],
              awaiting: Callable[[int], None] | None = None) -> Steps[int]:
         """Bytes into all of `view` (those received past the head first), waiting at most `timeout` seconds of
