@@ -174,7 +174,8 @@ class Fetcher:
         """
         key = BlockKey(obj.key, obj.etag, index)
         data = self.cache.get(key, visit)
-        if data is not None and len(data) != min(self.block_size, obj.size - index * self.block_size):
+        lo, hi = block_extent(index, obj.size, self.block_size)
+        if data is not None and len(data) != hi - lo:
             # never served: a block is kept only at its extent's length, and this one is not (design §7)
             log.warning("%s block %d held with %d bytes, not its length: dropped", obj.key, index, len(data))
             self.metrics.errors.labels(kind="wrong-length").inc()

@@ -210,10 +210,14 @@ _FRAMES = {True: _head(200, [("Transfer-Encoding", "chunked")], True),
 _END = b"0\r\n\r\n"
 
 
-def _frame(session: Session, kind: bytes, payload: bytes | memoryview = b"") -> list[bytes]:
-    """One sealed frame as a chunk (its size line and kind, the sealed payload, its CRLF)."""
-    sealed = session.seal_answer(kind, payload)
+def _chunk(kind: bytes, sealed: bytes | memoryview) -> list[bytes | memoryview]:
+    """One sealed frame as a chunk: its size line and kind, the sealed payload, its CRLF."""
     return [f"{1 + len(sealed):x}\r\n".encode() + kind, sealed, b"\r\n"]
+
+
+def _frame(session: Session, kind: bytes) -> list[bytes | memoryview]:
+    """A frame without bytes (a beat, or MISS, BUSY, FAILED), sealed."""
+    return _chunk(kind, session.seal_answer(kind))
 
 
 async def _send(sock: socket.socket, *parts: bytes | memoryview, timeout: float = IDLE_TIMEOUT) -> None:
@@ -584,8 +588,7 @@ class PeerServer:
         sealed = self._scratch.take(len(body) + TAG)
         try:
             session.seal_answer_into(kind, body, sealed)
-            await _send(sock, head, f"{1 + len(sealed):x}\r\n".encode() + kind, sealed, b"\r\n" + _END,
-                        timeout=self.idle_timeout)
+            await _send(sock, head, *_chunk(kind, sealed), _END, timeout=self.idle_timeout)
         finally:
             self._scratch.give(sealed)
 

@@ -79,14 +79,14 @@ class Session:
         self._asks_opened += 1
         return plain
 
-    def seal_answer(self, kind: bytes, payload: bytes | memoryview = b"") -> bytes:
-        """`payload` sealed, `kind` (one byte, sent in the clear beside it) authenticated with it."""
-        sealed = self._answers.encrypt(_nonce(self._answers_sent), payload, kind)
+    def seal_answer(self, kind: bytes) -> bytes:
+        """An answer without a payload (its tag alone), `kind` (one byte, sent in the clear) authenticated."""
+        sealed = self._answers.encrypt(_nonce(self._answers_sent), b"", kind)
         self._answers_sent += 1
         return sealed
 
     def seal_answer_into(self, kind: bytes, payload: bytes | memoryview, into: bytearray | memoryview) -> None:
-        """seal_answer into `into` (exactly TAG bytes longer than `payload`)."""
+        """`payload` sealed into `into` (exactly TAG bytes longer), `kind` authenticated with it."""
         self._answers.encrypt_into(_nonce(self._answers_sent), payload, kind, into)
         self._answers_sent += 1
 

@@ -102,15 +102,7 @@ class Wire:
     def exactly(self, n: int, until: float | None) -> Steps[bytearray]:
         """The next `n` bytes."""
         out = bytearray(n)
-        into = memoryview(out)
-        have = min(n, len(self._buf))
-        into[:have] = self._buf[:have]
-        del self._buf[:have]
-        while have < n:
-            got = yield RecvInto(into[have:n], until)
-            if not got:
-                raise Malformed(f"a short body ({have} of {n} bytes)")
-            have += got
+        yield from self.exactly_into(memoryview(out), until)
         return out
 
     def exactly_into(self, view: memoryview, until: float | None) -> Steps[None]:
