@@ -3,6 +3,7 @@ read slower, never make it fail or return other bytes; and what crosses the netw
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import os
 import socket
@@ -11,13 +12,14 @@ import time
 import urllib.parse
 import urllib.request
 from concurrent.futures import Future
+from typing import Callable
 
 import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fusecore.peers import FETCHING, BlockAsk, PeerClient, PeerServer, PeerTimeouts, ask_target, hello_target
+from fusecore.peers import FETCHING, HELD, BlockAsk, PeerClient, PeerServer, PeerTimeouts, ask_target, hello_target
 from fusecore.seal import Session, fresh_random
 from tests.support.tamper import TamperProxy
 
@@ -336,28 +338,43 @@ def test_an_owner_whose_own_get_fails_is_a_miss_not_a_failure():
         s.close()
 
 
-def test_an_owner_that_goes_silent_while_reading_through_is_given_up_within_the_bound():
-    """It answered that it fetches and beat once, then stopped (SIGSTOP, a hung host): the asker does not
-    wait for it past the first-byte bound, and avoids it."""
-    silent = socket.socket()
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(1)
+def _keyed_owner(answer) -> tuple[str, Callable[[], None]]:
+    """An owner with the key on a socket of its own: it says hello, reads one ask and sends `answer(session, conn)`;
+    its address and what closes it."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
     held = []
 
-    def serve():  # an owner with the key: its hello, then one beat of a read-through, then nothing
-        conn, _ = silent.accept()
+    def serve():
+        conn, _ = listener.accept()
         held.append(conn)
         hello = conn.recv(65536)
         asker = bytes.fromhex(hello.split(b"?r=")[1].split(b" ")[0].decode())
         mine = fresh_random()
         conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nX-Stoker-Hello: {mine.hex()}\r\n\r\n".encode())
         conn.recv(65536)
-        beat = Session(KEY, asker, mine).seal_answer(FETCHING)
-        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + f"{1 + len(beat):x}\r\n".encode()
-                     + FETCHING + beat + b"\r\n")
+        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        with contextlib.suppress(OSError):
+            answer(Session(KEY, asker, mine), conn)
+
+    def close():
+        listener.close()
+        for conn in held:
+            conn.close()
 
     threading.Thread(target=serve, daemon=True).start()
-    peer = f"127.0.0.1:{silent.getsockname()[1]}"
+    return f"127.0.0.1:{listener.getsockname()[1]}", close
+
+
+def test_an_owner_that_goes_silent_while_reading_through_is_given_up_within_the_bound():
+    """It answered that it fetches and beat once, then stopped (SIGSTOP, a hung host): the asker does not
+    wait for it past the first-byte bound, and avoids it."""
+    def one_beat(session, conn):
+        beat = session.seal_answer(FETCHING)
+        conn.sendall(f"{1 + len(beat):x}\r\n".encode() + FETCHING + beat + b"\r\n")
+
+    peer, close = _keyed_owner(one_beat)
     client = PeerClient(KEY, TIGHT)
     try:
         started = time.monotonic()
@@ -365,9 +382,29 @@ def test_an_owner_that_goes_silent_while_reading_through_is_given_up_within_the_
         assert time.monotonic() - started < 2.5, "bounded by the silence (0.3 s), not by the owner's wait (3 s and more)"
         assert client.avoided(peer)
     finally:
-        silent.close()
-        for conn in held:
-            conn.close()
+        close()
+
+
+def test_a_sealed_block_trickled_byte_by_byte_is_given_up_within_the_body_bound():
+    """An owner (or a node on the path) that sends a block's frame a byte at a time, each within the first-byte
+    bound, is given up once the body bound is past in all, not at its first silence: the reader goes to the
+    store within its time instead of waiting out its read deadline."""
+    stop = threading.Event()
+
+    def trickle(session, conn):
+        conn.sendall(f"{1 + 100_000 + 16:x}\r\n".encode() + HELD)
+        while not stop.wait(0.05):
+            conn.sendall(b"x")
+
+    peer, close = _keyed_owner(trickle)
+    client = PeerClient(KEY, PeerTimeouts(connect=1, first_byte=0.3, body=1.0))
+    try:
+        started = time.monotonic()
+        assert trio.run(client.ask, peer, BlockAsk.block("k", "e", 0, 100_000)) == ("failed", None)
+        assert time.monotonic() - started < 4, "bounded by the body bound (1 s), not by each silence (0.3 s)"
+    finally:
+        stop.set()
+        close()
 
 
 def test_an_ask_round_trips_and_one_outside_the_object_or_the_dataset_is_refused():
