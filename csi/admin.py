@@ -6,8 +6,8 @@ few writes itself, on that client's botocore client: the read client has no writ
 from __future__ import annotations
 
 from fusecore.config import StoreConfig
-from fusecore.store import S3Store
-from fusecore.store_errors import NotFound, answer_error, translate
+from fusecore.store.client import S3Store
+from fusecore.store.errors import NotFound, answer_error, translate
 
 
 class S3Admin:

@@ -2,7 +2,7 @@
 --node-disk-cache, removed with the volume's mount (a DatasetCache's hold keeps the mount, and so the folder).
 
 A folder's name is a digest of the volume id (ids may hold any character); folders are 0700 and root's, their
-files 0600 (fusecore/disk.py). No volume attribute, pod or Secret names a path: a volume only asks for a size.
+files 0600 (fusecore/cache/disk.py). No volume attribute, pod or Secret names a path: a volume only asks for a size.
 """
 
 from __future__ import annotations

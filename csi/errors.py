@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from fusecore.config import format_size
-from fusecore.store_errors import AccessDenied, BucketNotFound, NotFound, StoreError, TransientError, Unavailable
+from fusecore.store.errors import AccessDenied, BucketNotFound, NotFound, StoreError, TransientError, Unavailable
 
 from .attributes import AttributeProblem
 from .failures import DriverError

@@ -1,7 +1,7 @@
 """The node's mount table as the volume lifecycle sees it: what is mounted where, read-only binds
 that follow a mount, and unmounting everything stacked on a path.
 
-`HostMounts` is the kernel (fusecore.mounts: mountinfo, mount(2), umount2); a fake with the same
+`HostMounts` is the kernel (fusecore.process.mounts: mountinfo, mount(2), umount2); a fake with the same
 rules stands beside it for fast tests (tests/support/fakekernel.py). Mount *processes* are started
 through the Mounter (mounter.py); this is everything else VolumeManager does to mounts.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from fusecore.mounts import MountInfo, bind_follower, mount_table, unmount_stack
+from fusecore.process.mounts import MountInfo, bind_follower, mount_table, unmount_stack
 
 
 class MountTable(Protocol):

@@ -25,12 +25,12 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from fusecore import control
+from fusecore.process import control
 from fusecore.config import ConfigError, MountConfig, config_from_document, identity_document, identity_from_document, \
     mount_document
-from fusecore.launch import LaunchFailed, NotReady, launch
-from fusecore.mounts import detach_top, mount_fuse_fd, top_mount
-from fusecore.store_errors import StoreError, error_of_kind
+from fusecore.process.launch import LaunchFailed, NotReady, launch
+from fusecore.process.mounts import detach_top, mount_fuse_fd, top_mount
+from fusecore.store.errors import StoreError, error_of_kind
 
 from .failures import DriverError
 from .layout import allowed_mount_point, mount_point_rule

@@ -28,10 +28,10 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator
 
-from fusecore import control
+from fusecore.process import control
 from fusecore.config import identity_document
-from fusecore.mounts import MountInfo, top_mount
-from fusecore.store import S3Store
+from fusecore.process.mounts import MountInfo, top_mount
+from fusecore.store.client import S3Store
 
 from .attributes import TOKENS_KEY, VolumeSpec, parse_volume_context
 from .auth import AuthPolicy, MissingCredentials, Resolved, resolve, same_principal
@@ -274,7 +274,7 @@ class VolumeManager:
             log.info("released volume %s for %s", volume_id, holder)
 
     def peer_socket(self, volume_id: str) -> str:
-        """Where a volume's mount receives the peer connections of its distributed cache (peer_router.py)."""
+        """Where a volume's mount receives the peer connections of its distributed cache (fusecore/cluster/router.py)."""
         return self.state.peer_socket(volume_id)
 
     def holders(self) -> set[str]:

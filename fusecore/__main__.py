@@ -6,8 +6,8 @@ import logging
 import os
 import sys
 
-from .cli import serve_main
-from .native_http import hold_thread_states
+from .process.cli import serve_main
+from .store.native_http import hold_thread_states
 
 hold_thread_states()  # safe here: this process never finalizes (below)
 code = serve_main(sys.argv[1:])

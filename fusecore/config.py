@@ -22,14 +22,14 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 FOREVER = math.inf
 WARM_FRACTION = 0.9  # `warm` fills at most this share of a cache budget (the rest serves reads meanwhile)
 INFLIGHT_DIVISOR = 8  # in-flight GET bytes take at most budget / this
-WINDOW_FRACTION = 0.1  # of a cache budget: new blocks, and blocks kept for their readers only (cache.py)
-STAGED_FRACTION = 0.125  # of a cache budget: prefetched blocks not read yet (cache.py)
+WINDOW_FRACTION = 0.1  # of a cache budget: new blocks, and blocks kept for their readers only (cache/memory.py)
+STAGED_FRACTION = 0.125  # of a cache budget: prefetched blocks not read yet (cache/memory.py)
 HUGE_PAGES = ("auto", "on", "off")  # block buffers on 2 MiB pages: where cheap, always, never (pages.py)
 
 
 def kept_fraction() -> float:
     """The share of a cache budget that blocks survive in while readers fill the rest at their most:
-    the window, staged prefetches and GETs in flight are transient (cache.py). A distributed cache is
+    the window, staged prefetches and GETs in flight are transient (cache/memory.py). A distributed cache is
     sized on it, because an owner that evicts a block it owns sends every other node to the store."""
     return 1 - WINDOW_FRACTION - STAGED_FRACTION - 1 / INFLIGHT_DIVISOR
 
@@ -218,14 +218,14 @@ class MountConfig:
     uid: int | None = None
     gid: int | None = None
     fuse_fd: int | None = None  # an open /dev/fuse already mounted at `mountpoint` by the caller
-    # A distributed cache (fusecore/cluster.py): every member's HOST:PORT, comma-separated; where this node
+    # A distributed cache (fusecore/cluster/tier.py): every member's HOST:PORT, comma-separated; where this node
     # serves its blocks (one of them); the file holding the cache's shared key; copies of each block.
     peers: str = ""
     peer_listen: str = ""
     peer_key_file: str = ""
     peer_replicas: int = 1
     peer_timeout: float = 0.3  # seconds to connect to a peer and for its first byte (the block body: 2 s more)
-    # A node-local disk tier under the memory cache (fusecore/disk.py): its directory (absolute) and budget
+    # A node-local disk tier under the memory cache (fusecore/cache/disk.py): its directory (absolute) and budget
     disk_cache: str = ""
     disk_cache_size: int = 0
 
@@ -261,7 +261,7 @@ class MountConfig:
             self._check_disk()
 
     def _check_disk(self) -> None:
-        """What can be said without looking at the disk (fusecore/disk.py checks the directory itself)."""
+        """What can be said without looking at the disk (fusecore/cache/disk.py checks the directory itself)."""
         if not self.disk_cache:
             raise ConfigError("disk-cache", "--disk-cache-size needs --disk-cache DIR")
         if not self.disk_cache.startswith("/"):

@@ -36,7 +36,7 @@ class MountMetrics:
                                registry=r)
         self.throttled = Counter("stoker_throttled", "GET answers that were throttling (503 SlowDown, 429)",
                                  registry=r)
-        # A distributed cache (cluster.py): blocks asked of peers, per peer (a counter per member: mean latency
+        # A distributed cache (cluster/tier.py): blocks asked of peers, per peer (a counter per member: mean latency
         # is seconds over requests; one histogram for all, so series do not grow with members x buckets).
         self.peer_requests = Counter("stoker_peer_requests", "Blocks asked of a peer, by outcome (hit, miss, failed)",
                                      ["peer", "outcome"], registry=r)
@@ -69,7 +69,7 @@ class MountMetrics:
     DISK_EVENTS = ("hits", "misses", "written", "skipped", "dropped", "evicted", "errors")
 
     def bind_disk(self, stats: Callable) -> None:
-        """Gauges of the disk tier (fusecore/disk.py), read from `stats()` at scrape time."""
+        """Gauges of the disk tier (fusecore/cache/disk.py), read from `stats()` at scrape time."""
         r = self.registry
         Gauge("stoker_disk_bytes", "Bytes held by the disk tier", registry=r).set_function(_field_of(stats, "bytes"))
         Gauge("stoker_disk_budget_bytes", "Configured disk tier budget", registry=r).set_function(

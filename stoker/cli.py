@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from fusecore import __version__
-from fusecore import cli as fusecore_cli
+from fusecore.process import cli as fusecore_cli
 
 MOUNT_COMMANDS = frozenset({"mount", "unmount", "stats", "warm", "peers", "drop", "serve-mount"})
 

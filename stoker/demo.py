@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import boto3
 
-from fusecore import control
-from fusecore.mounts import wait_unmounted
+from fusecore.process import control
+from fusecore.process.mounts import wait_unmounted
 
 from .s3server import MotoServer
 

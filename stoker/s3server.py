@@ -9,7 +9,7 @@ import sys
 import time
 import urllib.request
 
-from fusecore.launch import stop_process
+from fusecore.process.launch import stop_process
 
 
 def free_port() -> int:

@@ -13,8 +13,8 @@ import uuid
 import boto3
 import pytest
 
-from fusecore import control
-from fusecore.launch import ended
+from fusecore.process import control
+from fusecore.process.launch import ended
 from stoker.s3server import MotoServer
 
 CREDS = {"AWS_ACCESS_KEY_ID": "testing-key", "AWS_SECRET_ACCESS_KEY": "testing-secret",

@@ -50,7 +50,7 @@ def test_every_error_the_product_raises_on_purpose_has_one_root():
     strays = []
     for package, root in roots.items():
         module = importlib.import_module(package)
-        for info in pkgutil.iter_modules(module.__path__, package + "."):
+        for info in pkgutil.walk_packages(module.__path__, package + "."):
             if info.name.endswith(("_pb2", "_pb2_grpc")) or info.name == "fusecore.__main__":
                 continue
             for name, cls in inspect.getmembers(importlib.import_module(info.name), inspect.isclass):

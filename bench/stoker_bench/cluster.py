@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from fusecore import control
+from fusecore.process import control
 from fusecore.config import block_squares, distributed_cache_size
 from fusecore.messages import WarmProgress
 from stoker.s3server import free_port

@@ -92,8 +92,8 @@ def table(rows: list[EngineRow]) -> str:
 
 def _stoker_fetch(endpoint: str, sizes: dict[str, int]):
     from fusecore.config import StoreConfig
-    from fusecore.objects import Progress
-    from fusecore.store import S3Store
+    from fusecore.store.objects import Progress
+    from fusecore.store.client import S3Store
 
     store = S3Store(StoreConfig(bucket="bench", endpoint_url=endpoint))
 

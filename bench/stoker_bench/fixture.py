@@ -10,7 +10,7 @@ import tempfile
 import time
 import urllib.request
 
-from fusecore.launch import stop_process
+from fusecore.process.launch import stop_process
 
 
 class StoreProcess:

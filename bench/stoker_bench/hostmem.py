@@ -17,8 +17,8 @@ import os
 from dataclasses import dataclass
 from typing import Iterator
 
-from fusecore import pages
-from fusecore.buffers import allocate
+from fusecore.cache import pages
+from fusecore.cache.buffers import allocate
 
 REPORTING_ORDER = os.path.join(pages.SYS, pages.REPORTING_ORDER)
 NEVER = str(pages.largest_order() + 1)  # above the largest buddy order: no free block qualifies for reporting

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from stoker_operator.kube import Kube
 from stoker_operator.nodes import FINALIZER, NODE_LABEL, cache_selector, node_selector, object_name, release_patch
 
-from fusecore.launch import stop_process
+from fusecore.process.launch import stop_process
 
 from .fakekube import FakeKube, _selector_matches
 from .fakemount import FakeMountControl

@@ -9,7 +9,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 
-from fusecore.bodies import socket_readinto
+from fusecore.store.bodies import socket_readinto
 
 from .fixture import StoreProcess
 from .systems import DISK_VARIANTS, SYSTEMS, Unavailable

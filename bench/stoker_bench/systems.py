@@ -8,8 +8,8 @@ import subprocess
 import sys
 import time
 
-from fusecore.launch import ended, stop_process
-from fusecore.mounts import is_mounted, unmount, wait_unmounted
+from fusecore.process.launch import ended, stop_process
+from fusecore.process.mounts import is_mounted, unmount, wait_unmounted
 
 ACCESS_KEY, SECRET_KEY = "bench", "bench-secret"
 
@@ -93,7 +93,7 @@ class Stoker(MountedSystem):
         result = subprocess.run(cmd, env=self.env(), capture_output=True, text=True)
         if result.returncode != 0:
             raise Unavailable(result.stderr.strip())
-        from fusecore import control
+        from fusecore.process import control
 
         self.pid = control.stats(control.default_control_socket(self.mountpoint)).pid
 

@@ -351,7 +351,7 @@ def mixed(system, d: Dataset, run: int) -> Outcome:
         small = _parallel(8, order, lambda kv: read_stream(system, kv[0], kv[1], bs=256 * KiB, verify_every=1))
         results = small + [f.result() for f in large]
     if system.name == "stoker":
-        from fusecore import control
+        from fusecore.process import control
 
         for _ in control.warm(control.default_control_socket(system.mountpoint), ["small"]):
             pass

@@ -17,9 +17,9 @@ import os
 import threading
 import time
 
-from fusecore import control
+from fusecore.process import control
 from fusecore.messages import JoinRequest
-from fusecore.peer_router import PeerRouter
+from fusecore.cluster.router import PeerRouter
 
 from .handover import handover_name, read_handover
 from .kube import Kube, NotFoundInCluster, load_config

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from fusecore.peer_router import PeerRouter
+from fusecore.cluster.router import PeerRouter
 
 from .kube import Kube
 

@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from csi.attributes import AttributeProblem, parse_secrets, parse_volume_context
-from fusecore.store import S3Store
-from fusecore.store_errors import StoreError, TransientError, Unavailable
+from fusecore.store.client import S3Store
+from fusecore.store.errors import StoreError, TransientError, Unavailable
 
 from .kube import Kube, NotFoundInCluster
 from .plan import SpecProblem

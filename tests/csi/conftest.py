@@ -12,7 +12,7 @@ import pytest
 
 from csi import csi_pb2 as pb
 from csi import csi_pb2_grpc as rpc
-from fusecore.launch import stop_process
+from fusecore.process.launch import stop_process
 from stoker.s3server import free_port
 from tests.conftest import requires_fuse
 from tests.support.waiting import unmount_everything_under

@@ -12,8 +12,8 @@ import pytest
 
 from csi import csi_pb2 as pb
 from csi.state import volume_key
-from fusecore import control
-from fusecore.mounts import fs_type, is_mounted
+from fusecore.process import control
+from fusecore.process.mounts import fs_type, is_mounted
 from tests.support.kubelet import Kubelet, PodVolume
 
 from .conftest import READ_ONLY_MANY, Plugin, requires_fuse

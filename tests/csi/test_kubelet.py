@@ -15,9 +15,9 @@ import time
 import grpc
 import pytest
 
-from fusecore import control
-from fusecore.launch import ended
-from fusecore.mounts import mount_table
+from fusecore.process import control
+from fusecore.process.launch import ended
+from fusecore.process.mounts import mount_table
 from tests.support.kubelet import Kubelet, PodVolume, UnstageRefused, device_mount_refs, has_mount_refs
 
 from .conftest import SECRETS, Plugin, make_volumes, requires_fuse, volume_context, wait_until

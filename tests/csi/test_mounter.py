@@ -18,7 +18,7 @@ import pytest
 from csi.attributes import parse_volume_context
 from csi.layout import kubelet_staging_path
 from csi.mounter import MountRequest
-from fusecore.mounts import is_mounted
+from fusecore.process.mounts import is_mounted
 
 from .conftest import SECRETS, Plugin, requires_fuse
 
@@ -123,8 +123,8 @@ def test_a_mount_processes_error_keeps_its_kind_across_processes():
     """The serving process writes `ERR <kind> <message>`; the mounter turns it back into the same error
     type, so the CSI answer is NOT_FOUND or PERMISSION_DENIED rather than INTERNAL."""
     from csi.mounter import MountFailed, MountNotReady, _typed
-    from fusecore.launch import LaunchFailed, NotReady, ready_line
-    from fusecore.store_errors import AccessDenied, BucketNotFound
+    from fusecore.process.launch import LaunchFailed, NotReady, ready_line
+    from fusecore.store.errors import AccessDenied, BucketNotFound
 
     line = ready_line(AccessDenied("bucket 'b': access denied (403)"))
     assert line == b"ERR access_denied bucket 'b': access denied (403)\n" and ready_line(None) == b"OK\n"

@@ -14,8 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from csi import csi_pb2 as pb
-from fusecore import control
-from fusecore.mounts import fs_type, is_mounted, unmount
+from fusecore.process import control
+from fusecore.process.mounts import fs_type, is_mounted, unmount
 
 from tests.support.waiting import unmount_everything_under
 

@@ -115,7 +115,7 @@ def test_a_mount_that_never_becomes_ready_is_an_error_and_leaves_nothing_mounted
     """A silent store: `stoker mount` gives up after the ready timeout; the call fails, nothing is mounted."""
     from csi.errors import status_for
     from csi.mounter import MountNotReady
-    from fusecore.mounts import is_mounted
+    from fusecore.process.mounts import is_mounted
     from tests.support.faultproxy import FaultProxy
 
     from .conftest import SECRETS

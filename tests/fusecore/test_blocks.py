@@ -1,6 +1,6 @@
 from hypothesis import given, strategies as st
 
-from fusecore.blocks import block_count, block_extent, block_span
+from fusecore.cache.blocks import block_count, block_extent, block_span
 
 
 @given(offset=st.integers(0, 10_000), size=st.integers(0, 10_000), file_size=st.integers(0, 20_000),

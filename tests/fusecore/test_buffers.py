@@ -7,7 +7,7 @@ import ctypes
 
 import pytest
 
-from fusecore import buffers, pages
+from fusecore.cache import buffers, pages
 
 
 def _mapping(buf) -> dict[str, int]:

@@ -3,8 +3,8 @@ from collections import OrderedDict
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from fusecore.blocks import BlockKey, RangeKey
-from fusecore.cache import BlockCache
+from fusecore.cache.blocks import BlockKey, RangeKey
+from fusecore.cache.memory import BlockCache
 
 KiB = 1024
 
@@ -191,7 +191,7 @@ def test_resize_shrinks_by_eviction_and_grows_the_room():
 def test_blocks_kept_for_their_readers_only_never_displace_owned_blocks():
     """A distributed cache's node puts blocks it does not own with keep=False: they serve their readers
     from the window and are dropped when they leave it, whatever their frequency."""
-    from fusecore.blocks import BlockKey
+    from fusecore.cache.blocks import BlockKey
 
     cache = BlockCache(10 * 100, window_fraction=0.2)
     owned = [BlockKey("owned", "e", i) for i in range(6)]
@@ -209,7 +209,7 @@ def test_blocks_kept_for_their_readers_only_never_displace_owned_blocks():
 def test_a_transient_block_kept_once_it_becomes_this_node_s_stays_past_the_window():
     """Members changed: a block read for another owner is now this node's (its warm finds it in the window).
     Kept from then on, it is admitted like any other block instead of being dropped with the window."""
-    from fusecore.blocks import BlockKey
+    from fusecore.cache.blocks import BlockKey
 
     cache = BlockCache(10 * 100, window_fraction=0.2)
     moved, other = BlockKey("moved", "e", 0), BlockKey("other", "e", 0)
@@ -278,7 +278,7 @@ def test_a_reshuffled_epoch_keeps_what_main_holds_until_it_is_read(monkeypatch):
     swapping them would lose the held block's hit later in the same epoch. The margin keeps the incumbent."""
     import random
 
-    import fusecore.cache
+    import fusecore.cache.memory
 
     def second_epoch_hits() -> int:
         cache = BlockCache(400 * KiB)
@@ -296,7 +296,7 @@ def test_a_reshuffled_epoch_keeps_what_main_holds_until_it_is_read(monkeypatch):
         return hits
 
     with_margin = second_epoch_hits()
-    monkeypatch.setattr(fusecore.cache, "ADMIT_MARGIN", 0)
+    monkeypatch.setattr(fusecore.cache.memory, "ADMIT_MARGIN", 0)
     without = second_epoch_hits()
     assert with_margin >= 80 > without, (with_margin, without)
 

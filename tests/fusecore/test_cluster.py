@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from fusecore import control
+from fusecore.process import control
 from fusecore.config import block_squares, distributed_cache_size
-from fusecore.launch import ended
-from fusecore.ownership import Owners, block_id
+from fusecore.process.launch import ended
+from fusecore.cluster.ownership import Owners, block_id
 from stoker.s3server import free_port
 from tests.conftest import requires_fuse
 from tests.support.waiting import wait_for

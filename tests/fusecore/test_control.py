@@ -1,4 +1,4 @@
-"""The control socket's server (fusecore/control.py) over a real unix socket: a client that hangs up in the
+"""The control socket's server (fusecore/process/control.py) over a real unix socket: a client that hangs up in the
 middle of an answer (a warm agent that re-plans mid-warm) ends its own request, never the mount's serving."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import tracemalloc
 import pytest
 import trio
 
-from fusecore import cli, control
+from fusecore.process import cli, control
 from fusecore.config import ConfigError, MountConfig, StoreConfig
-from fusecore.launch import LaunchFailed, launch, open_log
+from fusecore.process.launch import LaunchFailed, launch, open_log
 
 
 class SlowWarm:

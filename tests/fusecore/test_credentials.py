@@ -9,9 +9,9 @@ import time
 import pytest
 
 from fusecore.config import Credentials, StoreConfig, WebIdentity
-from fusecore.credentials import RotatingCredentials
-from fusecore.store import S3Store
-from fusecore.store_errors import AccessDenied
+from fusecore.store.credentials import RotatingCredentials
+from fusecore.store.client import S3Store
+from fusecore.store.errors import AccessDenied
 
 pytestmark = pytest.mark.integration
 

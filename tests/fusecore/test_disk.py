@@ -1,4 +1,4 @@
-"""The disk tier (fusecore/disk.py): blocks kept on local disk, checked when read back, within their budget,
+"""The disk tier (fusecore/cache/disk.py): blocks kept on local disk, checked when read back, within their budget,
 one mount per directory; and real mounts that survive kill -9 and corrupted files on it."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from fusecore.blocks import BlockKey
+from fusecore.cache.blocks import BlockKey
 from fusecore.config import ConfigError
-from fusecore.disk import HEADER, DiskTier
+from fusecore.cache.disk import HEADER, DiskTier
 from tests.conftest import requires_fuse
 from tests.support.waiting import wait_for
 
@@ -214,7 +214,7 @@ def test_a_mount_killed_and_started_again_on_its_disk_reads_nothing_from_the_sto
 def test_a_warm_fills_the_disk_tier_past_memory_and_reads_then_skip_the_store(s3, bucket, mounts, tmp_path):
     """`stoker warm` plans up to the disk tier's budget where it is larger than memory (here 16 MiB of memory, a
     dataset three times that), fetching no faster than the disk writes; the next pass reads only the disk."""
-    from fusecore import control
+    from fusecore.process import control
 
     dataset = {f"d/f{i:02d}": os.urandom(3 * MiB + 4099 * i) for i in range(16)}
     for name, body in dataset.items():
@@ -244,7 +244,7 @@ def test_a_warm_waits_for_a_slow_disk_instead_of_skipping_blocks(tmp_path, monke
     import trio
 
     from fusecore.config import MountConfig, StoreConfig
-    from fusecore.datapath import DataPath
+    from fusecore.read.datapath import DataPath
     from tests.support.fakestore import FakeStore
 
     slow_write = DiskTier._write
@@ -288,7 +288,7 @@ def test_blocks_larger_than_the_write_queue_are_written_too(tmp_path):
 def test_a_block_an_older_version_wrote_with_sha256_is_still_served_and_checked(tmp_path):
     """Files are written with CRC64-NVME now (STKDISK2); a DIR filled by an older version (STKDISK1, SHA-256) is
     read as it is after an upgrade, and a damaged one of those is still dropped, never served."""
-    from fusecore.disk import HEADER, MAGIC
+    from fusecore.cache.disk import HEADER, MAGIC
 
     disk = tier(tmp_path)
     keys = [BlockKey("obj", "etag-1", i) for i in range(2)]

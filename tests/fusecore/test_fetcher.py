@@ -7,12 +7,12 @@ import pytest
 import trio
 from trio.testing import wait_all_tasks_blocked
 
-from fusecore.blocks import BlockKey
-from fusecore.cache import BlockCache
-from fusecore.fetcher import FORWARD_PARTS, Fetcher
+from fusecore.cache.blocks import BlockKey
+from fusecore.cache.memory import BlockCache
+from fusecore.read.fetcher import FORWARD_PARTS, Fetcher
 from fusecore.metrics import MountMetrics
-from fusecore.objects import Parts, Progress
-from fusecore.store_errors import AccessDenied, PreconditionFailed, Unavailable
+from fusecore.store.objects import Parts, Progress
+from fusecore.store.errors import AccessDenied, PreconditionFailed, Unavailable
 from tests.support.fakestore import FakeStore
 from tests.support.waiting import until
 

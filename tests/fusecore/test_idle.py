@@ -1,6 +1,6 @@
-"""The idle-connection pool the store's HTTP clients and the peer client share (fusecore/idle.py)."""
+"""The idle-connection pool the store's HTTP clients and the peer client share (fusecore/store/idle.py)."""
 
-from fusecore.idle import IdlePool
+from fusecore.store.idle import IdlePool
 
 
 class Clock:

@@ -14,9 +14,9 @@ import time
 import pytest
 import trio
 
-from fusecore.loop_http import LoopHttp
-from fusecore.objects import Progress
-from fusecore.store_errors import PreconditionFailed, TransientError, Unavailable
+from fusecore.store.loop_http import LoopHttp
+from fusecore.store.objects import Progress
+from fusecore.store.errors import PreconditionFailed, TransientError, Unavailable
 from tests.fusecore.test_native_http import BODY, Server, _certificates, accept_all
 from tests.fusecore.test_native_http import client as native_client
 

@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from fusecore import control
-from fusecore.launch import ended
+from fusecore.process import control
+from fusecore.process.launch import ended
 from stoker.s3server import MotoServer, free_port
 from tests.conftest import requires_fuse
 from tests.support.faultproxy import FaultProxy
@@ -78,7 +78,7 @@ def _huge_page_mappings(pid: int) -> list[int]:
 def test_block_buffers_on_the_pages_chosen_serve_exact_bytes(s3, bucket, mounts, setting):
     """--huge-pages on: the mount's 4 MiB block buffers are mapped for 2 MiB pages (where the kernel has
     them) and every byte read through them is the object's; off: none is."""
-    from fusecore import pages
+    from fusecore.cache import pages
 
     data = put(s3, bucket, "big/x.bin", random.Random(7).randbytes(24 * MiB + 777))
     mp = mounts.mount(f"s3://{bucket}", "--huge-pages", setting, "--no-kernel-cache")
@@ -351,7 +351,7 @@ def test_foreground_mount_unmounts_cleanly_on_sigterm(s3, bucket, tmp_path, moto
 
 
 def test_a_mount_whose_process_was_killed_can_be_unmounted_and_mounted_again(s3, bucket, mounts):
-    from fusecore.mounts import fs_type, is_mounted
+    from fusecore.process.mounts import fs_type, is_mounted
 
     put(s3, bucket, "f", b"still here")
     mp = mounts.mount(f"s3://{bucket}")

@@ -1,4 +1,4 @@
-from fusecore.mounts import mount_entries
+from fusecore.process.mounts import mount_entries
 
 
 def test_mountinfo_parsing_unescapes_paths(tmp_path):

@@ -4,8 +4,8 @@ import pytest
 import trio
 
 from fusecore.metrics import MountMetrics
-from fusecore.namespace import LIST_AFTER_LOOKUPS, ROOT_INODE, Namespace, valid_name
-from fusecore.store_errors import NotFound
+from fusecore.read.namespace import LIST_AFTER_LOOKUPS, ROOT_INODE, Namespace, valid_name
+from fusecore.store.errors import NotFound
 from tests.support.fakestore import FakeStore
 
 

@@ -17,9 +17,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import trio
 
-from fusecore.native_http import NativeHttp
-from fusecore.objects import Progress
-from fusecore.store_errors import PreconditionFailed, TransientError, Unavailable
+from fusecore.store.native_http import NativeHttp
+from fusecore.store.objects import Progress
+from fusecore.store.errors import PreconditionFailed, TransientError, Unavailable
 
 BODY = bytes(range(256)) * 400  # 102,400 bytes, more than one 16 KiB piece from awscrt
 
@@ -276,8 +276,8 @@ def test_on_the_loop_errors_refusals_and_long_bodies_are_as_on_a_thread(server):
 _THREAD_STATE_PROBE = r"""
 import os, sys, threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from fusecore import native_http
-from fusecore.objects import Progress
+from fusecore.store import native_http
+from fusecore.store.objects import Progress
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"

@@ -1,4 +1,4 @@
-"""Block ownership for a distributed cache (fusecore/ownership.py): balanced, stable, cheap at 1,000 members."""
+"""Block ownership for a distributed cache (fusecore/cluster/ownership.py): balanced, stable, cheap at 1,000 members."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from fusecore.ownership import TABLE_SIZE, Owners, block_id
+from fusecore.cluster.ownership import TABLE_SIZE, Owners, block_id
 
 
 def names(n: int, start: int = 0) -> list[str]:

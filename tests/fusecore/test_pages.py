@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from fusecore import pages
+from fusecore.cache import pages
 from fusecore.config import ConfigError, MountConfig, StoreConfig
 
 BUDDY = ("Node 0, zone      DMA      0      0      0      0      0      0      0      0      1      1      3\n"

@@ -1,4 +1,4 @@
-"""A node's one peer port (fusecore/peer_router.py) over real sockets: each connection reaches the mount of the
+"""A node's one peer port (fusecore/cluster/router.py) over real sockets: each connection reaches the mount of the
 cache its path names, with the bytes exact; one cache's key opens no other cache's blocks; an unknown cache,
 a mount that is gone, a malformed or silent connection are answered (a miss for the asker) and never stall
 the router; a flood of silent connections sheds its own oldest ones, never an asker that sends its request line,
@@ -14,8 +14,8 @@ import time
 import pytest
 import trio
 
-from fusecore.peer_router import PeerRouter
-from fusecore.peers import BlockAsk, PeerClient, PeerServer, PeerTimeouts, cache_prefix
+from fusecore.cluster.router import PeerRouter
+from fusecore.cluster.peers import BlockAsk, PeerClient, PeerServer, PeerTimeouts, cache_prefix
 
 SLACK = PeerTimeouts(connect=10, first_byte=10, body=20)
 A, B = "a" * 32, "b" * 32  # two caches' ids

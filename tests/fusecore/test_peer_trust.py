@@ -10,11 +10,11 @@ import time
 import pytest
 import trio
 
-from fusecore.cluster import Cluster
+from fusecore.cluster.tier import Cluster
 from fusecore.config import MountConfig, StoreConfig
-from fusecore.datapath import DataPath
-from fusecore.blocks import BlockKey
-from fusecore.peers import BlockAsk, PeerClient, PeerTimeouts
+from fusecore.read.datapath import DataPath
+from fusecore.cache.blocks import BlockKey
+from fusecore.cluster.peers import BlockAsk, PeerClient, PeerTimeouts
 from stoker.s3server import free_port
 from tests.support.fakestore import FakeStore
 
@@ -136,7 +136,7 @@ def test_a_member_whose_owners_answers_are_altered_on_the_wire_reads_the_right_b
     """A node on the path between two members flips a byte of every answer the owner sends: none opens, so the
     member's reads of the blocks that owner owns come from the store, every byte right; the owner is counted
     failed and avoided (nothing forged is ever served or kept)."""
-    from fusecore.peers import PeerServer
+    from fusecore.cluster.peers import PeerServer
     from tests.support.tamper import TamperProxy
 
     store = FakeStore()

@@ -1,4 +1,4 @@
-"""The peer protocol of a distributed cache (fusecore/peers.py) over real HTTP on loopback: a peer can make a
+"""The peer protocol of a distributed cache (fusecore/cluster/peers.py) over real HTTP on loopback: a peer can make a
 read slower, never make it fail or return other bytes; and what crosses the network is sealed (seal.py)."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fusecore.peers import FETCHING, HELD, BlockAsk, PeerClient, PeerServer, PeerTimeouts, ask_target, hello_target
-from fusecore.seal import Session, fresh_random
+from fusecore.cluster.peers import FETCHING, HELD, BlockAsk, PeerClient, PeerServer, PeerTimeouts, ask_target, hello_target
+from fusecore.cluster.seal import Session, fresh_random
 from tests.support.tamper import TamperProxy
 
 KEY = b"cache-key-of-tenant-a"
@@ -306,7 +306,7 @@ def test_a_read_through_whose_bytes_come_within_a_beat_is_answered_in_one_write(
     """Most read-throughs end before the first beat: the head then goes with the bytes, one write and one wake of
     the asker, not a head and then the bytes. (The beat is made long here, so a loaded machine cannot make the
     owner's 'GET' of 0.05 s outlast it; the beats themselves are tested above.)"""
-    from fusecore import peers
+    from fusecore.cluster import peers
 
     writes: list[bytes] = []
     send = peers._send
@@ -408,7 +408,7 @@ def test_a_sealed_block_trickled_byte_by_byte_is_given_up_within_the_body_bound(
 
 
 def test_an_ask_round_trips_and_one_outside_the_object_or_the_dataset_is_refused():
-    from fusecore.cluster import check_ask
+    from fusecore.cluster.tier import check_ask
 
     want = BlockAsk("train/a b&c.jpg", "e1", 3, 3 * 4096 + 10, 3 * 4096 + 20, 5 * 4096, through=False)
     query = want.query()
@@ -452,7 +452,7 @@ def _raw(server, data: bytes) -> bytes:
 def test_what_is_not_the_protocols_http_is_answered_400_and_the_connection_closed(server):
     """The server parses requests itself (wire.Wire): anything but a bodiless GET of HTTP/1.x, with well-formed
     headers and a head of at most MAX_HEAD bytes, is told 400 and closed, before any key is used."""
-    from fusecore.wire import MAX_HEAD
+    from fusecore.store.wire import MAX_HEAD
 
     target = hello_target("", fresh_random())
     for bad in (f"POST {target} HTTP/1.1\r\n\r\n", f"GET {target} HTTP/2.0\r\n\r\n",

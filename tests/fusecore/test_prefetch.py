@@ -1,6 +1,6 @@
 from hypothesis import given, strategies as st
 
-from fusecore.prefetch import AHEAD_SHARE, LONG_RUN_BLOCKS, ReadAhead
+from fusecore.read.prefetch import AHEAD_SHARE, LONG_RUN_BLOCKS, ReadAhead
 
 MiB = 1024 * 1024
 

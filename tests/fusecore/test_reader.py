@@ -7,8 +7,8 @@ import trio
 from hypothesis import given, settings, strategies as st
 
 from fusecore.config import MountConfig, StoreConfig
-from fusecore.datapath import DataPath
-from fusecore.reader import FIRST_BLOCK_PARTS
+from fusecore.read.datapath import DataPath
+from fusecore.read.reader import FIRST_BLOCK_PARTS
 from tests.support.fakestore import FakeStore
 from tests.support.waiting import until
 
@@ -281,7 +281,7 @@ def test_a_seek_abandons_the_prefetches_still_queued_for_the_old_position():
 def test_a_few_random_files_of_a_huge_directory_do_not_fetch_the_directory():
     """Random opens in a big directory: the walk stops after a bounded number of files the reader never
     takes (it used to fetch the whole directory ahead, starving the reader's own GETs)."""
-    from fusecore.walk import WALK_START
+    from fusecore.read.walk import WALK_START
 
     store = FakeStore()
     names = [f"huge/{i:05d}.jpg" for i in range(3000)]
@@ -310,7 +310,7 @@ def test_a_shuffled_pass_over_one_flat_folder_is_fetched_whole_ahead_where_the_c
     """A flat folder read in shuffled order rarely opens a file the walk fetched, so the walk's own bound never
     grew (issue 44: the store's slots sat idle). Once the reader opened PASS_FRACTION of it, a folder the cache
     can hold is fetched whole ahead of the reader, each file once; one the cache cannot hold stays as it was."""
-    from fusecore.walk import PASS_FRACTION, PASS_MIN, WALK_GROWTH, WALK_START
+    from fusecore.read.walk import PASS_FRACTION, PASS_MIN, WALK_GROWTH, WALK_START
 
     store = FakeStore()
     names = [f"flat/{i:05d}.jpg" for i in range(800)]
@@ -497,8 +497,8 @@ def test_an_owner_reads_through_for_a_member_but_only_serves_what_it_holds_to_an
     once, never fetched, so two owners reading the same block can never wait on each other."""
     from concurrent.futures import Future
 
-    from fusecore.cluster import Cluster
-    from fusecore.peers import BlockAsk
+    from fusecore.cluster.tier import Cluster
+    from fusecore.cluster.peers import BlockAsk
 
     store = FakeStore()
     payload = random.Random(9).randbytes(600 * KiB)
@@ -527,9 +527,9 @@ def test_an_owner_reads_a_big_block_through_for_a_member_in_parts_while_another_
     FORWARD_PARTS GETs at once, also while its own reader streams another file (which alone would keep it to one)."""
     from concurrent.futures import Future
 
-    from fusecore.cluster import Cluster
-    from fusecore.fetcher import FORWARD_PARTS
-    from fusecore.peers import BlockAsk
+    from fusecore.cluster.tier import Cluster
+    from fusecore.read.fetcher import FORWARD_PARTS
+    from fusecore.cluster.peers import BlockAsk
 
     store = FakeStore()
     payload = random.Random(10).randbytes(2 * MiB)
@@ -614,9 +614,9 @@ def test_the_stores_bytes_are_told_apart_by_why_they_were_fetched():
     give it (fallback). They add up to every byte the store sent."""
     from concurrent.futures import Future
 
-    from fusecore.cluster import Cluster
-    from fusecore.ownership import Owners, block_id
-    from fusecore.peers import BlockAsk
+    from fusecore.cluster.tier import Cluster
+    from fusecore.cluster.ownership import Owners, block_id
+    from fusecore.cluster.peers import BlockAsk
 
     store = FakeStore()
     seq = store.put("data/seq.bin", random.Random(1).randbytes(2 * MiB))

@@ -11,7 +11,7 @@ import botocore.config
 import botocore.session
 import pytest
 
-from fusecore.signing import REFERENCE_KEY, ObjectUrls, learn_form
+from fusecore.store.signing import REFERENCE_KEY, ObjectUrls, learn_form
 
 KEYS = ["small/train/007/img-000123.jpg", "a b/c+d=e&f?g#h", "ünï/cødé~x.bin", "100%/x;y,z:@!$'()*", "k/"]
 T = 1_796_400_000.0
@@ -23,7 +23,7 @@ def sigv4_query(host: str, path: str, *, access: str, secret: str, amz_date: str
                 token: str | None = None) -> dict[str, str]:
     """The query of a presigned S3 GET by AWS's documented query-string SigV4 ("Authenticating Requests: Using
     Query Parameters"), written here with hashlib and hmac alone: an expectation that owes nothing to botocore
-    or to fusecore.signing (test_the_reference_signer_gives_the_aws_documented_signature checks it)."""
+    or to fusecore.store.signing (test_the_reference_signer_gives_the_aws_documented_signature checks it)."""
     date = amz_date[:8]
     scope = f"{date}/{region}/s3/aws4_request"
     params = {"X-Amz-Algorithm": "AWS4-HMAC-SHA256", "X-Amz-Credential": f"{access}/{scope}", "X-Amz-Date": amz_date,
@@ -141,7 +141,7 @@ def test_an_unknown_form_signs_every_url_through_the_pipeline(frozen, monkeypatc
     calls = []
     original = c.generate_presigned_url
     monkeypatch.setattr(c, "generate_presigned_url", lambda *a, **k: calls.append(a) or original(*a, **k))
-    monkeypatch.setattr("fusecore.signing.learn_form", lambda url, bucket, key=REFERENCE_KEY: None)
+    monkeypatch.setattr("fusecore.store.signing.learn_form", lambda url, bucket, key=REFERENCE_KEY: None)
     urls = ObjectUrls(c, "b", 3600)
     assert urls.form is None
     learnt = len(calls)
@@ -167,7 +167,7 @@ def test_signed_urls_are_what_the_real_pipeline_makes_unfrozen():
 def test_credentials_that_gained_a_token_since_the_form_was_learnt_sign_through_the_pipeline(frozen, monkeypatch):
     """The form's parameters are the learnt credentials' (a token adds one): other credentials, until the form is
     learnt again, sign on the pipeline rather than drop or invent a parameter."""
-    from fusecore.signing import _Keys
+    from fusecore.store.signing import _Keys
     c = client("s3v4")
     urls = ObjectUrls(c, "b", 3600)
     assert urls.form is not None
@@ -185,7 +185,7 @@ def test_credentials_that_gained_a_token_since_the_form_was_learnt_sign_through_
     "http://h/b?list-type=2&prefix=stoker%2Freference%20key%2B~%C3%A9.bin&x-s3session=1",
 ], ids=["prefix-elsewhere", "no-prefix", "unknown-auth"])
 def test_a_listing_form_not_reproduced_stays_on_the_pipeline(url):
-    from fusecore.signing import learn_listing_form
+    from fusecore.store.signing import learn_listing_form
     assert learn_listing_form(url, "b") is None
 
 

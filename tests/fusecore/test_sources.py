@@ -1,6 +1,6 @@
 """BySource: connections by source and in all, oldest first (what the peer port and the router shed from)."""
 
-from fusecore.sources import BySource
+from fusecore.cluster.sources import BySource
 
 
 def test_items_are_kept_by_source_and_in_all_oldest_first():

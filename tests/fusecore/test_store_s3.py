@@ -6,8 +6,8 @@ import time
 import pytest
 
 from fusecore.config import StoreConfig
-from fusecore.store import S3Store
-from fusecore.store_errors import AccessDenied, BucketNotFound, NotFound, PreconditionFailed, TransientError, Unavailable
+from fusecore.store.client import S3Store
+from fusecore.store.errors import AccessDenied, BucketNotFound, NotFound, PreconditionFailed, TransientError, Unavailable
 from stoker.s3server import MotoServer
 from tests.support.faultproxy import FaultProxy
 
@@ -229,7 +229,7 @@ def test_small_ranges_go_on_native_connections_and_large_ones_on_urllib3(s3, buc
                                                                          monkeypatch):
     """The native path takes ranges up to native_http.MAX_BODY (cheaper per request), urllib3 the rest
     (cheaper per byte); STOKER_NATIVE_HTTP=0 keeps all on urllib3."""
-    from fusecore.native_http import MAX_BODY, NativeHttp
+    from fusecore.store.native_http import MAX_BODY, NativeHttp
 
     calls = []
     real = NativeHttp.get_into

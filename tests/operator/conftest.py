@@ -10,7 +10,7 @@ import sys
 import pytest
 from stoker_bench.fakekube import FakeKube
 
-from fusecore.launch import stop_process
+from fusecore.process.launch import stop_process
 
 NAMESPACE = "ml"
 RELEASE_NS = "stoker-system"  # where the operator hands over volumes and keeps the DatasetCacheNodes

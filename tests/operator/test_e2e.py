@@ -12,8 +12,8 @@ import pytest
 
 from csi.state import StateDir
 from csi.volumes import kubelet_staging_path
-from fusecore import control
-from fusecore.mounts import is_mounted
+from fusecore.process import control
+from fusecore.process.mounts import is_mounted
 from stoker_operator.handover import handover_name
 from tests.conftest import requires_fuse
 from tests.support.waiting import unmount_everything_under

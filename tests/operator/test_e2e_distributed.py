@@ -15,7 +15,7 @@ import signal
 import pytest
 
 from csi.volumes import kubelet_staging_path
-from fusecore import control
+from fusecore.process import control
 from stoker.s3server import free_port
 from tests.conftest import requires_fuse
 from tests.csi.conftest import SECRETS

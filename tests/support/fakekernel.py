@@ -4,7 +4,7 @@
 - mounts stack: the last mount at a path is what a lookup reaches; unmounting a path removes its whole
   stack, and a FUSE mount's process ends when its last mount is gone;
 - a bind of a path follows it: a mount stacked later on the source shows at every follower too
-  (mount propagation, fusecore.mounts.bind_follower); unmounting a follower never touches the source;
+  (mount propagation, fusecore.process.mounts.bind_follower); unmounting a follower never touches the source;
 - a mount process answers its control socket (stats, resize, credentials) until it is killed; a killed
   process leaves its mount in the table (a dead FUSE mount: ENOTCONN), as the kernel does.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 
 from csi.mounter import MountRequest
-from fusecore.mounts import MountInfo, top_mount
+from fusecore.process.mounts import MountInfo, top_mount
 from stoker_bench.fakemount import FakeMountControl
 
 STOKER_FS = "fuse.stoker"

@@ -9,8 +9,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from fusecore.objects import Listing, ObjectInfo, Progress
-from fusecore.store_errors import AccessDenied, NotFound, PreconditionFailed, TransientError, Unavailable
+from fusecore.store.objects import Listing, ObjectInfo, Progress
+from fusecore.store.errors import AccessDenied, NotFound, PreconditionFailed, TransientError, Unavailable
 
 
 @dataclass

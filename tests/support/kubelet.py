@@ -44,7 +44,7 @@ import grpc
 
 from csi import csi_pb2 as pb
 from csi import csi_pb2_grpc as rpc
-from fusecore.mounts import is_mounted, mount_table
+from fusecore.process.mounts import is_mounted, mount_table
 
 from .container import Container
 from .waiting import unmount_everything_under

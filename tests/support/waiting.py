@@ -6,7 +6,7 @@ from typing import Callable, TypeVar
 
 import trio
 
-from fusecore.mounts import mount_entries, unmount_stack
+from fusecore.process.mounts import mount_entries, unmount_stack
 from stoker_bench.fixture import wait_for  # noqa: F401 - the tests' polling helper
 
 T = TypeVar("T")

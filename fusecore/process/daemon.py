@@ -1,0 +1,174 @@
+"""Mount lifecycle: validate the store, mount with pyfuse3, serve until unmounted or signalled."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import errno
+import logging
+import os
+import signal
+import subprocess
+from typing import Callable
+
+import pyfuse3
+import trio
+
+from ..failures import StokerError
+from . import control
+from ..config import ConfigError, MountConfig, auto_cache_size, block_squares
+from ..read.datapath import DataPath
+from ..fuse.adapter import StokerFS
+from .mounts import is_mounted
+from ..store.client import S3Store
+from ..store.errors import StoreError
+
+log = logging.getLogger(__name__)
+
+ReadyCallback = Callable[[Exception | None], None]  # None: mounted and serving; else why it failed (typed)
+
+
+class MountError(StokerError, RuntimeError):
+    kind = "mount"
+
+
+def tune_malloc() -> None:
+    """Keep RSS close to the cache budget: big blocks come from mmap and go back on free."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1024 * 1024)  # M_MMAP_THRESHOLD: fixed, no dynamic growth
+        libc.mallopt(-8, 4)  # M_ARENA_MAX: worker threads share a few arenas
+    except (OSError, AttributeError):
+        pass
+
+
+def check_mountpoint(path: str) -> None:
+    if not os.path.isdir(path):
+        raise MountError(f"mountpoint {path} is not an existing directory")
+    if is_mounted(path):
+        raise MountError(f"{path} is already a mount point")
+
+
+def machine_memory() -> int:
+    """Bytes of memory this process may use: the machine's, or its cgroup's limit where that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+def _sized(cfg: MountConfig, store: S3Store) -> MountConfig:
+    """`--cache-size auto`: one listing of the dataset (no HEADs) before mounting, then the budget."""
+    dataset = squares = 0  # in one pass over the listing, whatever its length
+    for info in store.list_all(cfg.store.prefix):
+        dataset += info.size
+        squares += block_squares((info.size,), cfg.block_size)
+    size, why = auto_cache_size(cfg, dataset, machine_memory(), squares)
+    log.info("%s", why)
+    return dataclasses.replace(cfg, cache_size=size)
+
+
+def run_mount(cfg: MountConfig, ready: ReadyCallback) -> int:
+    """Mount and serve in this process; returns the exit status."""
+    tune_malloc()
+    try:
+        if cfg.fuse_fd is None:
+            check_mountpoint(cfg.mountpoint)
+        if not cfg.control_socket:
+            control.runtime_dir()  # the default socket's folder, checked before mounting (a ConfigError)
+        store = S3Store(cfg.store)
+        store.check()
+        if cfg.cache_size_auto:
+            cfg = _sized(cfg, store)
+        datapath = DataPath(cfg, store)
+        log.info("block buffers on %s pages: %s", datapath.pages.size, datapath.pages.why)
+    except (MountError, StoreError, ConfigError) as exc:
+        ready(exc)
+        return 1
+    try:
+        trio.run(_serve, cfg, datapath, ready)
+    except (MountError, ConfigError) as exc:
+        ready(exc)
+        return 1
+    finally:
+        datapath.close()
+    return 0
+
+
+async def _serve(cfg: MountConfig, datapath: DataPath, ready: ReadyCallback) -> None:
+    fs = StokerFS(datapath.namespace, datapath.reader, block_size=cfg.block_size, kernel_cache=cfg.kernel_cache,
+                  uid=os.getuid() if cfg.uid is None else cfg.uid, gid=os.getgid() if cfg.gid is None else cfg.gid,
+                  on_open=datapath.walk.on_open)
+    options = set(pyfuse3.default_options)
+    options |= {"ro", f"fsname=stoker:{cfg.store.bucket}", "subtype=stoker"}
+    if cfg.allow_other:
+        options.add("allow_other")
+    # With a descriptor the caller already mounted (see fusecore.process.mounts.mount_fuse_fd), libfuse only serves it.
+    where = cfg.mountpoint if cfg.fuse_fd is None else f"/dev/fd/{cfg.fuse_fd}"
+    try:
+        pyfuse3.init(fs, where, options)
+    except RuntimeError as exc:
+        raise MountError(f"cannot mount at {cfg.mountpoint}: {exc}") from None
+    try:
+        async with trio.open_nursery() as nursery:
+            datapath.start(nursery)
+            socket_path = cfg.control_socket or control.default_control_socket(cfg.mountpoint)
+            await nursery.start(control.serve, datapath, socket_path)
+            if cfg.metrics_port is not None:
+                datapath.metrics.serve(cfg.metrics_port, cfg.metrics_addr)
+            nursery.start_soon(_terminate_on_signal)
+            nursery.start_soon(_announce_ready, cfg, ready)
+            await pyfuse3.main(min_tasks=4, max_tasks=128)
+            nursery.cancel_scope.cancel()
+    finally:
+        pyfuse3.close(unmount=True)
+
+
+async def _announce_ready(cfg: MountConfig, ready: ReadyCallback) -> None:
+    """Report ready only once the kernel gets answers from this process."""
+    st = await trio.to_thread.run_sync(os.stat, cfg.mountpoint)
+    _set_read_ahead(st.st_dev, cfg.read_ahead_kb)
+    _raise_background_limit(st.st_dev)
+    log.info("mounted s3://%s/%s at %s", cfg.store.bucket, cfg.store.prefix, cfg.mountpoint)
+    ready(None)
+
+
+def _set_read_ahead(dev: int, kb: int) -> None:
+    """Larger kernel readahead means larger, concurrent FUSE reads for sequential readers."""
+    path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+    try:
+        with open(path, "w") as f:
+            f.write(str(kb))
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT):
+            log.info("could not set %s: %s", path, exc)
+
+
+FUSECTL = "/sys/fs/fuse/connections"
+MAX_BACKGROUND = 64  # the kernel's default of 12 queued readahead requests starves several readers
+
+
+def _raise_background_limit(dev: int) -> None:
+    """Let the kernel keep more asynchronous (readahead) FUSE reads in flight (root only)."""
+    if os.major(dev) != 0:
+        return
+    conn = os.path.join(FUSECTL, str(os.minor(dev)))
+    if os.geteuid() == 0 and os.path.isdir(FUSECTL) and not os.path.ismount(FUSECTL):
+        subprocess.run(["mount", "-t", "fusectl", "fusectl", FUSECTL], capture_output=True)
+    for name, value in (("max_background", MAX_BACKGROUND), ("congestion_threshold", MAX_BACKGROUND * 3 // 4)):
+        try:
+            with open(os.path.join(conn, name), "w") as f:
+                f.write(str(value))
+        except OSError:
+            return
+
+
+async def _terminate_on_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("signal %d: unmounting", signum)
+            pyfuse3.terminate()
+            return

@@ -1,0 +1,298 @@
+"""Assembles one mount's data path (store, cache, fetcher, namespace, reader) and its stats.
+
+Knows nothing of FUSE: the filesystem adapter and the control API both sit on top of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from concurrent.futures import Future
+from typing import Awaitable, Callable
+
+import trio
+
+from ..cache.blocks import block_count, block_extent
+from ..cache.memory import BlockCache, Buffer
+from ..cluster.tier import Cluster, check_ask, held, read_key
+from ..config import WARM_FRACTION, ConfigError, Identity, MountConfig
+from ..cache.disk import DiskTier
+from .fetcher import CAUSES, Fetcher
+from ..messages import JoinRequest, WarmProgress
+from ..metrics import MountMetrics
+from .namespace import Namespace
+from .reader import Reader
+from ..store.objects import ObjectStore
+from ..cluster.peers import BlockAsk
+from ..cache.pages import choose as choose_pages
+from ..store.errors import StoreError
+from .walk import DirectoryPrefetcher
+
+
+log = logging.getLogger(__name__)
+
+DISK_SETTLE = 10.0  # seconds a warm waits at its end for the disk tier to write what it fetched
+
+
+class DataPath:
+    def __init__(self, cfg: MountConfig, store: ObjectStore, metrics: MountMetrics | None = None):
+        self.cfg = cfg
+        self.store = store
+        self.rotations = 0  # credentials replaced while mounted
+        self.metrics = metrics or MountMetrics()
+        self.cache = BlockCache(cfg.cache_size)
+        self.metrics.bind_cache(self.cache.stats)
+        self.cluster = Cluster.from_config(cfg, read_key(cfg.peer_key_file), self.metrics) if cfg.peers else None
+        self.cache.lends = self.cluster is None
+        self.pages = choose_pages(cfg.huge_pages, cfg.block_size)
+        self.disk = DiskTier(cfg.disk_cache, cfg.disk_cache_size, bucket=cfg.store.bucket, block_size=cfg.block_size,
+                             mountpoint=cfg.mountpoint, huge_pages=self.pages.huge) if cfg.disk_cache else None
+        if self.disk is not None:
+            self.metrics.bind_disk(self.disk.stats)
+        self.fetcher = Fetcher(store, self.cache, self.metrics, block_size=cfg.block_size,
+                               max_concurrency=cfg.store.max_concurrency, inflight_limit=cfg.inflight_limit,
+                               read_deadline=cfg.read_deadline, cluster=self.cluster, huge_pages=self.pages.huge,
+                               disk=self.disk)
+        self.namespace = Namespace(store, cfg.store.prefix, cfg.metadata_ttl, self.metrics)
+        self.reader = Reader(self.fetcher, self.metrics, block_size=cfg.block_size,
+                             prefetch_limit=cfg.prefetch_limit, initial_prefetch=cfg.initial_prefetch)
+        self.walk = DirectoryPrefetcher(self.namespace, self.fetcher, self.cache, small_file_max=cfg.block_size,
+                                        budget=cfg.prefetch_limit)
+
+    def start(self, nursery: trio.Nursery) -> None:
+        self.fetcher.start(nursery)
+        self.walk.start(nursery)
+        self._nursery = nursery
+        if self.cluster is not None:
+            try:
+                self.cluster.serve(self._for_peer, nursery)
+            except OSError as exc:
+                raise ConfigError("peer-listen", f"cannot serve peers on {self.cfg.peer_listen}: {exc.strerror}") \
+                    from None
+
+    def _for_peer(self, want: BlockAsk) -> "Buffer | Future | None":
+        """On the event loop (the peer server runs on it): the bytes this node holds, a Future of the bytes it reads
+        through (its own block), or None; ValueError for an ask outside this node's dataset or blocks."""
+        check_ask(want, self.cfg.block_size, self.cfg.store.prefix)
+        found = held(self.cache, want, self.cfg.block_size)
+        cluster = self.cluster
+        if found is not None or not want.through or cluster is None \
+                or not cluster.owns(want.key, want.etag, want.index):
+            return found  # another owner asks only for what is held (peers.py: no owner waits on another)
+        pending: Future = Future()
+        self._nursery.start_soon(self._read_through, want, pending)
+        return pending
+
+    async def _read_through(self, want: BlockAsk, pending: Future) -> None:
+        """Fetch bytes of a block this node owns for a peer (joining any GET of it already running here) and keep
+        them: whole blocks as blocks, a random reader's range as that range (its low amplification stays). Only for
+        the object as this node lists it: an ask whose size or ETag differs (an asker that is stale, or lies) is
+        answered FAILED and changes nothing here, so no ask can make this node keep bytes of another length or
+        drop what it holds (the asker reads the store)."""
+        try:
+            info = await self.namespace.object_at(want.key)
+        except Exception as exc:  # noqa: BLE001 - a listing that failed: the asker reads the store
+            pending.set_exception(exc)
+            return
+        if info is None or (info.size, info.etag) != (want.size, want.etag):
+            assert self.cluster is not None
+            self.cluster.asks_disagreeing += 1
+            seen = self.cluster.asks_disagreeing
+            say = log.info if seen & (seen - 1) == 0 else log.debug  # the 1st, 2nd, 4th, 8th...: no flood of lines
+            say("a peer asked %s (%s, %d bytes), which this node lists %s: not read through", want.key, want.etag,
+                want.size, "as no object" if info is None else f"as ({info.etag}, {info.size} bytes)")
+            pending.set_exception(ValueError("the ask disagrees with this node's listing"))
+            return
+        try:
+            if (want.start, want.stop) == block_extent(want.index, want.size, self.cfg.block_size):
+                pending.set_result(memoryview(await self.fetcher.forward(info, want.index)))
+            else:
+                data, _, base = await self.fetcher.range(info, want.start, want.stop, visit="peer")
+                pending.set_result(memoryview(data)[want.start - base:want.stop - base])
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the asker is answered FAILED at once
+            pending.set_exception(exc)
+
+    def close(self) -> None:
+        if self.cluster is not None:
+            self.cluster.close()
+        if self.disk is not None:
+            self.disk.close()
+
+    def stats(self) -> dict:
+        c = self.cache.stats()
+        disk = self.disk.stats() if self.disk is not None else None
+        m = self.metrics
+        errors = {}
+        for metric in m.errors.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    errors[sample.labels["kind"]] = int(sample.value)
+        gets = sum(m.value(m.get_requests, kind=k) for k in ("demand", "prefetch"))
+        return {
+            "pid": os.getpid(),
+            "mountpoint": self.cfg.mountpoint,
+            "bucket": self.cfg.store.bucket,
+            "prefix": self.cfg.store.prefix,
+            "cache": {
+                "bytes": c.bytes, "budget": c.budget, "entries": c.entries, "staged_bytes": c.staged, "lent_bytes": c.lent,
+                "hits": c.hits, "misses": c.misses, "hit_ratio": round(c.hit_ratio, 4),
+                "evictions": c.evictions, "prefetch_dropped": c.prefetch_dropped,
+                "recycled_buffers": self.cache.recycled,
+                "pages": self.pages.size, "pages_why": self.pages.why,
+            },
+            "requests": {
+                "get": int(gets),
+                "get_prefetch": int(m.value(m.get_requests, kind="prefetch")),
+                "list": int(m.value(m.list_requests)),
+                "head": int(m.value(m.head_requests)),
+                "body_retries": int(m.value(m.retries)),
+                "throttled": int(m.value(m.throttled)),
+            },
+            "bytes_fetched": int(m.value(m.get_bytes)),
+            # why they were fetched (fetcher.CAUSES): where a distributed cache's store bytes go past the dataset
+            "store_bytes_by_cause": {cause: int(m.value(m.store_bytes, cause=cause)) for cause in CAUSES},
+            "bytes_served": {
+                "cache": int(m.value(m.bytes_served, source="cache")),
+                "network": int(m.value(m.bytes_served, source="network")),
+            },
+            # where the bytes this node received came from: its cache (served to readers), peers, the store
+            "bytes_by_source": {
+                "local_cache": int(m.value(m.bytes_served, source="cache")),
+                "disk": disk.bytes_read if disk is not None else 0,
+                "peers": self.cluster.bytes_from_peers if self.cluster is not None else 0,
+                "store": int(m.value(m.get_bytes)),
+            },
+            "inflight": {"requests": self.fetcher.inflight, "bytes": int(m.value(m.inflight_bytes))},
+            "open_files": self.reader.open_files,
+            "walk_prefetches": self.walk.issued,
+            "walk_dirs_ahead": self.walk.dirs_ahead,
+            "walk_dirs_whole": self.walk.whole_dirs,
+            "fuse_reads": {"count": self.reader.read_calls, "bytes_requested": self.reader.read_bytes},
+            "errors": errors,
+            "skipped_names": self.namespace.skipped_names,
+            "namespace_entries": self.namespace.entries,
+            "credential_rotations": self.rotations,
+            **({"cluster": self.cluster.stats()} if self.cluster is not None else {}),
+            **({"disk": dataclasses.asdict(disk)} if disk is not None else {}),
+        }
+
+    def resize(self, cache_size: int) -> dict:
+        """New cache budget (the operator sizes node caches); in-flight GET bytes follow it as at start."""
+        if cache_size < 2 * self.cfg.block_size:
+            raise ValueError(f"cache size must hold at least two blocks ({2 * self.cfg.block_size} bytes)")
+        self.cfg = dataclasses.replace(self.cfg, cache_size=cache_size)
+        self.fetcher.set_inflight_limit(self.cfg.inflight_limit)
+        self.cache.resize(cache_size)
+        return {"budget": self.cache.budget, "bytes": self.cache.stats().bytes}
+
+    async def set_peers(self, members: list[str], replicas: int | None = None) -> dict:
+        """New members of the distributed cache (a node joined or left); warm again to fetch what this node
+        now owns."""
+        if self.cluster is None:
+            raise ValueError("this mount is not part of a distributed cache (--peers)")
+        return await trio.to_thread.run_sync(self.cluster.set_members, members, replicas)
+
+    async def join(self, request: JoinRequest) -> dict:
+        """Become a member of a distributed cache, or update the membership of the one this mount is in
+        (members, replicas, this node's address, the key). A mount serves one distributed cache at most."""
+        cluster = self.cluster
+        if cluster is not None and cluster.name != request.name:
+            raise ValueError(f"this mount already serves distributed cache {cluster.name or '(--peers)'!r}")
+        if cluster is None:
+            cluster = Cluster(request.me, [request.me], 1, request.key, self.metrics, timeout=self.cfg.peer_timeout,
+                              name=request.name)
+            answer = await trio.to_thread.run_sync(cluster.set_members, list(request.members), request.replicas)
+            cluster.changes = 0
+            cluster.serve(self._for_peer, self._nursery, handoff=request.handoff)
+            self.cluster = self.fetcher.cluster = cluster
+            self.cache.lends = False
+            return answer
+        cluster.rekey(request.me, request.key)
+        return await trio.to_thread.run_sync(cluster.set_members, list(request.members), request.replicas)
+
+    def rotate(self, identity: Identity) -> dict:
+        """Sign with new credentials from now on (kubelet's republish or restage brought them)."""
+        self.store.rotate(identity)
+        self.rotations += 1
+        return {"rotated": True}
+
+    def drop(self) -> dict:
+        before = self.cache.stats().bytes
+        self.cache.clear()
+        return {"dropped_bytes": before}
+
+    def _warmed_blocks(self, info) -> list[int]:
+        """The blocks of a file this node warms: all, or in a distributed cache the ones it owns."""
+        blocks = range(block_count(info.size, self.cfg.block_size))
+        if self.cluster is None:
+            return list(blocks)
+        return [i for i in blocks if self.cluster.owns(info.key, info.etag, i)]
+
+    async def warm(self, paths: list[str], report: Callable[[dict], Awaitable[None]]) -> dict:
+        """Load files into the cache (up to 90% of the budget: the disk tier's where it is larger than memory),
+        reporting progress as it goes."""
+        files = []
+        for path in paths or [""]:
+            files.extend(await self.namespace.walk_files(path))
+        disk = self.disk
+        budget = int(max(self.cache.budget, disk.budget if disk is not None else 0) * WARM_FRACTION)
+        block_size = self.cfg.block_size
+        planned, total, skipped = [], 0, 0
+        for info in files:
+            mine = self._warmed_blocks(info)
+            size = sum(min(block_size, info.size - i * block_size) for i in mine)
+            if mine and total + size <= budget:
+                planned.append((info, mine))
+                total += size
+            elif mine or self.cluster is None:  # another node's file is not skipped: it is not this node's to warm
+                skipped += 1
+        progress = WarmProgress(files_total=len(planned), bytes_total=total, skipped_files=skipped)
+        slots = trio.CapacityLimiter(self.cfg.store.max_concurrency)
+
+        fetching = 0  # bytes of blocks being warmed, while a disk tier writes them behind
+
+        async def warm_block(info, index: int) -> None:
+            nonlocal fetching
+            nbytes = min(block_size, info.size - index * block_size)
+            async with slots:
+                # The disk's writer takes blocks from a bounded queue and skips what does not fit (readers never
+                # wait for it): a warm, which nobody waits for, fetches no faster than the disk writes.
+                while disk is not None and (fetching or disk.queued_bytes) \
+                        and disk.queued_bytes + fetching + nbytes > disk.queue_limit:
+                    await trio.sleep(0.005)
+                fetching += nbytes
+                try:
+                    await self.fetcher.block(info, index, visit="warm")
+                except StoreError:
+                    progress.errors += 1
+                    return
+                finally:
+                    fetching -= nbytes
+            progress.bytes_done += nbytes
+
+        async def reporter() -> None:
+            while True:
+                await trio.sleep(0.25)
+                await report(progress.wire())
+
+        started = time.monotonic()
+        async with trio.open_nursery() as outer:
+            outer.start_soon(reporter)
+            async with trio.open_nursery() as nursery:
+                for info, mine in planned:
+                    for index in mine:
+                        async with slots:  # keep at most max_concurrency tasks queued
+                            pass
+                        nursery.start_soon(warm_block, info, index)
+                    progress.files_done += 1
+            # Done means held where the mount says it holds them: the disk's writer takes the last blocks first
+            # (its queue is bounded, so this is short; a stalled disk is waited for no longer than DISK_SETTLE).
+            settle = trio.current_time() + DISK_SETTLE
+            while disk is not None and disk.queued_bytes and trio.current_time() < settle:
+                await trio.sleep(0.01)
+            outer.cancel_scope.cancel()
+        progress.seconds = round(time.monotonic() - started, 3)
+        progress.done = True
+        return progress.wire()
