@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv s3fs rclone
+APT_PACKAGES := fuse3 gcc python3-dev python3-venv s3fs rclone
 PYTEST_ARGS ?=
 
 .PHONY: demo test test-unit bench bench-ab system venv clean

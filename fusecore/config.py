@@ -208,6 +208,7 @@ class MountConfig:
     max_inflight_bytes: int = 256 * 1024**2  # all GETs of the mount together
     metadata_ttl: float = 60.0
     kernel_cache: bool = True  # keep_cache while the ETag is unchanged
+    passthrough: bool = True  # files held whole on the disk tier are read by the kernel (root, Linux 6.9+)
     huge_pages: str = "auto"  # one of HUGE_PAGES
     read_ahead_kb: int = 1024  # kernel readahead for the mount's bdi (one FUSE read: see README "Reads")
     metrics_port: int | None = None

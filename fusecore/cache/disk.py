@@ -2,9 +2,11 @@
 
 Blocks live as files under DIR/blocks, one per block, named by a digest of what names a block everywhere
 (bucket, object key, ETag, index, block size): a changed object, or another block size, never finds old
-bytes. A file is a header (magic, length, the name's digest, a checksum of the bytes: CRC64-NVME, or SHA-256 in a
-file of an older version) and the bytes; a read
-checks all of it and drops the file on any mismatch (counted, never served: the block is fetched again).
+bytes. A file holds the block's bytes from offset 0, and its header (magic, length, the name's digest, a checksum of
+the bytes: CRC64-NVME) in an extended attribute, so that the kernel can read a file held whole itself (FUSE
+passthrough, `open_whole`). Where DIR's filesystem takes no user xattrs, and in files of older versions, the header
+is written before the bytes (SHA-256 in the oldest). A read checks all of it and drops the file on any mismatch
+(counted, never served: the block is fetched again).
 
 Writes go behind the reader: the fetcher offers a block once its readers have it, a queue of bounded bytes
 hands it to one writer thread, which writes a temporary file and renames it (a kill leaves at most a
@@ -43,8 +45,10 @@ log = logging.getLogger(__name__)
 # are written with CRC64-NVME (a tenth of SHA-256's cost: 0.35 against 2.7 ms a 4 MiB block, on every read back);
 # blocks an older version wrote with SHA-256 are read as they are.
 HEADER = struct.Struct("<8sQ32s32s")
-MAGICS = {b"STKDISK2": "crc64nvme", b"STKDISK1": "sha256"}
-MAGIC = b"STKDISK2"  # what this version writes
+MAGICS = {b"STKDISK2": "crc64nvme", b"STKDISK1": "sha256"}  # a header before the bytes
+MAGIC = b"STKDISK2"  # what this version writes where DIR takes no xattrs
+PLAIN_MAGIC = b"STKDISK3"  # the header in XATTR, the bytes alone in the file (CRC64-NVME)
+XATTR = "user.stoker.block"
 WRITE_QUEUE = 32 * 1024**2  # bytes offered and not written yet (or two blocks); more are skipped (readers never wait)
 STEP_ASIDE = 30.0  # seconds without writes after the disk failed one
 FLOOR_MAX = 1024**3  # writing pauses while the filesystem has less free than min(this, a 20th of its size)
@@ -97,6 +101,7 @@ class DiskTier:
         self._paused = ""
         self.hits = self.misses = self.bytes_read = self.written = self.skipped = 0
         self.dropped = self.evicted = self.errors = 0
+        self.plain = False  # files hold the bytes alone (the header in an xattr): decided by _prepare
         began = time.monotonic()
         self._holder = self._take_lock(mountpoint)
         try:
@@ -142,7 +147,11 @@ class DiskTier:
             os.makedirs(self._blocks, mode=0o700, exist_ok=True)
             os.chmod(self._blocks, 0o700)
             probe = os.path.join(self._blocks, f"{TEMP}probe")
-            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                self.plain = _takes_xattrs(fd)
+            finally:
+                os.close(fd)
             os.unlink(probe)
         except OSError as exc:
             raise ConfigError("disk-cache", f"{self.directory} is not writable: {exc.strerror}") from None
@@ -220,23 +229,77 @@ class DiskTier:
         except FileNotFoundError:
             return None
         try:
-            header = os.pread(fd, HEADER.size, 0)
-            if len(header) != HEADER.size:
-                self._corrupt(name, "short header")
+            where = self._header(fd, name, length)
+            if where is None:
                 return None
-            magic, size, digest, checksum = HEADER.unpack(header)
-            kind = MAGICS.get(magic)
-            if kind is None or digest != bytes.fromhex(name) or size != length:
-                self._corrupt(name, "header does not name this block")
-                return None
+            kind, checksum, start = where
             data = into if into is not None else allocate(length, self._huge)
-            if os.preadv(fd, [data], HEADER.size) != length or _sum(kind, data) != checksum:
+            if os.preadv(fd, [data], start) != length or _sum(kind, data) != checksum:
                 self._corrupt(name, "checksum mismatch")
                 return None
             os.utime(fd)  # its recency survives a restart (the scan orders by it)
             return data
         finally:
             os.close(fd)
+
+    def _header(self, fd: int, name: str, length: int) -> tuple[str, bytes, int] | None:
+        """The checksum's kind, the checksum, and where the bytes start in the file; None: not this block's."""
+        try:
+            header = os.getxattr(fd, XATTR)
+            start = 0
+        except OSError as exc:
+            if exc.errno not in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+            header = os.pread(fd, HEADER.size, 0)
+            start = HEADER.size
+        if len(header) != HEADER.size:
+            self._corrupt(name, "short header")
+            return None
+        magic, size, digest, checksum = HEADER.unpack(header)
+        kind = "crc64nvme" if start == 0 and magic == PLAIN_MAGIC else MAGICS.get(magic) if start else None
+        if kind is None or digest != bytes.fromhex(name) or size != length \
+                or os.fstat(fd).st_size != start + length:
+            self._corrupt(name, "header does not name this block")
+            return None
+        return kind, checksum, start
+
+    def open_whole(self, key: BlockKey, length: int) -> int | None:
+        """A descriptor of the block's file, checked, if it holds exactly the block's bytes from offset 0 (for the
+        kernel to read itself), else None. Counted as a hit of `length` bytes; the caller closes it."""
+        name = self.name(key)
+        with self._lock:
+            if name not in self._index:
+                return None
+            self._index.move_to_end(name)
+        try:
+            fd = os.open(os.path.join(self._blocks, name), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("disk cache: cannot open a block (%s)", exc.strerror)
+            return None
+        try:
+            where = self._header(fd, name, length)
+            if where is not None and where[2] == 0:
+                kind, checksum, _ = where
+                data = allocate(length, False)
+                if os.preadv(fd, [data], 0) == length and _sum(kind, data) == checksum:
+                    os.utime(fd)
+                    with self._lock:
+                        self.hits += 1
+                        self.bytes_read += length
+                    fd, kept = -1, fd
+                    return kept
+                self._corrupt(name, "checksum mismatch")
+            if where is None or where[2] == 0:
+                self._drop(name)
+            return None
+        except OSError as exc:
+            log.warning("disk cache: cannot read a block (%s); it is fetched again", exc.strerror)
+            return None
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
     def _corrupt(self, name: str, why: str) -> None:
         with self._lock:
@@ -287,7 +350,7 @@ class DiskTier:
                     self._queued -= len(data)
 
     def _write(self, name: str, data: Buffer) -> None:
-        need = HEADER.size + len(data)
+        need = len(data) if self.plain else HEADER.size + len(data)
         if name in self._index:  # offered twice (fetched again before its first copy was written)
             return
         if need > self.budget or self._clock() < self._paused_until:
@@ -301,12 +364,16 @@ class DiskTier:
                 return
             with self._lock:
                 self._evict_to(self.budget - need)
-            header = HEADER.pack(MAGIC, len(data), bytes.fromhex(name), _sum(MAGICS[MAGIC], data))
+            checksum = _sum("crc64nvme", data)
             temp = os.path.join(self._blocks, f"{TEMP}{name}")
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
-                _write_all(fd, header)
-                _write_all(fd, memoryview(data))
+                if self.plain:
+                    _write_all(fd, memoryview(data))
+                    os.setxattr(fd, XATTR, HEADER.pack(PLAIN_MAGIC, len(data), bytes.fromhex(name), checksum))
+                else:
+                    _write_all(fd, HEADER.pack(MAGIC, len(data), bytes.fromhex(name), checksum))
+                    _write_all(fd, memoryview(data))
             finally:
                 os.close(fd)
             os.rename(temp, os.path.join(self._blocks, name))
@@ -366,6 +433,15 @@ class DiskTier:
             self._wake.notify()
         self._writer.join(timeout=2.0)
         os.close(self._holder)
+
+
+def _takes_xattrs(fd: int) -> bool:
+    """Does DIR's filesystem keep a user xattr (ext4, xfs, tmpfs from Linux 6.6 do; some overlays do not)?"""
+    try:
+        os.setxattr(fd, XATTR, b"probe")
+        return os.getxattr(fd, XATTR) == b"probe"
+    except OSError:
+        return False
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:

@@ -1,156 +1,170 @@
-"""The pyfuse3 adapter: thin translation between kernel requests and the namespace/reader."""
+"""The FUSE adapter: each opcode's meaning, written once, as a thin translation between a kernel request and the
+namespace, the reader and the held files (passthrough). Errors are mapped here, once (errnos.errno_for)."""
 
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import math
 import os
 import stat
-from typing import Any, Callable
+from typing import Awaitable, Callable, Sequence
 
-import pyfuse3
-
-from .errnos import errno_for
 from ..read.namespace import Namespace, Node
 from ..read.reader import Reader
 from ..store.errors import StoreError
+from . import protocol as p
+from .errnos import errno_for
+from .passthrough import Passthrough
+from .session import Buffer, FuseError
 
 log = logging.getLogger(__name__)
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 _MAX_TIMEOUT = 365 * 24 * 3600.0
+NOTHING: Sequence[Buffer] = ()
+
+Op = Callable[[p.Request], Awaitable[Sequence[Buffer]]]
 
 
-def _boundary(handler: Callable) -> Callable:
-    """Map StoreError to its errno, and anything unexpected to EIO (never crash the mount)."""
-
-    @functools.wraps(handler)
-    async def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return await handler(*args, **kwargs)
-        except pyfuse3.FUSEError:
-            raise
-        except StoreError as exc:
-            log.debug("%s: %s", handler.__name__, exc)
-            raise pyfuse3.FUSEError(errno_for(exc)) from None
-        except Exception:  # noqa: BLE001 - the boundary: log and report EIO
-            log.exception("unexpected error in %s", handler.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
-
-    return wrapper
-
-
-class StokerFS(pyfuse3.Operations):
-    supports_dot_lookup = False
-    enable_writeback_cache = False
-    enable_acl = False
+class StokerFS:
+    """Answers one request (`__call__`) and takes the kernel's forgets (`forget`); see the module docstring."""
 
     def __init__(self, namespace: Namespace, reader: Reader, *, block_size: int, kernel_cache: bool,
-                 uid: int, gid: int, on_open: Callable[[Node], None] = lambda node: None):
-        super().__init__()
+                 uid: int, gid: int, on_open: Callable[[Node], None] = lambda node: None,
+                 passthrough: Passthrough | None = None):
         self.on_open = on_open
         self.ns = namespace
         self.reader = reader
         self.block_size = block_size
         self.kernel_cache = kernel_cache
         self.uid, self.gid = uid, gid
+        self.passthrough = passthrough
         self.timeout = min(namespace.ttl, _MAX_TIMEOUT) if not math.isinf(namespace.ttl) else _MAX_TIMEOUT
+        self._ops: dict[int, Op] = {
+            p.Op.LOOKUP: self.lookup, p.Op.GETATTR: self.getattr, p.Op.OPEN: self.open, p.Op.READ: self.read,
+            p.Op.RELEASE: self.release, p.Op.OPENDIR: self.opendir, p.Op.READDIRPLUS: self.readdirplus,
+            p.Op.READDIR: self.readdir, p.Op.RELEASEDIR: self.nothing, p.Op.FLUSH: self.nothing,
+            p.Op.STATFS: self.statfs, p.Op.ACCESS: self.access,
+        }
 
-    def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
-        a = pyfuse3.EntryAttributes()
-        a.st_ino = node.inode
-        a.generation = 0
-        a.entry_timeout = a.attr_timeout = self.timeout
-        a.st_uid, a.st_gid = self.uid, self.gid
-        a.st_blksize = self.block_size
-        if node.is_dir:
-            a.st_mode = stat.S_IFDIR | 0o555
-            a.st_nlink = 2
-            a.st_size = 0
-            mtime = self.ns.mount_time
-        else:
-            assert node.info is not None
-            a.st_mode = stat.S_IFREG | 0o444
-            a.st_nlink = 1
-            a.st_size = node.info.size
-            mtime = node.info.mtime
-        a.st_blocks = (a.st_size + 511) // 512
-        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = int(mtime * 1e9)
-        return a
-
-    @_boundary
-    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    async def __call__(self, request: p.Request) -> Sequence[Buffer]:
+        op = self._ops.get(request.opcode)
+        if op is None:
+            raise FuseError(errno.ENOSYS)  # the kernel stops asking (xattrs) or the VFS refused first (writes)
         try:
-            node = await self.ns.lookup(parent_inode, os.fsdecode(name))
+            return await op(request)
+        except FuseError:
+            raise
+        except StoreError as exc:
+            log.debug("opcode %d: %s", request.opcode, exc)
+            raise FuseError(errno_for(exc)) from None
+        except Exception:  # noqa: BLE001 - the boundary: log and report EIO
+            log.exception("unexpected error answering opcode %d", request.opcode)
+            raise FuseError(errno.EIO) from None
+
+    def forget(self, pairs: object) -> None:
+        """The kernel dropped references: entries it no longer holds may be swept (namespace.sweep)."""
+        for inode, count in pairs:  # type: ignore[attr-defined]
+            self.ns.forget(inode, count)
+        self.ns.sweep()
+
+    def _attr(self, node: Node) -> p.Attr:
+        if node.is_dir:
+            return p.Attr(node.inode, 0, stat.S_IFDIR | 0o555, 2, self.uid, self.gid,
+                          int(self.ns.mount_time * 1e9), self.block_size)
+        assert node.info is not None
+        return p.Attr(node.inode, node.info.size, stat.S_IFREG | 0o444, 1, self.uid, self.gid,
+                      int(node.info.mtime * 1e9), self.block_size)
+
+    async def lookup(self, r: p.Request) -> Sequence[Buffer]:
+        try:
+            node = await self.ns.lookup(r.nodeid, os.fsdecode(p.name_of(r.arg)))
         except StoreError as exc:
             if errno_for(exc) != errno.ENOENT:
                 raise
-            negative = pyfuse3.EntryAttributes()
-            negative.st_ino = 0  # the kernel caches "no such name" for entry_timeout
-            negative.entry_timeout = self.timeout
-            return negative
-        attrs = self._attrs(node)
+            return (p.entry_out(None, self.timeout),)  # the kernel caches "no such name" for entry_timeout
         self.ns.remember(node)  # the kernel now holds a reference to this inode
-        return attrs
+        return (p.entry_out(self._attr(node), self.timeout),)
 
-    @_boundary
-    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._attrs(self.ns.node(inode))
+    async def getattr(self, r: p.Request) -> Sequence[Buffer]:
+        return (p.attr_out(self._attr(self.ns.node(r.nodeid)), self.timeout),)
 
-    @_boundary
-    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        node = self.ns.node(inode)
-        if not node.is_dir:
-            raise pyfuse3.FUSEError(errno.ENOTDIR)
-        return inode
+    async def opendir(self, r: p.Request) -> Sequence[Buffer]:
+        if not self.ns.node(r.nodeid).is_dir:
+            raise FuseError(errno.ENOTDIR)
+        return (p.open_out(r.nodeid),)
 
-    @_boundary
-    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+    async def readdirplus(self, r: p.Request) -> Sequence[Buffer]:
+        fh, offset, size = p.READ_IN.unpack_from(r.arg)[:3]
         entries = await self.ns.readdir(fh)
-        for index in range(start_id, len(entries)):
+        out: list[bytes] = []
+        used = 0
+        for index in range(offset, len(entries)):
             name, inode = entries[index]
             node = self.ns.node(inode)
-            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attrs(node), index + 1):
+            entry = p.direntplus(self._attr(node), os.fsencode(name), index + 1, self.timeout)
+            if used + len(entry) > size:
                 break
+            out.append(entry)
+            used += len(entry)
             self.ns.remember(node)  # readdirplus: each entry sent counts as a lookup
+        return (b"".join(out),)  # one part: a writev takes at most 1,024
 
-    async def releasedir(self, fh: int) -> None:
-        return None
+    async def readdir(self, r: p.Request) -> Sequence[Buffer]:
+        fh, offset, size = p.READ_IN.unpack_from(r.arg)[:3]
+        entries = await self.ns.readdir(fh)
+        out: list[bytes] = []
+        used = 0
+        for index in range(offset, len(entries)):
+            name, inode = entries[index]
+            entry = p.dirent(self._attr(self.ns.node(inode)), os.fsencode(name), index + 1)
+            if used + len(entry) > size:
+                break
+            out.append(entry)
+            used += len(entry)
+        return (b"".join(out),)
 
-    @_boundary
-    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+    async def open(self, r: p.Request) -> Sequence[Buffer]:
+        flags = p.OPEN_IN.unpack_from(r.arg)[0]
         if flags & _WRITE_FLAGS:
-            raise pyfuse3.FUSEError(errno.EROFS)
-        node = self.ns.node(inode)
+            raise FuseError(errno.EROFS)
+        node = self.ns.node(r.nodeid)
         if node.is_dir:
-            raise pyfuse3.FUSEError(errno.EISDIR)
-        assert node.info is not None
-        fh = self.reader.open(node.info)
+            raise FuseError(errno.EISDIR)
+        info = node.info
+        assert info is not None
+        fh = self.reader.open(info)
         self.on_open(node)
-        same_version = node.cached_etag == node.info.etag
-        node.cached_etag = node.info.etag
-        return pyfuse3.FileInfo(fh=fh, keep_cache=self.kernel_cache and same_version)
+        same_version = node.cached_etag == info.etag
+        node.cached_etag = info.etag
+        try:
+            backing = self.passthrough.open(fh, node.inode, info) if self.passthrough is not None else 0
+        except FuseError:
+            self.reader.release(fh)
+            raise
+        if backing:
+            return (p.open_out(fh, p.OpenFlag.PASSTHROUGH, backing),)
+        return (p.open_out(fh, p.OpenFlag.KEEP_CACHE if self.kernel_cache and same_version else 0),)
 
-    @_boundary
-    async def read(self, fh: int, off: int, size: int) -> Any:
-        return await self.reader.read(fh, off, size)
+    async def read(self, r: p.Request) -> Sequence[Buffer]:
+        fh, offset, size = p.READ_IN.unpack_from(r.arg)[:3]
+        return (await self.reader.read(fh, offset, size),)
 
-    async def release(self, fh: int) -> None:
+    async def release(self, r: p.Request) -> Sequence[Buffer]:
+        fh = p.RELEASE_IN.unpack_from(r.arg)[0]
         self.reader.release(fh)
+        if self.passthrough is not None:
+            self.passthrough.release(fh)
+        return NOTHING
 
-    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
-        s = pyfuse3.StatvfsData()
-        s.f_bsize = s.f_frsize = self.block_size
-        s.f_namemax = 255
-        return s
+    async def statfs(self, r: p.Request) -> Sequence[Buffer]:
+        return (p.statfs_out(self.block_size),)
 
-    async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
-        return not (mode & os.W_OK)
+    async def access(self, r: p.Request) -> Sequence[Buffer]:
+        if p.ACCESS_IN.unpack_from(r.arg)[0] & os.W_OK:
+            raise FuseError(errno.EACCES)
+        return NOTHING
 
-    async def forget(self, inode_list: Any) -> None:
-        """The kernel dropped references: entries it no longer holds may be swept (namespace.sweep)."""
-        for inode, count in inode_list:
-            self.ns.forget(inode, count)
-        self.ns.sweep()
+    async def nothing(self, r: p.Request) -> Sequence[Buffer]:
+        return NOTHING

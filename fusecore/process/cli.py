@@ -68,6 +68,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--read-deadline", type=float, default=_default("read_deadline"),
                    help=f"a read waiting longer than this fails with EIO (default {_default('read_deadline'):g})")
     m.add_argument("--no-kernel-cache", action="store_true", help="do not keep the kernel page cache across opens")
+    m.add_argument("--no-passthrough", action="store_true",
+                   help="answer every read of a file held on the disk tier here, instead of letting the kernel read "
+                        "the held file itself (FUSE passthrough: root and Linux 6.9+)")
     m.add_argument("--huge-pages", default=_default("huge_pages"),
                    help=f"block buffers on 2 MiB pages: {', '.join(HUGE_PAGES)} (default auto: where the kernel "
                         "offers them and the machine does not report free memory to a VM host)")
@@ -153,6 +156,7 @@ def config_from_args(args: argparse.Namespace) -> MountConfig:
         peer_key_file=os.path.abspath(args.peer_key_file) if args.peer_key_file else "",
         metadata_ttl=parse_ttl(args.metadata_ttl),
         kernel_cache=not args.no_kernel_cache,
+        passthrough=not args.no_passthrough,
         huge_pages=args.huge_pages,
         read_ahead_kb=args.read_ahead_kb,
         metrics_port=args.metrics_port,
@@ -232,7 +236,7 @@ def cmd_serve_mount(args: argparse.Namespace) -> int:
 
 
 def _mount_here(cfg: MountConfig, log_level: str, ready_fd: int | None) -> int:
-    from .daemon import run_mount  # pyfuse3 is needed only by the process that serves
+    from .daemon import run_mount  # the FUSE adapter is loaded only by the process that serves
 
     logs.configure(log_level)
 

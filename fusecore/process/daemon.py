@@ -1,4 +1,4 @@
-"""Mount lifecycle: validate the store, mount with pyfuse3, serve until unmounted or signalled."""
+"""Mount lifecycle: validate the store, mount, serve the FUSE connection until unmounted or signalled."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import signal
 import subprocess
 from typing import Callable
 
-import pyfuse3
 import trio
 
 from ..failures import StokerError
@@ -19,6 +18,9 @@ from . import control
 from ..config import ConfigError, MountConfig, auto_cache_size, block_squares
 from ..read.datapath import DataPath
 from ..fuse.adapter import StokerFS
+from ..fuse.passthrough import Passthrough
+from ..fuse.protocol import Init, ProtocolError
+from ..fuse.session import Connection, MountFailed, MountOptions, mount, unmount
 from .mounts import is_mounted
 from ..store.client import S3Store
 from ..store.errors import StoreError
@@ -98,20 +100,23 @@ def run_mount(cfg: MountConfig, ready: ReadyCallback) -> int:
     return 0
 
 
+# What the mount asks of the kernel at INIT (libfuse's defaults for a read-only filesystem): concurrent reads of
+# one file, page-cache invalidation on a changed size or mtime, READDIRPLUS, concurrent lookups in one directory, and
+# reads of up to 1 MiB. Passthrough is asked where held files can be backing files (see _wants).
+WANT = (Init.ASYNC_READ | Init.AUTO_INVAL_DATA | Init.DO_READDIRPLUS | Init.ASYNC_DIO | Init.PARALLEL_DIROPS
+        | Init.MAX_PAGES)
+MAX_TASKS = 128  # requests answered at once; past that the kernel queues them
+
+
 async def _serve(cfg: MountConfig, datapath: DataPath, ready: ReadyCallback) -> None:
     fs = StokerFS(datapath.namespace, datapath.reader, block_size=cfg.block_size, kernel_cache=cfg.kernel_cache,
                   uid=os.getuid() if cfg.uid is None else cfg.uid, gid=os.getgid() if cfg.gid is None else cfg.gid,
                   on_open=datapath.walk.on_open)
-    options = set(pyfuse3.default_options)
-    options |= {"ro", f"fsname=stoker:{cfg.store.bucket}", "subtype=stoker"}
-    if cfg.allow_other:
-        options.add("allow_other")
-    # With a descriptor the caller already mounted (see fusecore.process.mounts.mount_fuse_fd), libfuse only serves it.
-    where = cfg.mountpoint if cfg.fuse_fd is None else f"/dev/fd/{cfg.fuse_fd}"
-    try:
-        pyfuse3.init(fs, where, options)
-    except RuntimeError as exc:
-        raise MountError(f"cannot mount at {cfg.mountpoint}: {exc}") from None
+    conn = _connect(cfg, datapath)
+    if conn.agreed is not None and conn.agreed.passthrough:
+        fs.passthrough = Passthrough(conn, datapath.held_file)
+        datapath.passthrough_stats = fs.passthrough.stats
+        log.info("FUSE passthrough: files held whole on the disk tier are read by the kernel itself")
     try:
         async with trio.open_nursery() as nursery:
             datapath.start(nursery)
@@ -119,12 +124,42 @@ async def _serve(cfg: MountConfig, datapath: DataPath, ready: ReadyCallback) -> 
             await nursery.start(control.serve, datapath, socket_path)
             if cfg.metrics_port is not None:
                 datapath.metrics.serve(cfg.metrics_port, cfg.metrics_addr)
-            nursery.start_soon(_terminate_on_signal)
+            nursery.start_soon(_terminate_on_signal, nursery.cancel_scope)
             nursery.start_soon(_announce_ready, cfg, ready)
-            await pyfuse3.main(min_tasks=4, max_tasks=128)
+            await conn.serve(fs, fs.forget, max_tasks=MAX_TASKS)
             nursery.cancel_scope.cancel()
     finally:
-        pyfuse3.close(unmount=True)
+        if not conn.ended and cfg.fuse_fd is None:
+            unmount(cfg.mountpoint)  # stopped by a signal: detach, as libfuse did
+        conn.close()
+
+
+def _connect(cfg: MountConfig, datapath: DataPath) -> Connection:
+    """The mount's FUSE connection, INIT answered: mounted here, or the descriptor a caller mounted (CSI)."""
+    if cfg.fuse_fd is None:
+        options = MountOptions(fsname=f"stoker:{cfg.store.bucket}", subtype="stoker", allow_other=cfg.allow_other,
+                               uid=os.getuid(), gid=os.getgid())
+        try:
+            fd = mount(cfg.mountpoint, options)
+        except MountFailed as exc:
+            raise MountError(f"cannot mount at {cfg.mountpoint}: {exc}") from None
+    else:
+        fd = cfg.fuse_fd
+    conn = Connection(fd)
+    try:
+        conn.negotiate(want=_wants(cfg, datapath), max_background=MAX_BACKGROUND)
+    except (ProtocolError, OSError) as exc:
+        conn.close()
+        if cfg.fuse_fd is None:
+            unmount(cfg.mountpoint)
+        raise MountError(f"cannot serve the FUSE connection at {cfg.mountpoint}: {exc}") from None
+    return conn
+
+
+def _wants(cfg: MountConfig, datapath: DataPath) -> int:
+    """Passthrough needs a disk tier to hold files and CAP_SYS_ADMIN to register them (root, the CSI mounter)."""
+    held = cfg.passthrough and datapath.disk is not None and datapath.disk.plain
+    return int(WANT | (Init.PASSTHROUGH if held and os.geteuid() == 0 else 0))
 
 
 async def _announce_ready(cfg: MountConfig, ready: ReadyCallback) -> None:
@@ -166,9 +201,9 @@ def _raise_background_limit(dev: int) -> None:
             return
 
 
-async def _terminate_on_signal() -> None:
+async def _terminate_on_signal(serving: trio.CancelScope) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
             log.info("signal %d: unmounting", signum)
-            pyfuse3.terminate()
+            serving.cancel()
             return

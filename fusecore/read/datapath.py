@@ -14,7 +14,7 @@ from typing import Awaitable, Callable
 
 import trio
 
-from ..cache.blocks import block_count, block_extent
+from ..cache.blocks import BlockKey, block_count, block_extent
 from ..cache.memory import BlockCache, Buffer
 from ..cluster.tier import Cluster, check_ask, held, read_key
 from ..config import WARM_FRACTION, ConfigError, Identity, MountConfig
@@ -24,7 +24,7 @@ from ..messages import JoinRequest, WarmProgress
 from ..metrics import MountMetrics
 from .namespace import Namespace
 from .reader import Reader
-from ..store.objects import ObjectStore
+from ..store.objects import ObjectInfo, ObjectStore
 from ..cluster.peers import BlockAsk
 from ..cache.pages import choose as choose_pages
 from ..store.errors import StoreError
@@ -41,6 +41,7 @@ class DataPath:
         self.cfg = cfg
         self.store = store
         self.rotations = 0  # credentials replaced while mounted
+        self.passthrough_stats: Callable[[], dict] | None = None  # set by the FUSE adapter's process
         self.metrics = metrics or MountMetrics()
         self.cache = BlockCache(cfg.cache_size)
         self.metrics.bind_cache(self.cache.stats)
@@ -114,6 +115,16 @@ class DataPath:
         except Exception as exc:  # noqa: BLE001 - whatever failed, the asker is answered FAILED at once
             pending.set_exception(exc)
 
+    def held_file(self, info: ObjectInfo) -> int | None:
+        """An open descriptor of a file holding exactly `info`'s bytes, checked (the disk tier's one-block
+        objects), for the kernel to read itself (FUSE passthrough); counted as served from the cache."""
+        if self.disk is None or not 0 < info.size <= self.cfg.block_size:
+            return None
+        fd = self.disk.open_whole(BlockKey(info.key, info.etag, 0), info.size)
+        if fd is not None:
+            self.metrics.bytes_served.labels(source="cache").inc(info.size)
+        return fd
+
     def close(self) -> None:
         if self.cluster is not None:
             self.cluster.close()
@@ -170,6 +181,8 @@ class DataPath:
             "walk_dirs_ahead": self.walk.dirs_ahead,
             "walk_dirs_whole": self.walk.whole_dirs,
             "fuse_reads": {"count": self.reader.read_calls, "bytes_requested": self.reader.read_bytes},
+            # opens the kernel reads itself (FUSE passthrough of files held on the disk tier), when the adapter has it
+            **({"passthrough": self.passthrough_stats()} if self.passthrough_stats is not None else {}),
             "errors": errors,
             "skipped_names": self.namespace.skipped_names,
             "namespace_entries": self.namespace.entries,

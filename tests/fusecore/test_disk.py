@@ -14,6 +14,7 @@ import pytest
 
 from fusecore.cache.blocks import BlockKey
 from fusecore.config import ConfigError
+from fusecore.cache import disk as disk_module
 from fusecore.cache.disk import HEADER, DiskTier
 from tests.conftest import requires_fuse
 from tests.support.waiting import wait_for
@@ -54,23 +55,28 @@ def tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(point)], check=False)
 
 
-def test_blocks_come_back_exact_and_a_damaged_file_is_dropped_never_served(tmp_path):
+@pytest.mark.parametrize("plain", [True, False], ids=["header-in-xattr", "header-in-file"])
+def test_blocks_come_back_exact_and_a_damaged_file_is_dropped_never_served(tmp_path, monkeypatch, plain):
+    if not plain:  # a filesystem that keeps no user xattrs
+        monkeypatch.setattr(disk_module, "_takes_xattrs", lambda fd: False)
     disk = tier(tmp_path)
+    assert disk.plain == plain
     bodies = {BlockKey("obj", "etag-1", i): os.urandom(BLOCK - i) for i in range(4)}
     for key, body in bodies.items():
         disk.offer(key, body)
         disk.offer(key, body)  # fetched again before its first copy was written: one file, counted once
     assert written(disk, 4)
-    assert disk.stats().bytes == sum(HEADER.size + len(b) for b in bodies.values()) == \
+    start = 0 if disk.plain else HEADER.size  # the bytes alone (the header in an xattr), or after the header
+    assert disk.stats().bytes == sum(start + len(b) for b in bodies.values()) == \
         sum(os.path.getsize(p) for p in blocks_of(tmp_path))
     files = {disk.name(key): key for key in bodies}
     damaged = [os.path.join(tmp_path, "blocks", name) for name in sorted(files)[:2]]
     with open(damaged[0], "r+b") as f:  # one flipped byte in the middle of the bytes
-        f.seek(HEADER.size + 1000)
+        f.seek(start + 1000)
         byte = f.read(1)
-        f.seek(HEADER.size + 1000)
+        f.seek(start + 1000)
         f.write(bytes([byte[0] ^ 0xFF]))
-    os.truncate(damaged[1], HEADER.size + 10)  # a write cut short
+    os.truncate(damaged[1], start + 10)  # a write cut short
     for key, body in bodies.items():
         got = disk.read(key, len(body))
         if os.path.join(tmp_path, "blocks", disk.name(key)) in damaged:
@@ -95,7 +101,7 @@ def test_the_budget_holds_and_a_smaller_budget_shrinks_what_a_restart_finds(tmp_
     kept = disk.stats().blocks
     disk.close()
     again = tier(tmp_path, budget=1 * MiB)
-    assert again.stats().blocks == 3 < kept
+    assert again.stats().blocks == MiB // (BLOCK + (0 if again.plain else HEADER.size)) < kept
     assert sum(os.path.getsize(p) for p in blocks_of(tmp_path)) <= 1 * MiB
     assert again.read(BlockKey("obj", "e", 23), BLOCK) is not None, "the most recently read one stays"
     again.close()
@@ -288,7 +294,7 @@ def test_blocks_larger_than_the_write_queue_are_written_too(tmp_path):
 def test_a_block_an_older_version_wrote_with_sha256_is_still_served_and_checked(tmp_path):
     """Files are written with CRC64-NVME now (STKDISK2); a DIR filled by an older version (STKDISK1, SHA-256) is
     read as it is after an upgrade, and a damaged one of those is still dropped, never served."""
-    from fusecore.cache.disk import HEADER, MAGIC
+    from fusecore.cache.disk import HEADER, PLAIN_MAGIC, XATTR
 
     disk = tier(tmp_path)
     keys = [BlockKey("obj", "etag-1", i) for i in range(2)]
@@ -299,15 +305,43 @@ def test_a_block_an_older_version_wrote_with_sha256_is_still_served_and_checked(
     disk.close()
     for n, (key, body) in enumerate(zip(keys, bodies)):  # rewrite both as the older version did
         path = os.path.join(tmp_path, "blocks", disk.name(key))
-        with open(path, "rb") as f:
-            magic, size, digest, _ = HEADER.unpack(f.read(HEADER.size))
-        assert magic == MAGIC == b"STKDISK2"
+        magic, size, digest, _ = HEADER.unpack(os.getxattr(path, XATTR))
+        assert magic == PLAIN_MAGIC == b"STKDISK3" and os.path.getsize(path) == size == BLOCK
+        os.removexattr(path, XATTR)
         stored = bytearray(body)
         if n == 1:
             stored[7] ^= 0xFF  # damaged after its checksum was taken
         with open(path, "wb") as f:
             f.write(HEADER.pack(b"STKDISK1", size, digest, hashlib.sha256(body).digest()) + stored)
     again = tier(tmp_path)
+    assert again.open_whole(keys[0], BLOCK) is None, "an older file has its header before the bytes: no passthrough"
     assert bytes(again.read(keys[0], BLOCK)) == bodies[0]
     assert again.read(keys[1], BLOCK) is None and again.stats().dropped == 1
     again.close()
+
+
+def test_a_block_held_whole_opens_for_the_kernel_only_when_it_checks_out(tmp_path):
+    """`open_whole` (FUSE passthrough's backing file): a descriptor of exactly the block's bytes from offset 0, its
+    checksum checked at each open; a damaged file is dropped, never handed out; another version of the object is
+    another block."""
+    disk = tier(tmp_path)
+    keys = [BlockKey("obj", "etag-1", 0), BlockKey("other", "etag-1", 0)]
+    bodies = [os.urandom(100 * KiB + 7), os.urandom(BLOCK)]
+    for key, body in zip(keys, bodies):
+        disk.offer(key, body)
+    assert written(disk, 2)
+    fd = disk.open_whole(keys[0], len(bodies[0]))
+    assert fd is not None
+    try:
+        assert os.pread(fd, 2 * BLOCK, 0) == bodies[0] and os.fstat(fd).st_size == len(bodies[0])
+    finally:
+        os.close(fd)
+    assert disk.open_whole(BlockKey("obj", "etag-2", 0), len(bodies[0])) is None
+    assert disk.stats().hits == 1 and disk.stats().bytes_read == len(bodies[0])
+    path = os.path.join(tmp_path, "blocks", disk.name(keys[1]))
+    with open(path, "r+b") as f:
+        f.seek(BLOCK // 2)
+        f.write(b"\0" * 8 if bodies[1][BLOCK // 2:BLOCK // 2 + 8] != b"\0" * 8 else b"\1" * 8)
+    assert disk.open_whole(keys[1], BLOCK) is None
+    assert disk.stats().dropped == 1 and not os.path.exists(path)
+    disk.close()

@@ -7,9 +7,11 @@ import json
 import hashlib
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -539,3 +541,53 @@ def test_control_errors_carry_their_kind(s3, bucket, mounts, tmp_path):
         control.stats(str(tmp_path / "nobody.sock"))
     assert err.value.kind == "unreachable"
     assert control.stats(sock).cache.budget > 0  # and the mount serves on
+
+
+NOBODY = 65534
+
+
+@requires_fuse
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not shutil.which("fusermount3"),
+                    reason="becomes an ordinary user with setpriv (root only) and mounts through fusermount3")
+def test_an_ordinary_user_mounts_through_fusermount3_reads_and_unmounts(s3, bucket, moto_server):
+    """Without root the mount goes through the setuid fusermount3, which hands the connection back on a socket;
+    the kernel lets only the mounting user in (no allow_other); SIGTERM unmounts through fusermount3 again."""
+    body = os.urandom(300 * 1024 + 5)
+    put(s3, bucket, "d/a.bin", body)
+    home = tempfile.mkdtemp(prefix="stoker-user-")
+    mp = os.path.join(home, "mnt")
+    proc = None
+    try:
+        os.chmod(home, 0o755)
+        os.mkdir(mp)
+        for path in (home, mp):
+            os.chown(path, NOBODY, NOBODY)
+        as_user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"]
+        env = dict(os.environ, HOME=home, XDG_RUNTIME_DIR=home)
+        proc = subprocess.Popen([*as_user, sys.executable, "-m", "stoker", "mount", f"s3://{bucket}", mp,
+                                 "--foreground", "--endpoint-url", moto_server.endpoint], env=env,
+                                stderr=subprocess.PIPE, text=True)
+        assert wait_for(lambda: os.path.ismount(mp) or proc.poll() is not None, 60)
+        if proc.poll() is not None:
+            why = proc.stderr.read() if proc.stderr else ""
+            if "failed to open /dev/fuse" in why:  # a sandbox whose setuid binaries run without privilege
+                pytest.skip("fusermount3 runs without its setuid privilege here")
+            raise AssertionError(why)
+        entry = next(line for line in open("/proc/self/mountinfo") if f" {mp} " in line)
+        assert " - fuse.stoker stoker:" in entry and f"user_id={NOBODY}" in entry, entry
+        read = subprocess.run([*as_user, sys.executable, "-c",
+                               f"import hashlib; print(hashlib.sha256(open({os.path.join(mp, 'd', 'a.bin')!r}, "
+                               "'rb').read()).hexdigest())"], capture_output=True, text=True, timeout=60)
+        assert read.stdout.strip() == hashlib.sha256(body).hexdigest(), read.stderr
+        with pytest.raises(PermissionError):
+            os.listdir(mp)  # another user (root here): the kernel refuses without allow_other
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert not os.path.ismount(mp)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        if os.path.ismount(mp):
+            subprocess.run(["umount", "-l", mp], capture_output=True)
+        shutil.rmtree(home, ignore_errors=True)
+

@@ -1,0 +1,306 @@
+"""One FUSE connection served from the event loop: the mount (mount(2) as root, fusermount3 otherwise), INIT,
+the request loop, replies, interrupts, clones of the connection, backing files for passthrough, the unmount.
+
+This is what pyfuse3 (over libfuse) did for Stoker, written over the kernel's wire format (protocol.py) so that a
+mount can do what libfuse 3.14 cannot: answer an OPEN with a backing file (passthrough) and serve clones of the
+connection from other processes. The loop reads one request at a time from a non-blocking descriptor and starts
+one task per request that needs an answer (at most `max_tasks` at once; past that, it stops reading and the kernel
+queues); FORGET and INTERRUPT are handled on the spot. A reply goes back on the descriptor its request came from.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import shutil
+import socket
+import struct
+import subprocess
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Iterable, Sequence
+
+import trio
+
+from ..failures import StokerError
+from . import protocol as p
+
+log = logging.getLogger(__name__)
+
+Buffer = bytes | bytearray | memoryview | mmap.mmap
+Handler = Callable[[p.Request], Awaitable[Sequence[Buffer]]]
+Forget = Callable[[Iterable[tuple[int, int]]], None]
+
+_libc = ctypes.CDLL(None, use_errno=True)
+MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
+MNT_DETACH = 2
+GONE = (errno.ENODEV, errno.EBADF)  # the connection ended: unmounted or aborted
+RETRY = (errno.EINTR, errno.EAGAIN, errno.ENOENT)  # ENOENT: a request interrupted before it was read
+
+
+class FuseError(StokerError):
+    """An answer that is an errno (the adapter's one way to say "no")."""
+
+    kind = "errno"
+
+    def __init__(self, errno_: int):
+        super().__init__(errno_)
+        self.errno = errno_
+
+
+class MountFailed(StokerError):
+    """The kernel or fusermount3 refused the mount (the message says why)."""
+
+    kind = "mount"
+
+
+@dataclass(frozen=True)
+class MountOptions:
+    fsname: str
+    subtype: str
+    allow_other: bool
+    uid: int
+    gid: int
+    read_only: bool = True
+
+
+def mount(mountpoint: str, options: MountOptions) -> int:
+    """A new FUSE connection mounted at `mountpoint`: its first descriptor (INIT still to answer)."""
+    if os.geteuid() == 0:
+        return _mount_as_root(mountpoint, options)
+    return _mount_with_fusermount(mountpoint, options)
+
+
+def _mount_as_root(mountpoint: str, o: MountOptions) -> int:
+    fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+    data = f"fd={fd},rootmode=40000,user_id={o.uid},group_id={o.gid},default_permissions"
+    data += ",allow_other" if o.allow_other else ""
+    flags = MS_NOSUID | MS_NODEV | (MS_RDONLY if o.read_only else 0)
+    if _libc.mount(o.fsname.encode(), mountpoint.encode(), f"fuse.{o.subtype}".encode(), flags, data.encode()) != 0:
+        err = ctypes.get_errno()
+        os.close(fd)
+        raise MountFailed(f"mount(2) at {mountpoint}: {os.strerror(err)}")
+    return fd
+
+
+def _mount_with_fusermount(mountpoint: str, o: MountOptions) -> int:
+    """An ordinary user's mount: the setuid fusermount3 mounts and hands back the descriptor on a socket."""
+    tool = shutil.which("fusermount3")
+    if tool is None:
+        raise MountFailed("mounting as an ordinary user needs fusermount3 (Debian: apt-get install fuse3)")
+    opts = ["nosuid", "nodev", "default_permissions", f"fsname={o.fsname}", f"subtype={o.subtype}"]
+    opts += ["ro"] if o.read_only else []
+    opts += ["allow_other"] if o.allow_other else []
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with ours, theirs:
+        env = dict(os.environ, _FUSE_COMMFD=str(theirs.fileno()))
+        done = subprocess.run([tool, "-o", ",".join(opts), "--", mountpoint], env=env, pass_fds=(theirs.fileno(),),
+                              capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise MountFailed(f"fusermount3 at {mountpoint}: {done.stderr.strip() or f'exit {done.returncode}'}")
+        theirs.close()
+        _, fds, _, _ = socket.recv_fds(ours, 1, 1)
+    if not fds:
+        raise MountFailed(f"fusermount3 mounted {mountpoint} but sent no descriptor")
+    os.set_inheritable(fds[0], False)
+    return fds[0]
+
+
+def unmount(mountpoint: str) -> None:
+    """Detach the mount (what libfuse did on exit): the kernel ends the connection once it is no longer busy."""
+    if os.geteuid() == 0:
+        if _libc.umount2(mountpoint.encode(), MNT_DETACH) != 0:
+            log.debug("umount2 %s: %s", mountpoint, os.strerror(ctypes.get_errno()))
+        return
+    tool = shutil.which("fusermount3")
+    if tool:
+        subprocess.run([tool, "-u", "-z", "-q", "--", mountpoint], capture_output=True, timeout=60)
+
+
+def clone(fd: int) -> int:
+    """Another descriptor of the connection `fd` belongs to (FUSE_DEV_IOC_CLONE): the kernel hands each request to
+    whichever descriptor reads it first, and takes its reply on that same descriptor."""
+    mine = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(mine, p.FUSE_DEV_IOC_CLONE, struct.pack("I", fd))
+    except OSError:
+        os.close(mine)
+        raise
+    return mine
+
+
+class Connection:
+    """One descriptor of a mounted FUSE connection, served from trio."""
+
+    def __init__(self, fd: int, *, max_write: int = 1024 * 1024):
+        self.fd = fd
+        self.max_write = max_write
+        self.agreed: p.Agreed | None = None
+        self._buffer = bytearray(max(p.PAGE * 2, max_write + p.PAGE))
+        self._running: dict[int, trio.CancelScope] = {}
+        self.requests = 0
+        self.ended = False  # the kernel ended the connection (unmounted, or aborted)
+
+    # ---- INIT ------------------------------------------------------------------------------
+    def negotiate(self, *, want: int, max_background: int, max_stack_depth: int = 1) -> p.Agreed:
+        """Read the kernel's INIT (blocking: it is the connection's first request) and answer it."""
+        while True:
+            try:
+                request = p.parse(self._read_blocking())
+                break
+            except OSError as exc:
+                if exc.errno not in RETRY:
+                    raise
+        if request.opcode != p.Op.INIT:
+            raise p.ProtocolError(f"the first request is opcode {request.opcode}, not INIT")
+        offer = p.parse_init(request.arg)
+        try:
+            agreed = p.agree(offer, want=want, max_write=self.max_write, max_pages=max(1, self.max_write // p.PAGE))
+        except p.ProtocolError:
+            self._write([p.reply_head(request.unique, 0, errno.EPROTO)])
+            raise
+        body = p.init_out(offer, agreed, max_background=max_background,
+                          congestion_threshold=max_background * 3 // 4, max_stack_depth=max_stack_depth)
+        self._write([p.reply_head(request.unique, len(body)), body])
+        self.agreed = agreed
+        log.debug("FUSE %d.%d, flags %#x", p.KERNEL_MAJOR, agreed.minor, agreed.flags)
+        return agreed
+
+    def adopt(self, agreed: p.Agreed) -> None:
+        """A clone's INIT was answered on another descriptor: take what was agreed there."""
+        self.agreed = agreed
+
+    def _read_blocking(self) -> bytes:
+        n = os.readv(self.fd, [self._buffer])
+        return bytes(memoryview(self._buffer)[:n])
+
+    # ---- the loop --------------------------------------------------------------------------
+    async def serve(self, handle: Handler, forget: Forget, *, max_tasks: int = 128) -> None:
+        """Answer requests until the connection ends (unmounted: the read fails with ENODEV)."""
+        os.set_blocking(self.fd, False)
+        room = trio.Semaphore(max_tasks)
+        async with trio.open_nursery() as nursery:
+            while True:
+                try:
+                    n = os.readv(self.fd, [self._buffer])
+                except BlockingIOError:
+                    await trio.lowlevel.wait_readable(self.fd)
+                    continue
+                except OSError as exc:
+                    if exc.errno in RETRY:
+                        continue
+                    if exc.errno in GONE:
+                        self.ended = True
+                        break
+                    raise
+                if n == 0:  # end of file: not what /dev/fuse does, but nothing more will come
+                    self.ended = True
+                    break
+                request = p.parse(bytes(memoryview(self._buffer)[:n]))
+                self.requests += 1
+                op = request.opcode
+                if op == p.Op.FORGET:
+                    forget([(request.nodeid, p.FORGET_IN.unpack_from(request.arg)[0])])
+                elif op == p.Op.BATCH_FORGET:
+                    forget(_batch(request.arg))
+                elif op == p.Op.INTERRUPT:
+                    target = p.INTERRUPT_IN.unpack_from(request.arg)[0]
+                    scope = self._running.get(target)
+                    log.debug("INTERRUPT of request %d (%s)", target, "cancelled" if scope else "already answered")
+                    if scope is not None:
+                        scope.cancel()
+                elif op == p.Op.DESTROY:
+                    self._reply(request.unique, ())
+                    self.ended = True
+                    break
+                else:
+                    await room.acquire()
+                    scope = self._running[request.unique] = trio.CancelScope()  # an INTERRUPT may come first
+                    nursery.start_soon(self._answer, handle, request, scope, room)
+            nursery.cancel_scope.cancel()
+
+    async def _answer(self, handle: Handler, request: p.Request, scope: trio.CancelScope,
+                      room: trio.Semaphore) -> None:
+        unique = request.unique
+        try:
+            with scope:
+                try:
+                    parts = await handle(request)
+                except FuseError as exc:
+                    self._reply(unique, (), exc.errno)
+                    return
+                except Exception:  # noqa: BLE001 - the last boundary: the adapter maps errors, this keeps the loop
+                    log.exception("opcode %d failed", request.opcode)
+                    self._reply(unique, (), errno.EIO)
+                    return
+                self._reply(unique, parts)
+                return
+            self._reply(unique, (), errno.EINTR)  # interrupted: the caller got a signal
+        finally:
+            self._running.pop(unique, None)
+            room.release()
+
+    def _reply(self, unique: int, parts: Sequence[Buffer], error: int = 0) -> None:
+        length = sum(len(part) for part in parts)
+        try:
+            self._write([p.reply_head(unique, 0 if error else length, error), *(() if error else parts)])
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, *GONE):  # ENOENT: the request was interrupted meanwhile
+                return
+            if error:
+                log.error("an error reply (errno %d) was refused (%s)", error, os.strerror(exc.errno or errno.EIO))
+                return
+            # The kernel refused the reply (EINVAL: malformed or too long): the caller gets EIO, the mount goes on.
+            log.error("a reply of %d bytes in %d parts was refused (%s): answered EIO", length, len(parts),
+                      os.strerror(exc.errno or errno.EIO))
+            self._reply(unique, (), errno.EIO)
+
+    def _write(self, parts: list[Buffer]) -> None:
+        os.writev(self.fd, parts)
+
+    # ---- what the server tells the kernel unasked ------------------------------------------
+    def invalidate_inode(self, inode: int) -> None:
+        """Drop the kernel's cached data and attributes of `inode` (FUSE_NOTIFY_INVAL_INODE)."""
+        body = p.NOTIFY_INVAL_INODE.pack(inode, 0, 0)
+        self._notify(p.NOTIFY_CODE_INVAL_INODE, [body])
+
+    def invalidate_entry(self, parent: int, name: bytes) -> None:
+        """Drop the kernel's cached lookup of `name` in `parent` (FUSE_NOTIFY_INVAL_ENTRY)."""
+        body = p.NOTIFY_INVAL_ENTRY.pack(parent, len(name), 0)
+        self._notify(p.NOTIFY_CODE_INVAL_ENTRY, [body, name, b"\0"])
+
+    def _notify(self, code: int, parts: list[Buffer]) -> None:
+        length = p.OUT_HEADER.size + sum(len(part) for part in parts)
+        try:
+            self._write([p.OUT_HEADER.pack(length, code, 0), *parts])
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:  # nothing cached to drop
+                raise
+
+    # ---- backing files (passthrough) -------------------------------------------------------
+    def open_backing(self, fd: int) -> int:
+        """Register an open file as a backing file of this connection (needs CAP_SYS_ADMIN): its id."""
+        arg = ctypes.create_string_buffer(p.BACKING_MAP.pack(fd, 0, 0), p.BACKING_MAP.size)
+        backing = _libc.ioctl(self.fd, ctypes.c_ulong(p.FUSE_DEV_IOC_BACKING_OPEN), arg)
+        if backing <= 0:
+            raise OSError(ctypes.get_errno() or errno.EIO, "FUSE_DEV_IOC_BACKING_OPEN")
+        return backing
+
+    def close_backing(self, backing: int) -> None:
+        arg = ctypes.c_uint32(backing)
+        if _libc.ioctl(self.fd, ctypes.c_ulong(p.FUSE_DEV_IOC_BACKING_CLOSE), ctypes.byref(arg)) != 0:
+            log.debug("FUSE_DEV_IOC_BACKING_CLOSE %d: %s", backing, os.strerror(ctypes.get_errno()))
+
+    def close(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+def _batch(arg: memoryview) -> list[tuple[int, int]]:
+    count = p.BATCH_FORGET_IN.unpack_from(arg)[0]
+    return [p.FORGET_ONE.unpack_from(arg, p.BATCH_FORGET_IN.size + i * p.FORGET_ONE.size) for i in range(count)]

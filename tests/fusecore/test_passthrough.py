@@ -1,0 +1,106 @@
+"""FUSE passthrough of files held whole on the disk tier, on real mounts: the kernel reads the held file itself (no
+READ reaches the mount), every byte is the object's, and a changed object is never answered with its old bytes."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+import pytest
+
+from tests.conftest import requires_fuse
+from tests.support.waiting import wait_for
+
+KiB, MiB = 1024, 1024 * 1024
+
+pytestmark = [pytest.mark.integration, requires_fuse,
+              pytest.mark.skipif(os.geteuid() != 0, reason="backing files need CAP_SYS_ADMIN")]
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb", buffering=0) as f:
+        return b"".join(iter(lambda: f.read(64 * KiB), b""))
+
+
+def _mount_held(s3, bucket, mounts, tmp_path, dataset, *extra):
+    for name, body in dataset.items():
+        s3.put_object(Bucket=bucket, Key=name, Body=body)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mp = mounts.mount(f"s3://{bucket}", "--block-size", "1MiB", "--cache-size", "8MiB", "--no-kernel-cache",
+                      "--disk-cache", str(disk), "--disk-cache-size", "64MiB", *extra)
+    stats = mounts.stats(mp)
+    if "passthrough" not in stats:
+        pytest.skip("this kernel offers no FUSE passthrough (Linux 6.9+)")
+    for name, body in dataset.items():  # the first pass reads through the mount and fills the disk tier
+        assert _read(os.path.join(mp, name)) == body
+    assert wait_for(lambda: mounts.stats(mp)["disk"]["written"] >= len(dataset), 30), mounts.stats(mp)["disk"]
+    return mp
+
+
+def test_a_held_file_is_read_by_the_kernel_and_no_read_reaches_the_mount(s3, bucket, mounts, tmp_path):
+    dataset = {f"d/f{i:02d}.jpg": os.urandom(90 * KiB + 3001 * i) for i in range(12)}
+    dataset["d/big"] = os.urandom(3 * MiB + 17)  # several blocks: read through the mount as ever
+    mp = _mount_held(s3, bucket, mounts, tmp_path, dataset)
+    before = mounts.stats(mp)
+    for name, body in dataset.items():
+        if name != "d/big":
+            assert _read(os.path.join(mp, name)) == body
+    after = mounts.stats(mp)
+    assert after["fuse_reads"]["count"] == before["fuse_reads"]["count"], "a held file's reads reach the mount"
+    assert after["passthrough"]["opens"] - before["passthrough"]["opens"] == 12, after["passthrough"]
+    assert after["requests"]["get"] == before["requests"]["get"]
+    assert after["bytes_by_source"]["disk"] - before["bytes_by_source"]["disk"] == \
+        sum(len(b) for n, b in dataset.items() if n != "d/big")
+    assert _read(os.path.join(mp, "d/big")) == dataset["d/big"]
+    assert mounts.stats(mp)["fuse_reads"]["count"] > after["fuse_reads"]["count"]
+    assert wait_for(lambda: mounts.stats(mp)["passthrough"]["live"] == 0, 30), "every backing file let go"
+
+
+def test_no_passthrough_flag_answers_every_read_here(s3, bucket, mounts, tmp_path):
+    dataset = {f"f{i}": os.urandom(50 * KiB + i) for i in range(3)}
+    for name, body in dataset.items():
+        s3.put_object(Bucket=bucket, Key=name, Body=body)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mp = mounts.mount(f"s3://{bucket}", "--no-kernel-cache", "--disk-cache", str(disk), "--disk-cache-size",
+                      "64MiB", "--no-passthrough")
+    for name, body in dataset.items():
+        assert _read(os.path.join(mp, name)) == body
+    assert wait_for(lambda: mounts.stats(mp)["disk"]["written"] >= len(dataset), 30)
+    reads = mounts.stats(mp)["fuse_reads"]["count"]
+    for name, body in dataset.items():
+        assert _read(os.path.join(mp, name)) == body
+    stats = mounts.stats(mp)
+    assert "passthrough" not in stats and stats["fuse_reads"]["count"] > reads
+
+
+def test_a_changed_object_is_never_answered_with_its_held_old_bytes(s3, bucket, mounts, tmp_path):
+    """The held file is the old version's; after the listing shows the new ETag an open gets the new bytes. While
+    the old version is open in passthrough the kernel takes no other mode for the file: a new open is refused
+    (EBUSY) until the old one closes, never answered with old bytes."""
+    old, new = os.urandom(100 * KiB), os.urandom(120 * KiB)
+    mp = _mount_held(s3, bucket, mounts, tmp_path, {"x": old}, "--metadata-ttl", "1")
+    path = os.path.join(mp, "x")
+    held_open = os.open(path, os.O_RDONLY)
+    try:
+        assert mounts.stats(mp)["passthrough"]["live"] == 1
+        assert os.pread(held_open, len(old) + 1, 0) == old
+        s3.put_object(Bucket=bucket, Key="x", Body=new)
+        time.sleep(1.5)  # past the metadata TTL (1 s): a lower bound, which a loaded machine only lengthens
+
+        def refused() -> bool:
+            try:
+                os.close(os.open(path, os.O_RDONLY))
+            except OSError as exc:
+                return exc.errno == errno.EBUSY
+            return False
+
+        assert wait_for(refused, 30), "an open of the new version beside the old one in passthrough"
+        assert os.pread(held_open, len(old) + 1, 0) == old, "an open reads the version it opened"
+    finally:
+        os.close(held_open)
+    assert wait_for(lambda: mounts.stats(mp)["passthrough"]["live"] == 0, 30)
+    assert _read(path) == new
+    assert mounts.stats(mp)["passthrough"]["refused"] >= 1

@@ -1,0 +1,106 @@
+"""Which mode each open of an inode is answered in (fuse/passthrough.py): the kernel's rule, with a fake
+connection that records backing files as the kernel would (fs/fuse/iomode.c: one backing per inode while
+passthrough opens live; no passthrough open beside a cached one)."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from fusecore.fuse.passthrough import Passthrough
+from fusecore.fuse.session import FuseError
+from fusecore.store.objects import ObjectInfo
+
+
+class KernelRules:
+    """Backing ids as the kernel hands them out, and the io mode of each inode as the kernel keeps it."""
+
+    def __init__(self, refuse: int = 0):
+        self.refuse = refuse
+        self.next_id = 1
+        self.open: set[int] = set()
+        self.closed: list[int] = []
+
+    def open_backing(self, fd: int) -> int:
+        os.fstat(fd)  # a live descriptor
+        if self.refuse:
+            raise OSError(self.refuse, os.strerror(self.refuse))
+        backing, self.next_id = self.next_id, self.next_id + 1
+        self.open.add(backing)
+        return backing
+
+    def close_backing(self, backing: int) -> None:
+        self.open.remove(backing)
+        self.closed.append(backing)
+
+
+def _info(etag: str = "e1") -> ObjectInfo:
+    return ObjectInfo("k", 10, etag, 0.0)
+
+
+@pytest.fixture
+def held(tmp_path):
+    path = tmp_path / "held"
+    path.write_bytes(b"0123456789")
+    holds = {"on": True}
+
+    def held_file(info: ObjectInfo) -> int | None:
+        return os.open(path, os.O_RDONLY) if holds["on"] else None
+
+    return holds, held_file
+
+
+def test_a_held_file_opens_in_passthrough_and_shares_its_backing(held):
+    holds, held_file = held
+    kernel = KernelRules()
+    pt = Passthrough(kernel, held_file)
+    first = pt.open(1, 5, _info())
+    second = pt.open(2, 5, _info())
+    assert first and first == second and kernel.open == {first}
+    pt.release(1)
+    assert kernel.open == {first}  # one handle still reads it
+    pt.release(2)
+    assert kernel.open == set() and kernel.closed == [first]
+
+
+def test_no_passthrough_beside_a_cached_open(held):
+    holds, held_file = held
+    pt = Passthrough(KernelRules(), held_file)
+    holds["on"] = False
+    assert pt.open(1, 5, _info()) == 0  # not held yet: the page-cache mode
+    holds["on"] = True
+    assert pt.open(2, 5, _info()) == 0  # held now, but the kernel has the inode in the cached mode
+    pt.release(1)
+    pt.release(2)
+    assert pt.open(3, 5, _info()) > 0  # every cached open closed: passthrough
+
+
+def test_an_object_changed_under_a_passthrough_open_is_refused_until_it_closes(held):
+    holds, held_file = held
+    kernel = KernelRules()
+    pt = Passthrough(kernel, held_file)
+    assert pt.open(1, 5, _info("old"))
+    with pytest.raises(FuseError) as refused:
+        pt.open(2, 5, _info("new"))
+    assert refused.value.errno == errno.EBUSY and pt.refused == 1
+    pt.release(1)
+    assert pt.open(3, 5, _info("new")) and pt.live == 1
+
+
+def test_a_kernel_that_refuses_backing_files_turns_passthrough_off(held):
+    holds, held_file = held
+    kernel = KernelRules(refuse=errno.EPERM)
+    pt = Passthrough(kernel, held_file)
+    assert pt.open(1, 5, _info()) == 0
+    assert not pt.enabled
+    kernel.refuse = 0
+    assert pt.open(2, 6, _info()) == 0  # off for the life of the mount
+
+
+def test_release_of_unknown_handle_is_harmless(held):
+    _, held_file = held
+    pt = Passthrough(KernelRules(), held_file)
+    pt.release(99)
+    assert pt.live == 0
