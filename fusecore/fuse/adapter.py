@@ -30,6 +30,9 @@ Op = Callable[[p.Request], Awaitable[Sequence[Buffer]]]
 class StokerFS:
     """Answers one request (`__call__`) and takes the kernel's forgets (`forget`); see the module docstring."""
 
+    # The opcodes whose answer may wait (a listing, the store): the loop lets the kernel interrupt only these.
+    waits = frozenset({p.Op.LOOKUP, p.Op.READ, p.Op.READDIR, p.Op.READDIRPLUS})
+
     def __init__(self, namespace: Namespace, reader: Reader, *, block_size: int, kernel_cache: bool,
                  uid: int, gid: int, on_open: Callable[[Node], None] = lambda node: None,
                  passthrough: Passthrough | None = None):
@@ -44,14 +47,16 @@ class StokerFS:
         self._ops: dict[int, Op] = {
             p.Op.LOOKUP: self.lookup, p.Op.GETATTR: self.getattr, p.Op.OPEN: self.open, p.Op.READ: self.read,
             p.Op.RELEASE: self.release, p.Op.OPENDIR: self.opendir, p.Op.READDIRPLUS: self.readdirplus,
-            p.Op.READDIR: self.readdir, p.Op.RELEASEDIR: self.nothing, p.Op.FLUSH: self.nothing,
+            p.Op.READDIR: self.readdir, p.Op.RELEASEDIR: self.nothing,
             p.Op.STATFS: self.statfs, p.Op.ACCESS: self.access,
         }
 
     async def __call__(self, request: p.Request) -> Sequence[Buffer]:
         op = self._ops.get(request.opcode)
         if op is None:
-            raise FuseError(errno.ENOSYS)  # the kernel stops asking (xattrs) or the VFS refused first (writes)
+            # The kernel stops asking (FLUSH at each close, xattrs), or the VFS refused first (writes on a read-only
+            # mount): ENOSYS, as libfuse answers an operation a filesystem does not implement.
+            raise FuseError(errno.ENOSYS)
         try:
             return await op(request)
         except FuseError:
@@ -96,6 +101,14 @@ class StokerFS:
         return (p.open_out(r.nodeid),)
 
     async def readdirplus(self, r: p.Request) -> Sequence[Buffer]:
+        return await self._listing(r, plus=True)
+
+    async def readdir(self, r: p.Request) -> Sequence[Buffer]:
+        return await self._listing(r, plus=False)
+
+    async def _listing(self, r: p.Request, *, plus: bool) -> Sequence[Buffer]:
+        """Entries from the offset asked, as many as fit the size asked, in one buffer (a writev takes at most
+        1,024 parts). With READDIRPLUS each entry sent counts as a lookup of its inode."""
         fh, offset, size = p.READ_IN.unpack_from(r.arg)[:3]
         entries = await self.ns.readdir(fh)
         out: list[bytes] = []
@@ -103,26 +116,15 @@ class StokerFS:
         for index in range(offset, len(entries)):
             name, inode = entries[index]
             node = self.ns.node(inode)
-            entry = p.direntplus(self._attr(node), os.fsencode(name), index + 1, self.timeout)
+            attr = self._attr(node)
+            entry = p.direntplus(attr, os.fsencode(name), index + 1, self.timeout) if plus \
+                else p.dirent(attr, os.fsencode(name), index + 1)
             if used + len(entry) > size:
                 break
             out.append(entry)
             used += len(entry)
-            self.ns.remember(node)  # readdirplus: each entry sent counts as a lookup
-        return (b"".join(out),)  # one part: a writev takes at most 1,024
-
-    async def readdir(self, r: p.Request) -> Sequence[Buffer]:
-        fh, offset, size = p.READ_IN.unpack_from(r.arg)[:3]
-        entries = await self.ns.readdir(fh)
-        out: list[bytes] = []
-        used = 0
-        for index in range(offset, len(entries)):
-            name, inode = entries[index]
-            entry = p.dirent(self._attr(self.ns.node(inode)), os.fsencode(name), index + 1)
-            if used + len(entry) > size:
-                break
-            out.append(entry)
-            used += len(entry)
+            if plus:
+                self.ns.remember(node)
         return (b"".join(out),)
 
     async def open(self, r: p.Request) -> Sequence[Buffer]:

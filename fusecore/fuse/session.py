@@ -37,6 +37,7 @@ Forget = Callable[[Iterable[tuple[int, int]]], None]
 _libc = ctypes.CDLL(None, use_errno=True)
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
 MNT_DETACH = 2
+YIELD_EVERY = 16  # answers a worker gives in a row before it lets the other tasks run
 GONE = (errno.ENODEV, errno.EBADF)  # the connection ended: unmounted or aborted
 RETRY = (errno.EINTR, errno.EAGAIN, errno.ENOENT)  # ENOENT: a request interrupted before it was read
 
@@ -143,6 +144,12 @@ class Connection:
         self._running: dict[int, trio.CancelScope] = {}
         self.requests = 0
         self.ended = False  # the kernel ended the connection (unmounted, or aborted)
+        self._handle: Handler
+        self._forget: Forget
+        self._nursery: trio.Nursery
+        self._turn: trio.Lock
+        self._max_tasks = self._workers = self._waiting = self._served = 0
+        self._waits: frozenset[int] = frozenset()
 
     # ---- INIT ------------------------------------------------------------------------------
     def negotiate(self, *, want: int, max_background: int, max_stack_depth: int = 1) -> p.Agreed:
@@ -178,70 +185,121 @@ class Connection:
         return bytes(memoryview(self._buffer)[:n])
 
     # ---- the loop --------------------------------------------------------------------------
-    async def serve(self, handle: Handler, forget: Forget, *, max_tasks: int = 128) -> None:
-        """Answer requests until the connection ends (unmounted: the read fails with ENODEV)."""
-        os.set_blocking(self.fd, False)
-        room = trio.Semaphore(max_tasks)
-        async with trio.open_nursery() as nursery:
-            while True:
-                try:
-                    n = os.readv(self.fd, [self._buffer])
-                except BlockingIOError:
-                    await trio.lowlevel.wait_readable(self.fd)
-                    continue
-                except OSError as exc:
-                    if exc.errno in RETRY:
-                        continue
-                    if exc.errno in GONE:
-                        self.ended = True
-                        break
-                    raise
-                if n == 0:  # end of file: not what /dev/fuse does, but nothing more will come
-                    self.ended = True
-                    break
-                request = p.parse(bytes(memoryview(self._buffer)[:n]))
-                self.requests += 1
-                op = request.opcode
-                if op == p.Op.FORGET:
-                    forget([(request.nodeid, p.FORGET_IN.unpack_from(request.arg)[0])])
-                elif op == p.Op.BATCH_FORGET:
-                    forget(_batch(request.arg))
-                elif op == p.Op.INTERRUPT:
-                    target = p.INTERRUPT_IN.unpack_from(request.arg)[0]
-                    scope = self._running.get(target)
-                    log.debug("INTERRUPT of request %d (%s)", target, "cancelled" if scope else "already answered")
-                    if scope is not None:
-                        scope.cancel()
-                elif op == p.Op.DESTROY:
-                    self._reply(request.unique, ())
-                    self.ended = True
-                    break
-                else:
-                    await room.acquire()
-                    scope = self._running[request.unique] = trio.CancelScope()  # an INTERRUPT may come first
-                    nursery.start_soon(self._answer, handle, request, scope, room)
-            nursery.cancel_scope.cancel()
+    async def serve(self, handle: Handler, forget: Forget, *, waits: frozenset[int] = frozenset(),
+                    max_tasks: int = 128, min_tasks: int = 4) -> None:
+        """Answer requests until the connection ends (unmounted: the read fails with ENODEV).
 
-    async def _answer(self, handle: Handler, request: p.Request, scope: trio.CancelScope,
-                      room: trio.Semaphore) -> None:
+        Worker tasks take turns reading (one at a time: one waits on the descriptor) and each answers the request it
+        read in place, as pyfuse3's loop did: no task is started per request. While every worker is busy answering,
+        another is started, up to `max_tasks`; past that the kernel queues. `waits`: the opcodes whose answer may
+        wait (on the store, a listing): only those can be interrupted, the others are answered at once."""
+        os.set_blocking(self.fd, False)
+        self._handle, self._forget, self._max_tasks, self._waits = handle, forget, max_tasks, waits
+        self._served = 0
+        self._turn = trio.Lock()
+        self._workers = self._waiting = 0
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for _ in range(min_tasks):
+                self._start_worker()
+
+    def _start_worker(self) -> None:
+        self._workers += 1
+        self._nursery.start_soon(self._worker)
+
+    async def _worker(self) -> None:
+        try:
+            while not self.ended:
+                self._waiting += 1
+                try:
+                    try:
+                        self._turn.acquire_nowait()  # no trip through the scheduler when no one else reads
+                    except trio.WouldBlock:
+                        await self._turn.acquire()
+                    try:
+                        request = await self._next()
+                    finally:
+                        self._turn.release()
+                finally:
+                    self._waiting -= 1
+                if request is None:
+                    self._nursery.cancel_scope.cancel()
+                    return
+                if not self._waiting and self._workers < self._max_tasks:
+                    self._start_worker()  # someone must be reading while this one answers
+                await self._answer(request)
+                self._served += 1
+                if not self._served % YIELD_EVERY:
+                    await trio.lowlevel.checkpoint()  # a stream of answers that never wait lets the rest run too
+        finally:
+            self._workers -= 1
+
+    async def _next(self) -> p.Request | None:
+        """The next request that needs an answer (FORGET and INTERRUPT are handled here); None: the connection
+        ended."""
+        while True:
+            try:
+                n = os.readv(self.fd, [self._buffer])
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self.fd)
+                continue
+            except OSError as exc:
+                if exc.errno in RETRY:
+                    continue
+                if exc.errno in GONE:
+                    self.ended = True
+                    return None
+                raise
+            if n == 0:  # end of file: not what /dev/fuse does, but nothing more will come
+                self.ended = True
+                return None
+            request = p.parse(bytes(memoryview(self._buffer)[:n]))
+            self.requests += 1
+            op = request.opcode
+            if op == p.Op.FORGET:
+                self._forget([(request.nodeid, p.FORGET_IN.unpack_from(request.arg)[0])])
+            elif op == p.Op.BATCH_FORGET:
+                self._forget(_batch(request.arg))
+            elif op == p.Op.INTERRUPT:
+                target = p.INTERRUPT_IN.unpack_from(request.arg)[0]
+                scope = self._running.get(target)
+                log.debug("INTERRUPT of request %d (%s)", target, "cancelled" if scope else "already answered")
+                if scope is not None:
+                    scope.cancel()
+            elif op == p.Op.DESTROY:
+                self._reply(request.unique, ())
+                self.ended = True
+                return None
+            else:
+                if op in self._waits:
+                    self._running[request.unique] = trio.CancelScope()  # an INTERRUPT may come before its answer
+                return request
+
+    async def _answer(self, request: p.Request) -> None:
         unique = request.unique
+        scope = self._running.get(unique)
+        if scope is None:
+            await self._answer_in(request, unique)
+            return
         try:
             with scope:
-                try:
-                    parts = await handle(request)
-                except FuseError as exc:
-                    self._reply(unique, (), exc.errno)
-                    return
-                except Exception:  # noqa: BLE001 - the last boundary: the adapter maps errors, this keeps the loop
-                    log.exception("opcode %d failed", request.opcode)
-                    self._reply(unique, (), errno.EIO)
-                    return
-                self._reply(unique, parts)
+                await self._answer_in(request, unique)
                 return
             self._reply(unique, (), errno.EINTR)  # interrupted: the caller got a signal
         finally:
             self._running.pop(unique, None)
-            room.release()
+
+    async def _answer_in(self, request: p.Request, unique: int) -> None:
+        try:
+            parts = await self._handle(request)
+        except FuseError as exc:
+            self._reply(unique, (), exc.errno)
+            return
+        except Exception:  # noqa: BLE001 - the last boundary: the adapter maps errors, this keeps the loop
+            log.exception("opcode %d failed", request.opcode)
+            self._reply(unique, (), errno.EIO)
+            return
+        self._reply(unique, parts)
 
     def _reply(self, unique: int, parts: Sequence[Buffer], error: int = 0) -> None:
         length = sum(len(part) for part in parts)

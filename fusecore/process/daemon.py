@@ -126,7 +126,7 @@ async def _serve(cfg: MountConfig, datapath: DataPath, ready: ReadyCallback) -> 
                 datapath.metrics.serve(cfg.metrics_port, cfg.metrics_addr)
             nursery.start_soon(_terminate_on_signal, nursery.cancel_scope)
             nursery.start_soon(_announce_ready, cfg, ready)
-            await conn.serve(fs, fs.forget, max_tasks=MAX_TASKS)
+            await conn.serve(fs, fs.forget, waits=fs.waits, max_tasks=MAX_TASKS)
             nursery.cancel_scope.cancel()
     finally:
         if not conn.ended and cfg.fuse_fd is None:

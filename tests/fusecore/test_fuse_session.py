@@ -67,7 +67,7 @@ def test_an_old_kernel_is_answered_eproto_and_refused(pair):
 
 async def _serve(server: socket.socket, handle, forgets: list) -> Connection:
     conn = Connection(server.fileno())
-    await conn.serve(handle, forgets.extend, max_tasks=8)
+    await conn.serve(handle, forgets.extend, waits=frozenset({p.Op.GETATTR}), max_tasks=8)
     return conn
 
 

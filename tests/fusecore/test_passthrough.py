@@ -1,5 +1,6 @@
 """FUSE passthrough of files held whole on the disk tier, on real mounts: the kernel reads the held file itself (no
-READ reaches the mount), every byte is the object's, and a changed object is never answered with its old bytes."""
+READ reaches the mount), every byte is the object's, and a changed object is never answered with its old bytes.
+Memory is read first: a file memory holds is answered by the mount as before."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 
 import pytest
 
+from fusecore.process import control
 from tests.conftest import requires_fuse
 from tests.support.waiting import wait_for
 
@@ -23,7 +25,7 @@ def _read(path: str) -> bytes:
         return b"".join(iter(lambda: f.read(64 * KiB), b""))
 
 
-def _mount_held(s3, bucket, mounts, tmp_path, dataset, *extra):
+def _mount_held(s3, bucket, mounts, tmp_path, dataset, *extra, drop: bool = True):
     for name, body in dataset.items():
         s3.put_object(Bucket=bucket, Key=name, Body=body)
     disk = tmp_path / "disk"
@@ -36,6 +38,8 @@ def _mount_held(s3, bucket, mounts, tmp_path, dataset, *extra):
     for name, body in dataset.items():  # the first pass reads through the mount and fills the disk tier
         assert _read(os.path.join(mp, name)) == body
     assert wait_for(lambda: mounts.stats(mp)["disk"]["written"] >= len(dataset), 30), mounts.stats(mp)["disk"]
+    if drop:  # memory is read first: held on disk only from now on
+        control.call(control.default_control_socket(mp), {"op": "drop"})
     return mp
 
 
@@ -104,3 +108,14 @@ def test_a_changed_object_is_never_answered_with_its_held_old_bytes(s3, bucket, 
     assert wait_for(lambda: mounts.stats(mp)["passthrough"]["live"] == 0, 30)
     assert _read(path) == new
     assert mounts.stats(mp)["passthrough"]["refused"] >= 1
+
+
+def test_a_file_memory_holds_is_read_from_memory_first(s3, bucket, mounts, tmp_path):
+    dataset = {f"m{i}": os.urandom(70 * KiB + i) for i in range(4)}
+    mp = _mount_held(s3, bucket, mounts, tmp_path, dataset, drop=False)  # memory and disk hold them
+    before = mounts.stats(mp)
+    for name, body in dataset.items():
+        assert _read(os.path.join(mp, name)) == body
+    after = mounts.stats(mp)
+    assert after["passthrough"]["opens"] == before["passthrough"]["opens"]
+    assert after["fuse_reads"]["count"] > before["fuse_reads"]["count"]
