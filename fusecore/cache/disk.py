@@ -302,9 +302,15 @@ class DiskTier:
                 os.close(fd)
 
     def _corrupt(self, name: str, why: str) -> None:
+        """Drop a damaged file, counted once: a reader and a passthrough open (or two readers) may find it at once."""
         with self._lock:
+            size = self._index.pop(name, None)
+            if size is None:
+                return  # another found it first
+            self._bytes -= size
             self.dropped += 1
         log.warning("disk cache: block %s dropped (%s); it is fetched again", name[:16], why)
+        self._remove(name)
 
     def _drop(self, name: str) -> None:
         with self._lock:
