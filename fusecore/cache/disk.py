@@ -230,17 +230,20 @@ class DiskTier:
             return None
         try:
             where = self._header(fd, name, length)
-            if where is None:
-                return None
-            kind, checksum, start = where
-            data = into if into is not None else allocate(length, self._huge)
-            if os.preadv(fd, [data], start) != length or _sum(kind, data) != checksum:
-                self._corrupt(name, "checksum mismatch")
-                return None
-            os.utime(fd)  # its recency survives a restart (the scan orders by it)
-            return data
+            return None if where is None else self._checked(fd, name, where, length, into)
         finally:
             os.close(fd)
+
+    def _checked(self, fd: int, name: str, where: tuple[str, bytes, int], length: int,
+                 into: Buffer | None) -> Buffer | None:
+        """The block's bytes if their checksum is the header's (the file is dropped, counted, if not)."""
+        kind, checksum, start = where
+        data = into if into is not None else allocate(length, self._huge)
+        if os.preadv(fd, [data], start) != length or _sum(kind, data) != checksum:
+            self._corrupt(name, "checksum mismatch")
+            return None
+        os.utime(fd)  # its recency survives a restart (the scan orders by it)
+        return data
 
     def _header(self, fd: int, name: str, length: int) -> tuple[str, bytes, int] | None:
         """The checksum's kind, the checksum, and where the bytes start in the file; None: not this block's."""
@@ -280,20 +283,13 @@ class DiskTier:
             return None
         try:
             where = self._header(fd, name, length)
-            if where is not None and where[2] == 0:
-                kind, checksum, _ = where
-                data = allocate(length, False)
-                if os.preadv(fd, [data], 0) == length and _sum(kind, data) == checksum:
-                    os.utime(fd)
-                    with self._lock:
-                        self.hits += 1
-                        self.bytes_read += length
-                    fd, kept = -1, fd
-                    return kept
-                self._corrupt(name, "checksum mismatch")
-            if where is None or where[2] == 0:
-                self._drop(name)
-            return None
+            if where is None or where[2] != 0 or self._checked(fd, name, where, length, None) is None:
+                return None  # damaged (dropped), or of an older layout: the header before the bytes
+            with self._lock:
+                self.hits += 1
+                self.bytes_read += length
+            fd, kept = -1, fd
+            return kept
         except OSError as exc:
             log.warning("disk cache: cannot read a block (%s); it is fetched again", exc.strerror)
             return None

@@ -32,10 +32,7 @@ INIT_OUT = struct.Struct("<IIIIHHIIHHII24x")  # major minor max_readahead flags 
 STATFS_OUT = struct.Struct("<QQQQQIIII24x")  # blocks bfree bavail files ffree bsize namelen frsize padding spare[6]
 DIRENT = struct.Struct("<QQII")  # ino off namelen type
 BACKING_MAP = struct.Struct("<iIQ")  # fd flags padding (struct fuse_backing_map)
-NOTIFY_INVAL_INODE = struct.Struct("<Qqq")  # ino off len
-NOTIFY_INVAL_ENTRY = struct.Struct("<QII")  # parent namelen flags
 
-FUSE_DEV_IOC_CLONE = 0x8004E500  # _IOR(229, 0, uint32_t)
 FUSE_DEV_IOC_BACKING_OPEN = 0x4010E501  # _IOW(229, 1, struct fuse_backing_map)
 FUSE_DEV_IOC_BACKING_CLOSE = 0x4004E502  # _IOW(229, 2, uint32_t)
 
@@ -92,9 +89,6 @@ class OpenFlag(enum.IntFlag):
     PASSTHROUGH = 1 << 7
 
 
-NOTIFY_CODE_INVAL_INODE = 2
-NOTIFY_CODE_INVAL_ENTRY = 3
-NO_REPLY = frozenset({Op.FORGET, Op.BATCH_FORGET, Op.INTERRUPT})
 DT_DIR, DT_REG = 4, 8
 PAGE = 4096
 

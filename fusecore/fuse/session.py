@@ -1,26 +1,20 @@
-"""One FUSE connection served from the event loop: the mount (mount(2) as root, fusermount3 otherwise), INIT,
-the request loop, replies, interrupts, clones of the connection, backing files for passthrough, the unmount.
+"""One FUSE connection served from the event loop: INIT, the request loop, replies, interrupts, backing files for
+passthrough (the mount itself: device.py).
 
 This is what pyfuse3 (over libfuse) did for Stoker, written over the kernel's wire format (protocol.py) so that a
-mount can do what libfuse 3.14 cannot: answer an OPEN with a backing file (passthrough) and serve clones of the
-connection from other processes. The loop reads one request at a time from a non-blocking descriptor and starts
-one task per request that needs an answer (at most `max_tasks` at once; past that, it stops reading and the kernel
-queues); FORGET and INTERRUPT are handled on the spot. A reply goes back on the descriptor its request came from.
+mount can do what libfuse 3.14 cannot: answer an OPEN with a backing file (passthrough), and later serve clones of
+the connection from other processes. Worker tasks take turns reading one request at a time from a non-blocking
+descriptor and answer what they read (see `serve`); FORGET and INTERRUPT are handled on the spot. A reply goes back
+on the descriptor its request came from.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import logging
 import mmap
 import os
-import shutil
-import socket
-import struct
-import subprocess
-from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable, Sequence
 
 import trio
@@ -35,8 +29,6 @@ Handler = Callable[[p.Request], Awaitable[Sequence[Buffer]]]
 Forget = Callable[[Iterable[tuple[int, int]]], None]
 
 _libc = ctypes.CDLL(None, use_errno=True)
-MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
-MNT_DETACH = 2
 YIELD_EVERY = 16  # answers a worker gives in a row before it lets the other tasks run
 GONE = (errno.ENODEV, errno.EBADF)  # the connection ended: unmounted or aborted
 RETRY = (errno.EINTR, errno.EAGAIN, errno.ENOENT)  # ENOENT: a request interrupted before it was read
@@ -52,87 +44,6 @@ class FuseError(StokerError):
         self.errno = errno_
 
 
-class MountFailed(StokerError):
-    """The kernel or fusermount3 refused the mount (the message says why)."""
-
-    kind = "mount"
-
-
-@dataclass(frozen=True)
-class MountOptions:
-    fsname: str
-    subtype: str
-    allow_other: bool
-    uid: int
-    gid: int
-    read_only: bool = True
-
-
-def mount(mountpoint: str, options: MountOptions) -> int:
-    """A new FUSE connection mounted at `mountpoint`: its first descriptor (INIT still to answer)."""
-    if os.geteuid() == 0:
-        return _mount_as_root(mountpoint, options)
-    return _mount_with_fusermount(mountpoint, options)
-
-
-def _mount_as_root(mountpoint: str, o: MountOptions) -> int:
-    fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
-    data = f"fd={fd},rootmode=40000,user_id={o.uid},group_id={o.gid},default_permissions"
-    data += ",allow_other" if o.allow_other else ""
-    flags = MS_NOSUID | MS_NODEV | (MS_RDONLY if o.read_only else 0)
-    if _libc.mount(o.fsname.encode(), mountpoint.encode(), f"fuse.{o.subtype}".encode(), flags, data.encode()) != 0:
-        err = ctypes.get_errno()
-        os.close(fd)
-        raise MountFailed(f"mount(2) at {mountpoint}: {os.strerror(err)}")
-    return fd
-
-
-def _mount_with_fusermount(mountpoint: str, o: MountOptions) -> int:
-    """An ordinary user's mount: the setuid fusermount3 mounts and hands back the descriptor on a socket."""
-    tool = shutil.which("fusermount3")
-    if tool is None:
-        raise MountFailed("mounting as an ordinary user needs fusermount3 (Debian: apt-get install fuse3)")
-    opts = ["nosuid", "nodev", "default_permissions", f"fsname={o.fsname}", f"subtype={o.subtype}"]
-    opts += ["ro"] if o.read_only else []
-    opts += ["allow_other"] if o.allow_other else []
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    with ours, theirs:
-        env = dict(os.environ, _FUSE_COMMFD=str(theirs.fileno()))
-        done = subprocess.run([tool, "-o", ",".join(opts), "--", mountpoint], env=env, pass_fds=(theirs.fileno(),),
-                              capture_output=True, text=True, timeout=60)
-        if done.returncode != 0:
-            raise MountFailed(f"fusermount3 at {mountpoint}: {done.stderr.strip() or f'exit {done.returncode}'}")
-        theirs.close()
-        _, fds, _, _ = socket.recv_fds(ours, 1, 1)
-    if not fds:
-        raise MountFailed(f"fusermount3 mounted {mountpoint} but sent no descriptor")
-    os.set_inheritable(fds[0], False)
-    return fds[0]
-
-
-def unmount(mountpoint: str) -> None:
-    """Detach the mount (what libfuse did on exit): the kernel ends the connection once it is no longer busy."""
-    if os.geteuid() == 0:
-        if _libc.umount2(mountpoint.encode(), MNT_DETACH) != 0:
-            log.debug("umount2 %s: %s", mountpoint, os.strerror(ctypes.get_errno()))
-        return
-    tool = shutil.which("fusermount3")
-    if tool:
-        subprocess.run([tool, "-u", "-z", "-q", "--", mountpoint], capture_output=True, timeout=60)
-
-
-def clone(fd: int) -> int:
-    """Another descriptor of the connection `fd` belongs to (FUSE_DEV_IOC_CLONE): the kernel hands each request to
-    whichever descriptor reads it first, and takes its reply on that same descriptor."""
-    mine = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
-    try:
-        fcntl.ioctl(mine, p.FUSE_DEV_IOC_CLONE, struct.pack("I", fd))
-    except OSError:
-        os.close(mine)
-        raise
-    return mine
-
-
 class Connection:
     """One descriptor of a mounted FUSE connection, served from trio."""
 
@@ -142,7 +53,6 @@ class Connection:
         self.agreed: p.Agreed | None = None
         self._buffer = bytearray(max(p.PAGE * 2, max_write + p.PAGE))
         self._running: dict[int, trio.CancelScope] = {}
-        self.requests = 0
         self.ended = False  # the kernel ended the connection (unmounted, or aborted)
         self._handle: Handler
         self._forget: Forget
@@ -156,7 +66,7 @@ class Connection:
         """Read the kernel's INIT (blocking: it is the connection's first request) and answer it."""
         while True:
             try:
-                request = p.parse(self._read_blocking())
+                request = p.parse(self._read())
                 break
             except OSError as exc:
                 if exc.errno not in RETRY:
@@ -176,11 +86,8 @@ class Connection:
         log.debug("FUSE %d.%d, flags %#x", p.KERNEL_MAJOR, agreed.minor, agreed.flags)
         return agreed
 
-    def adopt(self, agreed: p.Agreed) -> None:
-        """A clone's INIT was answered on another descriptor: take what was agreed there."""
-        self.agreed = agreed
-
-    def _read_blocking(self) -> bytes:
+    def _read(self) -> bytes:
+        """One request as the device gives it (b"": the end, which /dev/fuse never gives but a fake kernel may)."""
         n = os.readv(self.fd, [self._buffer])
         return bytes(memoryview(self._buffer)[:n])
 
@@ -195,9 +102,7 @@ class Connection:
         wait (on the store, a listing): only those can be interrupted, the others are answered at once."""
         os.set_blocking(self.fd, False)
         self._handle, self._forget, self._max_tasks, self._waits = handle, forget, max_tasks, waits
-        self._served = 0
         self._turn = trio.Lock()
-        self._workers = self._waiting = 0
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             for _ in range(min_tasks):
@@ -239,7 +144,7 @@ class Connection:
         ended."""
         while True:
             try:
-                n = os.readv(self.fd, [self._buffer])
+                data = self._read()
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(self.fd)
                 continue
@@ -250,11 +155,10 @@ class Connection:
                     self.ended = True
                     return None
                 raise
-            if n == 0:  # end of file: not what /dev/fuse does, but nothing more will come
+            if not data:
                 self.ended = True
                 return None
-            request = p.parse(bytes(memoryview(self._buffer)[:n]))
-            self.requests += 1
+            request = p.parse(data)
             op = request.opcode
             if op == p.Op.FORGET:
                 self._forget([(request.nodeid, p.FORGET_IN.unpack_from(request.arg)[0])])
@@ -318,25 +222,6 @@ class Connection:
 
     def _write(self, parts: list[Buffer]) -> None:
         os.writev(self.fd, parts)
-
-    # ---- what the server tells the kernel unasked ------------------------------------------
-    def invalidate_inode(self, inode: int) -> None:
-        """Drop the kernel's cached data and attributes of `inode` (FUSE_NOTIFY_INVAL_INODE)."""
-        body = p.NOTIFY_INVAL_INODE.pack(inode, 0, 0)
-        self._notify(p.NOTIFY_CODE_INVAL_INODE, [body])
-
-    def invalidate_entry(self, parent: int, name: bytes) -> None:
-        """Drop the kernel's cached lookup of `name` in `parent` (FUSE_NOTIFY_INVAL_ENTRY)."""
-        body = p.NOTIFY_INVAL_ENTRY.pack(parent, len(name), 0)
-        self._notify(p.NOTIFY_CODE_INVAL_ENTRY, [body, name, b"\0"])
-
-    def _notify(self, code: int, parts: list[Buffer]) -> None:
-        length = p.OUT_HEADER.size + sum(len(part) for part in parts)
-        try:
-            self._write([p.OUT_HEADER.pack(length, code, 0), *parts])
-        except OSError as exc:
-            if exc.errno != errno.ENOENT:  # nothing cached to drop
-                raise
 
     # ---- backing files (passthrough) -------------------------------------------------------
     def open_backing(self, fd: int) -> int:

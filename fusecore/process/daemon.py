@@ -8,7 +8,6 @@ import errno
 import logging
 import os
 import signal
-import subprocess
 from typing import Callable
 
 import trio
@@ -20,7 +19,8 @@ from ..read.datapath import DataPath
 from ..fuse.adapter import StokerFS
 from ..fuse.passthrough import Passthrough
 from ..fuse.protocol import Init, ProtocolError
-from ..fuse.session import Connection, MountFailed, MountOptions, mount, unmount
+from ..fuse.device import MountFailed, MountOptions, mount, unmount
+from ..fuse.session import Connection
 from .mounts import is_mounted
 from ..store.client import S3Store
 from ..store.errors import StoreError
@@ -143,6 +143,8 @@ def _connect(cfg: MountConfig, datapath: DataPath) -> Connection:
             fd = mount(cfg.mountpoint, options)
         except MountFailed as exc:
             raise MountError(f"cannot mount at {cfg.mountpoint}: {exc}") from None
+        except OSError as exc:
+            raise MountError(f"cannot mount at {cfg.mountpoint}: {exc.strerror}") from None
     else:
         fd = cfg.fuse_fd
     conn = Connection(fd)
@@ -166,7 +168,6 @@ async def _announce_ready(cfg: MountConfig, ready: ReadyCallback) -> None:
     """Report ready only once the kernel gets answers from this process."""
     st = await trio.to_thread.run_sync(os.stat, cfg.mountpoint)
     _set_read_ahead(st.st_dev, cfg.read_ahead_kb)
-    _raise_background_limit(st.st_dev)
     log.info("mounted s3://%s/%s at %s", cfg.store.bucket, cfg.store.prefix, cfg.mountpoint)
     ready(None)
 
@@ -182,23 +183,7 @@ def _set_read_ahead(dev: int, kb: int) -> None:
             log.info("could not set %s: %s", path, exc)
 
 
-FUSECTL = "/sys/fs/fuse/connections"
-MAX_BACKGROUND = 64  # the kernel's default of 12 queued readahead requests starves several readers
-
-
-def _raise_background_limit(dev: int) -> None:
-    """Let the kernel keep more asynchronous (readahead) FUSE reads in flight (root only)."""
-    if os.major(dev) != 0:
-        return
-    conn = os.path.join(FUSECTL, str(os.minor(dev)))
-    if os.geteuid() == 0 and os.path.isdir(FUSECTL) and not os.path.ismount(FUSECTL):
-        subprocess.run(["mount", "-t", "fusectl", "fusectl", FUSECTL], capture_output=True)
-    for name, value in (("max_background", MAX_BACKGROUND), ("congestion_threshold", MAX_BACKGROUND * 3 // 4)):
-        try:
-            with open(os.path.join(conn, name), "w") as f:
-                f.write(str(value))
-        except OSError:
-            return
+MAX_BACKGROUND = 64  # asked at INIT: the kernel's default of 12 queued readahead requests starves several readers
 
 
 async def _terminate_on_signal(serving: trio.CancelScope) -> None:

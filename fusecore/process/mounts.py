@@ -16,6 +16,8 @@ import subprocess
 import time
 from dataclasses import dataclass
 
+from ..fuse.device import MountOptions, mount_device
+
 NOT_READY_STATUS = 124  # exit status of `stoker mount` whose mount did not become ready (like timeout(1))
 
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
@@ -69,28 +71,14 @@ def top_mount(path: str, table: list[MountInfo] | None = None) -> MountInfo | No
 
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_SLAVE, MS_SHARED = 1, 2, 4, 1 << 19, 1 << 20
-
-
-def _mount(source: str, target: str, fs: str | None, flags: int, data: str | None) -> None:
-    if _libc.mount(source.encode(), target.encode(), fs.encode() if fs else None, flags,
-                   data.encode() if data else None) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mount at {target}: {os.strerror(err)}")
+MS_SLAVE, MS_SHARED = 1 << 19, 1 << 20
 
 
 def mount_fuse_fd(target: str, fsname: str, *, allow_other: bool, uid: int, gid: int) -> int:
     """Open /dev/fuse and mount it read-only at `target` (on top of whatever is there, a dead
     mount included); returns the descriptor, to be served by a `stoker mount --fuse-fd`."""
-    fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
-    options = f"fd={fd},rootmode=40000,user_id={uid},group_id={gid},default_permissions"
-    try:
-        _mount(fsname, target, "fuse.stoker", MS_RDONLY | MS_NOSUID | MS_NODEV,
-               options + (",allow_other" if allow_other else ""))
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
+    return mount_device(target, MountOptions(fsname=fsname, subtype="stoker", allow_other=allow_other, uid=uid,
+                                             gid=gid))
 
 
 _SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442  # the same on every architecture
