@@ -35,6 +35,7 @@ def kept_fraction() -> float:
 
 
 SPREAD_SIGMAS = 3  # a member's bytes pass its share's average by this many standard deviations at most (1 in ~740)
+MAX_WORKERS = 64
 DEFAULT_BLOCK_SIZE = 4 * 1024**2  # MountConfig.block_size's default (also what the CSI driver mounts with)
 
 
@@ -229,6 +230,8 @@ class MountConfig:
     # A node-local disk tier under the memory cache (fusecore/cache/disk.py): its directory (absolute) and budget
     disk_cache: str = ""
     disk_cache_size: int = 0
+    # Processes serving the mount (fusecore/process/workers.py): 1 serves it in this process, as before
+    workers: int = 1
 
     def __post_init__(self) -> None:
         """Every setting in its range, named as its flag: no value may yield a mount that cannot serve."""
@@ -260,6 +263,10 @@ class MountConfig:
                 _within(name, value, 0, 2**32 - 2)
         if self.disk_cache or self.disk_cache_size:
             self._check_disk()
+        _within("workers", self.workers, 1, MAX_WORKERS, f"must be between 1 and {MAX_WORKERS}")
+        if self.workers > 1 and (self.disk_cache or self.peers):
+            raise ConfigError("workers", "several workers serve a mount with a memory cache only, for now: not with "
+                                         "--disk-cache or --peers (use --workers 1 there)")
 
     def _check_disk(self) -> None:
         """What can be said without looking at the disk (fusecore/cache/disk.py checks the directory itself)."""

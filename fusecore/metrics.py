@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
@@ -86,8 +88,40 @@ class MountMetrics:
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
 
+    def text(self) -> str:
+        """The exposition of this process's metrics (a worker's, for its hub: `Summed`)."""
+        return generate_latest(self.registry).decode()
+
     def value(self, metric: Counter | Gauge, **labels: str) -> float:
         """The current value of a counter or gauge (through the registry's public sample lookup)."""
         family = next(iter(metric.describe()))
         sample = family.name + ("_total" if family.type == "counter" else "")
         return self.registry.get_sample_value(sample, labels) or 0.0
+
+
+AVERAGED = frozenset({"stoker_cache_hit_ratio", "stoker_cluster_owned_share"})  # ratios: the workers' mean
+
+
+class Summed:
+    """A collector of the metrics of a mount's workers, as one mount's: each sample summed over the workers (their
+    ratios averaged). `texts()` gives each worker's exposition (asked over its control socket at scrape time)."""
+
+    def __init__(self, texts: Callable[[], list[str]]):
+        self._texts = texts
+
+    def collect(self) -> list[Metric]:
+        families: dict[str, Metric] = {}
+        values: dict[str, dict[tuple, list[float]]] = {}
+        for text in self._texts():
+            for family in text_string_to_metric_families(text):
+                if family.name not in families:
+                    families[family.name] = Metric(family.name, family.documentation, family.type)
+                    values[family.name] = {}
+                for sample in family.samples:
+                    key = (sample.name, tuple(sorted(sample.labels.items())))
+                    values[family.name].setdefault(key, []).append(sample.value)
+        for name, family in families.items():
+            for (sample, labels), seen in values[name].items():
+                value = sum(seen) / len(seen) if name in AVERAGED else sum(seen)
+                family.add_sample(sample, dict(labels), value)
+        return list(families.values())

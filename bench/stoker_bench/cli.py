@@ -15,7 +15,7 @@ from . import hostmem
 from .fixture import scratch_dir
 from .report import draw_chart, write, write_operator, write_table
 from .runner import run_all
-from .systems import SYSTEMS
+from .systems import SYSTEMS, kind_of
 from .targets import evaluate
 from .workloads import ON_REQUEST, WORKLOADS
 
@@ -28,7 +28,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                    help="dataset size factor (default 0.25: 256 MiB large objects; 1: 1 GiB and 10,000 files)")
     p.add_argument("--out", default="./bench-results", help="output folder (default ./bench-results)")
     p.add_argument("--systems", default=None,
-                   help=f"comma-separated, of {','.join(SYSTEMS)} (default: all; with --compare: stoker)")
+                   help=f"comma-separated, of {','.join(SYSTEMS)} (default: all; with --compare: stoker), and "
+                        "stoker-wN: Stoker served by N worker processes (--workers N), e.g. stoker-w1,stoker-w8 "
+                        "for the scaling side by side")
     p.add_argument("--workloads", default=None,
                    help=f"comma-separated, of {','.join(WORKLOADS)} (default: all but {','.join(sorted(ON_REQUEST))}; with --compare: "
                         f"{COMPARE_WORKLOADS})")
@@ -223,7 +225,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], list[str]] | None:
     default_workloads = COMPARE_WORKLOADS if args.compare else ",".join(w for w in WORKLOADS if w not in ON_REQUEST)
     systems = [s for s in (args.systems or default_systems).split(",") if s]
     workloads = [w for w in (args.workloads or default_workloads).split(",") if w]
-    unknown = [s for s in systems if s not in SYSTEMS] + [w for w in workloads if w not in WORKLOADS]
+    unknown = [s for s in systems if kind_of(s) is None] + [w for w in workloads if w not in WORKLOADS]
     if unknown:
         print(f"stoker bench: unknown system or workload: {', '.join(unknown)}", file=sys.stderr)
         return None

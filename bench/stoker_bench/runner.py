@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from fusecore.store.bodies import socket_readinto
 
 from .fixture import StoreProcess
-from .systems import DISK_VARIANTS, SYSTEMS, Unavailable
+from .systems import Unavailable, disk_variants, kind_of
 from .workloads import WORKLOADS, Dataset, Outcome
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -41,9 +41,49 @@ class Cell:
 
 
 def _proc_cpu(pid: int) -> float:
+    """CPU seconds of a process, with its children's (a mount's worker processes: the live ones, and those that
+    ended and were waited for)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    own = sum(int(v) for v in fields[11:15]) / CLK_TCK
+    return own + sum(_proc_cpu(child) for child in _children(pid))
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found.extend(int(c) for c in f.read().split())
+    except OSError:
+        pass
+    return found
+
+
+def _tree_memory_kib(pid: int) -> int:
+    """Memory of a mount: its RSS; for one served by several processes, the PSS of each (pages shared between them
+    count once) and the block files they share on tmpfs (workers.shared_folder)."""
+    children = _children(pid)
+    if not children:
+        return _proc_rss_kib(pid)
+    total = sum(_pss_kib(p) for p in (pid, *children))
+    folder = f"/dev/shm/stoker-{os.geteuid()}-{pid}/blocks"
+    try:
+        total += sum(e.stat().st_size for e in os.scandir(folder)) // 1024
+    except OSError:
+        pass
+    return total
+
+
+def _pss_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def _cpu_seconds(system) -> float:
@@ -72,7 +112,7 @@ class RssSampler(threading.Thread):
     def run(self) -> None:
         while not self._done.is_set():
             try:
-                self.peak = max(self.peak, _proc_rss_kib(self.pid))
+                self.peak = max(self.peak, _tree_memory_kib(self.pid))
             except OSError:
                 return
             self._done.wait(0.05)
@@ -110,7 +150,7 @@ def measure(system, store: StoreProcess, workload: str, d: Dataset, run_index: i
     before_cpu = _cpu_seconds(system)
     sampler = None if own else RssSampler(system.pid)
     if sampler:
-        cell.idle_rss_mib = round(_proc_rss_kib(system.pid) / 1024, 1)
+        cell.idle_rss_mib = round(_tree_memory_kib(system.pid) / 1024, 1)
         sampler.start()
     before = store.stats()
     outcome = fn(system, d, run_index, **(options or {}))
@@ -187,8 +227,8 @@ def _run_workload(store: StoreProcess, workload: str, systems: list[str], d: Dat
                   cells: list[Cell], log, *, kernel_cache: bool, options: dict | None = None) -> None:
     """One workload through every system, cold then warm (boto3 once). A workload that cannot run here is one note
     per cell, and no system is started for it."""
-    kinds: list = [kind for name in systems for kind in DISK_VARIANTS[name]] if workload == "disk" \
-        else [SYSTEMS[name] for name in systems]
+    kinds: list = [kind for name in systems for kind in disk_variants(name)] if workload == "disk" \
+        else [kind_of(name) for name in systems]
     missing = _missing(workload)
     for kind in kinds:
         name = kind.name

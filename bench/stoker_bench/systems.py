@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -239,3 +240,26 @@ SYSTEMS: dict[str, type] = {"stoker": Stoker, "s3fs": S3fs, "rclone": Rclone, "b
 # The `disk` workload runs each system asked for as these (rclone's full VFS cache is on disk already)
 DISK_VARIANTS: dict[str, tuple[type, ...]] = {"stoker": (Stoker, StokerDisk), "s3fs": (S3fsDisk,), "rclone": (Rclone,),
                                              "boto3": (), "s3torch": ()}
+WORKERS_SYSTEM = re.compile(r"stoker-w([1-9][0-9]?)")  # Stoker served by N worker processes (--workers N)
+
+
+def kind_of(name: str) -> type | None:
+    """The system a name stands for: one of SYSTEMS, or `stoker-wN` (a mount with --workers N, so that one run shows
+    the scaling side by side: --systems stoker-w1,stoker-w8); None if it is none."""
+    if name in SYSTEMS:
+        return SYSTEMS[name]
+    match = WORKERS_SYSTEM.fullmatch(name)
+    if match is None:
+        return None
+    workers = match.group(1)
+
+    def start(self) -> None:
+        self.extra_args = (*self.extra_args, "--workers", workers)
+        Stoker.start(self)
+
+    return type(f"StokerWorkers{workers}", (Stoker,), {"name": name, "start": start})
+
+
+def disk_variants(name: str) -> tuple[type, ...]:
+    kind = kind_of(name)
+    return DISK_VARIANTS.get(name, (kind,) if kind is not None else ())

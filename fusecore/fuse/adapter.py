@@ -31,6 +31,7 @@ class StokerFS:
     """Answers one request (`__call__`) and takes the kernel's forgets (`forget`); see the module docstring."""
 
     # The opcodes whose answer may wait (a listing, the store): the loop lets the kernel interrupt only these.
+    # (GETATTR, OPEN and OPENDIR wait only where another worker named the inode: its path is looked up here.)
     waits = frozenset({p.Op.LOOKUP, p.Op.READ, p.Op.READDIR, p.Op.READDIRPLUS})
 
     def __init__(self, namespace: Namespace, reader: Reader, *, block_size: int, kernel_cache: bool,
@@ -93,10 +94,10 @@ class StokerFS:
         return (p.entry_out(self._attr(node), self.timeout),)
 
     async def getattr(self, r: p.Request) -> Sequence[Buffer]:
-        return (p.attr_out(self._attr(self.ns.node(r.nodeid)), self.timeout),)
+        return (p.attr_out(self._attr(await self.ns.resolve(r.nodeid)), self.timeout),)
 
     async def opendir(self, r: p.Request) -> Sequence[Buffer]:
-        if not self.ns.node(r.nodeid).is_dir:
+        if not (await self.ns.resolve(r.nodeid)).is_dir:
             raise FuseError(errno.ENOTDIR)
         return (p.open_out(r.nodeid),)
 
@@ -131,7 +132,7 @@ class StokerFS:
         flags = p.OPEN_IN.unpack_from(r.arg)[0]
         if flags & _WRITE_FLAGS:
             raise FuseError(errno.EROFS)
-        node = self.ns.node(r.nodeid)
+        node = await self.ns.resolve(r.nodeid)
         if node.is_dir:
             raise FuseError(errno.EISDIR)
         info = node.info

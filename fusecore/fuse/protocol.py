@@ -33,6 +33,7 @@ STATFS_OUT = struct.Struct("<QQQQQIIII24x")  # blocks bfree bavail files ffree b
 DIRENT = struct.Struct("<QQII")  # ino off namelen type
 BACKING_MAP = struct.Struct("<iIQ")  # fd flags padding (struct fuse_backing_map)
 
+FUSE_DEV_IOC_CLONE = 0x8004E500  # _IOR(229, 0, uint32_t): this descriptor joins the connection of the one given
 FUSE_DEV_IOC_BACKING_OPEN = 0x4010E501  # _IOW(229, 1, struct fuse_backing_map)
 FUSE_DEV_IOC_BACKING_CLOSE = 0x4004E502  # _IOW(229, 2, uint32_t)
 

@@ -3,7 +3,7 @@ passthrough (the mount itself: device.py).
 
 This is what pyfuse3 (over libfuse) did for Stoker, written over the kernel's wire format (protocol.py) so that a
 mount can do what libfuse 3.14 cannot: answer an OPEN with a backing file (passthrough), and later serve clones of
-the connection from other processes. Worker tasks take turns reading one request at a time from a non-blocking
+the connection from other processes (`clone`: a worker's Connection is told what INIT agreed, `agreed`). Worker tasks take turns reading one request at a time from a non-blocking
 descriptor and answer what they read (see `serve`); FORGET and INTERRUPT are handled on the spot. A reply goes back
 on the descriptor its request came from.
 """
@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import logging
 import mmap
 import os
+import select
+import struct
 from typing import Awaitable, Callable, Iterable, Sequence
 
 import trio
@@ -34,6 +37,18 @@ GONE = (errno.ENODEV, errno.EBADF)  # the connection ended: unmounted or aborted
 RETRY = (errno.EINTR, errno.EAGAIN, errno.ENOENT)  # ENOENT: a request interrupted before it was read
 
 
+def clone(fd: int) -> int:
+    """Another descriptor of the connection `fd` belongs to (FUSE_DEV_IOC_CLONE), for a worker process: the kernel
+    hands each request to whichever descriptor reads it first, and takes its reply on that same descriptor."""
+    mine = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(mine, p.FUSE_DEV_IOC_CLONE, struct.pack("I", fd))
+    except OSError:
+        os.close(mine)
+        raise
+    return mine
+
+
 class FuseError(StokerError):
     """An answer that is an errno (the adapter's one way to say "no")."""
 
@@ -47,10 +62,13 @@ class FuseError(StokerError):
 class Connection:
     """One descriptor of a mounted FUSE connection, served from trio."""
 
-    def __init__(self, fd: int, *, max_write: int = 1024 * 1024):
+    def __init__(self, fd: int, *, max_write: int = 1024 * 1024, agreed: p.Agreed | None = None):
+        """`agreed`: this is a clone of a connection whose INIT another process answered (a worker)."""
+        self._clone = agreed is not None
+        self._readable: select.epoll | None = None
         self.fd = fd
         self.max_write = max_write
-        self.agreed: p.Agreed | None = None
+        self.agreed: p.Agreed | None = agreed
         self._buffer = bytearray(max(p.PAGE * 2, max_write + p.PAGE))
         self._running: dict[int, trio.CancelScope] = {}
         self.ended = False  # the kernel ended the connection (unmounted, or aborted)
@@ -86,6 +104,13 @@ class Connection:
         log.debug("FUSE %d.%d, flags %#x", p.KERNEL_MAJOR, agreed.minor, agreed.flags)
         return agreed
 
+    def _exclusive_poll(self) -> "select.epoll":
+        """An epoll of this descriptor alone, woken exclusively (EPOLLEXCLUSIVE): of the workers waiting on clones of
+        one connection, a request wakes one, not all of them (each would try to read it; all but one in vain)."""
+        poll = select.epoll()
+        poll.register(self.fd, select.EPOLLIN | select.EPOLLEXCLUSIVE)
+        return poll
+
     def _read(self) -> bytes:
         """One request as the device gives it (b"": the end, which /dev/fuse never gives but a fake kernel may)."""
         n = os.readv(self.fd, [self._buffer])
@@ -101,6 +126,7 @@ class Connection:
         another is started, up to `max_tasks`; past that the kernel queues. `waits`: the opcodes whose answer may
         wait (on the store, a listing): only those can be interrupted, the others are answered at once."""
         os.set_blocking(self.fd, False)
+        self._readable = self._exclusive_poll() if self.agreed is not None and self._clone else None
         self._handle, self._forget, self._max_tasks, self._waits = handle, forget, max_tasks, waits
         self._turn = trio.Lock()
         async with trio.open_nursery() as nursery:
@@ -146,7 +172,7 @@ class Connection:
             try:
                 data = self._read()
             except BlockingIOError:
-                await trio.lowlevel.wait_readable(self.fd)
+                await trio.lowlevel.wait_readable(self._readable or self.fd)
                 continue
             except OSError as exc:
                 if exc.errno in RETRY:
@@ -238,6 +264,8 @@ class Connection:
             log.debug("FUSE_DEV_IOC_BACKING_CLOSE %d: %s", backing, os.strerror(ctypes.get_errno()))
 
     def close(self) -> None:
+        if self._readable is not None:
+            self._readable.close()
         try:
             os.close(self.fd)
         except OSError:

@@ -87,6 +87,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--peer-timeout", type=float, default=_default("peer_timeout"),
                    help=f"seconds to connect to a peer and for its first byte, then the store is read "
                         f"(default {_default('peer_timeout'):g})")
+    m.add_argument("--workers", type=int, default=_default("workers"),
+                   help="processes serving the mount, each on its own clone of the FUSE connection, sharing one "
+                        "cache (default 1; a memory cache only for now: not with --disk-cache or --peers)")
     m.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     m.add_argument("--metrics-addr", default="127.0.0.1", help="address for --metrics-port (default 127.0.0.1)")
     m.add_argument("--control-socket", help="unix socket of the control API (default: derived from MOUNTPOINT)")
@@ -167,6 +170,7 @@ def config_from_args(args: argparse.Namespace) -> MountConfig:
         uid=args.uid,
         gid=args.gid,
         fuse_fd=None if args.fuse_fd is None else _fuse_fd(args.fuse_fd),
+        workers=args.workers,
     )
 
 
@@ -210,22 +214,65 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serve_main(argv: list[str]) -> int:
-    """`python -m fusecore serve-mount ...`: what fusecore.process.launch starts (see fusecore/__main__.py)."""
+    """`python -m fusecore serve-mount ...`: what fusecore.process.launch starts (see fusecore/__main__.py); and
+    `serve-worker`, what a mount's hub starts for each worker (process/workers.py)."""
     parser = argparse.ArgumentParser(prog="python -m fusecore")
-    _serve_arguments(parser.add_subparsers(dest="command", required=True).add_parser("serve-mount"))
-    return cmd_serve_mount(parser.parse_args(argv))
+    commands = parser.add_subparsers(dest="command", required=True)
+    _serve_arguments(commands.add_parser("serve-mount"))
+    w = commands.add_parser("serve-worker")
+    w.add_argument("--ready-fd", type=int, required=True)
+    w.add_argument("--fuse-fd", type=int, required=True)
+    w.add_argument("--worker", type=int, required=True)
+    w.add_argument("--spawn", type=int, required=True)
+    w.add_argument("--shared", required=True)
+    w.add_argument("--minor", type=int, required=True)
+    w.add_argument("--flags", type=int, required=True)
+    w.add_argument("--max-write", type=int, required=True)
+    w.set_defaults(func=cmd_serve_worker)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def _read_document() -> tuple[MountConfig, str]:
+    """The mount's configuration, credentials and log level from stdin (ConfigError or ValueError if malformed)."""
+    doc = json.loads(sys.stdin.buffer.read(MAX_DOCUMENT + 1)[:MAX_DOCUMENT] or b"null")
+    if not isinstance(doc, dict) or set(doc) - {"config", "credentials", "log_level"}:
+        raise ConfigError("document", "expected config, credentials and log_level only")
+    cfg = config_from_document(doc.get("config"), identity_from_document(doc.get("credentials")))
+    return cfg, str(doc.get("log_level") or "INFO")
+
+
+def cmd_serve_worker(args: argparse.Namespace) -> int:
+    """Serve a clone of a mount's connection as one of its workers (the hub wrote the document on stdin)."""
+    from .daemon import run_worker
+    from .workers import WorkerRole
+
+    try:
+        cfg, level = _read_document()
+        role = WorkerRole(args.worker, args.spawn, args.shared, _fuse_fd(args.fuse_fd), args.minor, args.flags,
+                          args.max_write)
+    except (ConfigError, ValueError) as exc:
+        os.write(args.ready_fd, ready_line(exc))
+        return 2
+    logs.configure(level, f"worker {args.worker}")
+    ready_fd: int | None = args.ready_fd
+
+    def ready(error: Exception | None) -> None:
+        nonlocal ready_fd
+        if ready_fd is not None:
+            os.write(ready_fd, ready_line(error))
+            os.close(ready_fd)
+            ready_fd = None
+
+    return run_worker(cfg, role, ready)
 
 
 def cmd_serve_mount(args: argparse.Namespace) -> int:
     """Serve the mount described by the JSON document on stdin (see fusecore.process.launch)."""
     try:
-        doc = json.loads(sys.stdin.buffer.read(MAX_DOCUMENT + 1)[:MAX_DOCUMENT] or b"null")
-        if not isinstance(doc, dict) or set(doc) - {"config", "credentials", "log_level"}:
-            raise ConfigError("document", "expected config, credentials and log_level only")
-        cfg = config_from_document(doc.get("config"), identity_from_document(doc.get("credentials")))
+        cfg, level = _read_document()
         if args.fuse_fd is not None:
             cfg = dataclasses.replace(cfg, fuse_fd=_fuse_fd(args.fuse_fd))
-        level = str(doc.get("log_level") or "INFO")
     except (ConfigError, ValueError) as exc:
         message = f"stoker serve-mount: {exc}"
         print(message, file=sys.stderr)
@@ -249,7 +296,7 @@ def _mount_here(cfg: MountConfig, log_level: str, ready_fd: int | None) -> int:
             os.close(ready_fd)
             ready_fd = None
 
-    return run_mount(cfg, ready)
+    return run_mount(cfg, ready, log_level)
 
 
 def cmd_unmount(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ The CLI (`stoker stats|warm|drop`) and the CSI plugin talk to a running mount th
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -214,11 +215,13 @@ def _members(request: dict) -> list[str]:
 
 async def _answer(datapath: DataPath, stream: trio.SocketStream, request: dict, op: object) -> None:
     if op == "stats":
-        await _send(stream, datapath.stats())
+        await _send(stream, await _result(datapath.stats()))
+    elif op == "metrics":  # a worker's, for its hub (workers.Hub.serve_metrics)
+        await _send(stream, {"text": datapath.metrics.text()})
     elif op == "drop":
-        await _send(stream, datapath.drop())
+        await _send(stream, await _result(datapath.drop()))
     elif op == "resize":
-        await _send(stream, datapath.resize(_integer(request, "cache_size", 1, MAX_CACHE_SIZE)))
+        await _send(stream, await _result(datapath.resize(_integer(request, "cache_size", 1, MAX_CACHE_SIZE))))
     elif op == "peers":
         members = _members(request)
         replicas = None if request.get("replicas") is None else _integer(request, "replicas", 1, len(members))
@@ -230,7 +233,7 @@ async def _answer(datapath: DataPath, stream: trio.SocketStream, request: dict, 
         identity = identity_from_document(request.get("credentials"))
         if identity is None:
             raise ValueError("credentials: none given")
-        await _send(stream, datapath.rotate(identity))
+        await _send(stream, await _result(datapath.rotate(identity)))
     elif op == "warm":
         paths = request.get("paths", [])
         if not isinstance(paths, list):
@@ -239,6 +242,11 @@ async def _answer(datapath: DataPath, stream: trio.SocketStream, request: dict, 
         await _send(stream, result)
     else:
         raise ControlError(f"unknown op {op!r:.80}", "unknown_op")
+
+
+async def _result(answer: Any) -> dict:
+    """An answer, awaited where it is one (a mount served by several workers asks them: workers.Hub)."""
+    return await answer if inspect.isawaitable(answer) else answer
 
 
 def _error_reply(op: object, exc: Exception) -> dict | None:

@@ -7,13 +7,14 @@ import dataclasses
 import errno
 import logging
 import os
+import shutil
 import signal
 from typing import Callable
 
 import trio
 
 from ..failures import StokerError
-from . import control
+from . import control, workers
 from ..config import ConfigError, MountConfig, auto_cache_size, block_squares
 from ..read.datapath import DataPath
 from ..fuse.adapter import StokerFS
@@ -73,8 +74,9 @@ def _sized(cfg: MountConfig, store: S3Store) -> MountConfig:
     return dataclasses.replace(cfg, cache_size=size)
 
 
-def run_mount(cfg: MountConfig, ready: ReadyCallback) -> int:
-    """Mount and serve in this process; returns the exit status."""
+def run_mount(cfg: MountConfig, ready: ReadyCallback, log_level: str = "INFO") -> int:
+    """Mount and serve in this process (with several workers: this process is their hub); returns the exit
+    status."""
     tune_malloc()
     try:
         if cfg.fuse_fd is None:
@@ -85,6 +87,8 @@ def run_mount(cfg: MountConfig, ready: ReadyCallback) -> int:
         store.check()
         if cfg.cache_size_auto:
             cfg = _sized(cfg, store)
+        if cfg.workers > 1:
+            return _run_hub(cfg, ready, log_level)
         datapath = DataPath(cfg, store)
         log.info("block buffers on %s pages: %s", datapath.pages.size, datapath.pages.why)
     except (MountError, StoreError, ConfigError) as exc:
@@ -134,7 +138,86 @@ async def _serve(cfg: MountConfig, datapath: DataPath, ready: ReadyCallback) -> 
         conn.close()
 
 
-def _connect(cfg: MountConfig, datapath: DataPath) -> Connection:
+def _run_hub(cfg: MountConfig, ready: ReadyCallback, log_level: str) -> int:
+    """Mount, start the workers on clones of the connection, and keep them (process/workers.py)."""
+    try:
+        conn = _connect(cfg, None)
+    except MountError as exc:
+        ready(exc)
+        return 1
+    assert conn.agreed is not None
+    shared = workers.shared_folder()
+    hub = workers.Hub(cfg, conn.fd, conn.agreed, shared, log_level)
+    try:
+        try:
+            for worker in [hub.start(i) for i in range(1, cfg.workers + 1)]:
+                hub.wait_ready(worker)
+        except Exception as exc:  # noqa: BLE001 - any worker that cannot serve: nothing stays mounted
+            hub.stop()
+            if cfg.fuse_fd is None:
+                unmount(cfg.mountpoint)
+            ready(exc)
+            return 1
+        log.info("%d workers serve the mount (shared blocks in %s)", cfg.workers, shared)
+        trio.run(_serve_hub, cfg, hub, ready)
+    finally:
+        hub.stop()
+        if not hub.ended and cfg.fuse_fd is None:
+            unmount(cfg.mountpoint)
+        conn.close()
+        shutil.rmtree(shared, ignore_errors=True)
+    return 0
+
+
+async def _serve_hub(cfg: MountConfig, hub: workers.Hub, ready: ReadyCallback) -> None:
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hub.keep_budget)
+        hub.rescan()  # what the workers published before the hub listened
+        socket_path = cfg.control_socket or control.default_control_socket(cfg.mountpoint)
+        await nursery.start(control.serve, hub, socket_path)  # (the hub answers as a DataPath does)
+        if cfg.metrics_port is not None:
+            hub.serve_metrics(cfg.metrics_port, cfg.metrics_addr)
+        nursery.start_soon(_terminate_on_signal, nursery.cancel_scope)
+        nursery.start_soon(hub.supervise, nursery.cancel_scope)
+        await _announce_ready(cfg, ready)
+
+
+def run_worker(cfg: MountConfig, role: workers.WorkerRole, ready: ReadyCallback) -> int:
+    """Serve one clone of a mount's connection as worker `role.index` (started by its hub)."""
+    workers.die_with_parent()
+    tune_malloc()
+    try:
+        datapath = DataPath(cfg, S3Store(cfg.store), shared=role.shared, worker=role.spawn)
+    except (StoreError, ConfigError) as exc:
+        ready(exc)
+        return 1
+    try:
+        ended = trio.run(_serve_worker, cfg, role, datapath, ready)
+    finally:
+        datapath.close()
+    return workers.ENDED if ended else 3
+
+
+async def _serve_worker(cfg: MountConfig, role: workers.WorkerRole, datapath: DataPath, ready: ReadyCallback) -> bool:
+    """True once the connection ended (unmounted); False when stopped by a signal."""
+    fs = StokerFS(datapath.namespace, datapath.reader, block_size=cfg.block_size, kernel_cache=cfg.kernel_cache,
+                  uid=os.getuid() if cfg.uid is None else cfg.uid, gid=os.getgid() if cfg.gid is None else cfg.gid,
+                  on_open=datapath.walk.on_open)
+    conn = Connection(role.fuse_fd, agreed=role.agreed())
+    try:
+        async with trio.open_nursery() as nursery:
+            datapath.start(nursery)
+            await nursery.start(control.serve, datapath, role.control_socket)
+            nursery.start_soon(_terminate_on_signal, nursery.cancel_scope)
+            ready(None)
+            await conn.serve(fs, fs.forget, waits=fs.waits, max_tasks=MAX_TASKS)
+            nursery.cancel_scope.cancel()
+    finally:
+        conn.close()
+    return conn.ended
+
+
+def _connect(cfg: MountConfig, datapath: DataPath | None) -> Connection:
     """The mount's FUSE connection, INIT answered: mounted here, or the descriptor a caller mounted (CSI)."""
     if cfg.fuse_fd is None:
         options = MountOptions(fsname=f"stoker:{cfg.store.bucket}", subtype="stoker", allow_other=cfg.allow_other,
@@ -158,9 +241,9 @@ def _connect(cfg: MountConfig, datapath: DataPath) -> Connection:
     return conn
 
 
-def _wants(cfg: MountConfig, datapath: DataPath) -> int:
+def _wants(cfg: MountConfig, datapath: DataPath | None) -> int:
     """Passthrough needs a disk tier to hold files and CAP_SYS_ADMIN to register them (root, the CSI mounter)."""
-    held = cfg.passthrough and datapath.disk is not None and datapath.disk.plain
+    held = cfg.passthrough and datapath is not None and datapath.disk is not None and datapath.disk.plain
     return int(WANT | (Init.PASSTHROUGH if held and os.geteuid() == 0 else 0))
 
 

@@ -24,6 +24,8 @@ from ..messages import JoinRequest, WarmProgress
 from ..metrics import MountMetrics
 from .namespace import Namespace
 from .reader import Reader
+from .registry import Registry
+from ..cache.shared import FLUSH_EVERY, SharedBlocks
 from ..store.objects import ObjectInfo, ObjectStore
 from ..cluster.peers import BlockAsk
 from ..cache.pages import choose as choose_pages
@@ -37,7 +39,11 @@ DISK_SETTLE = 10.0  # seconds a warm waits at its end for the disk tier to write
 
 
 class DataPath:
-    def __init__(self, cfg: MountConfig, store: ObjectStore, metrics: MountMetrics | None = None):
+    def __init__(self, cfg: MountConfig, store: ObjectStore, metrics: MountMetrics | None = None, *,
+                 shared: str | None = None, worker: int = 0):
+        """`shared`: this data path is a worker of a mount served by several processes, which share blocks, inode
+        numbers and open files through that folder (cache/shared.py, registry.py); `worker`: its number, unique in
+        the mount for as long as it runs (never reused by a worker started again: it is in its file handles)."""
         self.cfg = cfg
         self.store = store
         self.rotations = 0  # credentials replaced while mounted
@@ -56,15 +62,21 @@ class DataPath:
                                max_concurrency=cfg.store.max_concurrency, inflight_limit=cfg.inflight_limit,
                                read_deadline=cfg.read_deadline, cluster=self.cluster, huge_pages=self.pages.huge,
                                disk=self.disk)
-        self.namespace = Namespace(store, cfg.store.prefix, cfg.metadata_ttl, self.metrics)
+        self.shared = SharedBlocks(shared) if shared is not None else None
+        self.fetcher.shared = self.shared
+        registry = Registry(shared) if shared is not None else None
+        self.namespace = Namespace(store, cfg.store.prefix, cfg.metadata_ttl, self.metrics, registry=registry)
         self.reader = Reader(self.fetcher, self.metrics, block_size=cfg.block_size,
-                             prefetch_limit=cfg.prefetch_limit, initial_prefetch=cfg.initial_prefetch)
+                             prefetch_limit=cfg.prefetch_limit, initial_prefetch=cfg.initial_prefetch,
+                             registry=registry, worker=worker)
         self.walk = DirectoryPrefetcher(self.namespace, self.fetcher, self.cache, small_file_max=cfg.block_size,
                                         budget=cfg.prefetch_limit)
 
     def start(self, nursery: trio.Nursery) -> None:
         self.fetcher.start(nursery)
         self.walk.start(nursery)
+        if self.shared is not None:
+            nursery.start_soon(self._tell_hub, self.shared)
         self._nursery = nursery
         if self.cluster is not None:
             try:
@@ -72,6 +84,13 @@ class DataPath:
             except OSError as exc:
                 raise ConfigError("peer-listen", f"cannot serve peers on {self.cfg.peer_listen}: {exc.strerror}") \
                     from None
+
+    @staticmethod
+    async def _tell_hub(shared: SharedBlocks) -> None:
+        """News of the blocks this worker published and read reach the hub at least every FLUSH_EVERY seconds."""
+        while True:
+            await trio.sleep(FLUSH_EVERY)
+            shared.flush()
 
     def _for_peer(self, want: BlockAsk) -> "Buffer | Future | None":
         """On the event loop (the peer server runs on it): the bytes this node holds, a Future of the bytes it reads
@@ -135,6 +154,8 @@ class DataPath:
             self.cluster.close()
         if self.disk is not None:
             self.disk.close()
+        if self.shared is not None:
+            self.shared.close()
 
     def stats(self) -> dict:
         c = self.cache.stats()
@@ -194,6 +215,7 @@ class DataPath:
             "credential_rotations": self.rotations,
             **({"cluster": self.cluster.stats()} if self.cluster is not None else {}),
             **({"disk": dataclasses.asdict(disk)} if disk is not None else {}),
+            **({"shared": dataclasses.asdict(self.shared.stats)} if self.shared is not None else {}),
         }
 
     def resize(self, cache_size: int) -> dict:

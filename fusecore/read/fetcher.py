@@ -16,6 +16,7 @@ from ..cache.blocks import BlockKey, CacheKey, RangeKey, block_extent, extent
 from ..cache.memory import BlockCache, Buffer
 from ..cluster.tier import Cluster
 from ..cache.disk import DiskTier
+from ..cache.shared import Claim, SharedBlocks
 from ..metrics import MountMetrics
 from ..cache.buffers import MMAP_MIN, allocate
 from ..store.objects import LoopRangeReads, ObjectInfo, ObjectStore, Parts, Progress
@@ -30,6 +31,7 @@ RANGE_PART = 128 * 1024  # an exact range (a random read) of 256 KiB or more com
 RANGE_PARTS = 4  # ... and at most this many: a 256 KiB read in two GETs at once, a 1 MiB read in four
 FORWARD_PARTS = 4  # a block read through for a peer comes in this many GETs at once, whatever else streams (forward)
 DISK_READERS = 16  # blocks read from the disk tier at once (worker threads of their own, not the store's)
+CLAIM_POLL, CLAIM_POLL_MAX = 0.0005, 0.004  # seconds between looks for a block another worker is fetching
 
 
 class _Pending:
@@ -37,7 +39,7 @@ class _Pending:
 
     __slots__ = ("done", "data", "error", "demanded", "visit", "buffer", "progress", "queued", "attempts", "logged",
                  "arrived", "started", "prefetch_bytes", "parts", "split", "source", "cause", "peer_missed",
-                 "fetching")
+                 "fetching", "claim")
 
     def __init__(self, demanded: bool, visit: Hashable | None, queued: int = 0):
         self.started = False  # its task runs (a prefetch may wait in the fetcher's queue until then)
@@ -59,6 +61,7 @@ class _Pending:
         self.cause = "demand"  # why its bytes came from the store (CAUSES), for the store's bytes by cause
         self.peer_missed = False  # an owner was asked for the bytes and did not give them
         self.fetching = False  # past the byte budget: its bytes are on their way (a block may wait for it)
+        self.claim: Claim | None = None  # this worker fetches the block for every worker of the mount (shared)
 
     async def wait_for(self, need: int) -> None:
         """Return once the first `need` bytes arrived or the GET ended (one wake-up from the worker thread)."""
@@ -120,6 +123,7 @@ class Fetcher:
         self.huge_pages = huge_pages  # block buffers on 2 MiB pages (pages.py chose for this machine)
         self.cluster = cluster  # a distributed cache: bytes of blocks this node does not own are asked of an owner first
         self.disk = disk  # a disk tier: read before peers and the store, and given what they sent
+        self.shared: SharedBlocks | None = None  # the blocks this mount's worker processes share (--workers)
         self._disk_readers = trio.CapacityLimiter(DISK_READERS)
         self._clock, self._sleep = clock, sleep  # the retry schedule's time (a fake one in tests)
         self.cache = cache
@@ -246,8 +250,8 @@ class Fetcher:
         cache's staging room: read-ahead waits rather than fetching blocks it would have to drop.
         """
         key = BlockKey(obj.key, obj.etag, index)
-        if key in self._pending or key in self.cache:
-            return True
+        if key in self._pending or key in self.cache or (self.shared is not None and self.shared.coming(key)):
+            return True  # (a block another worker holds or fetches is read from its file when asked: no copy ahead)
         nbytes = min(obj.size - index * self.block_size, self.block_size)
         if self.cache.transient_room - self._queued < nbytes:
             return False
@@ -312,6 +316,10 @@ class Fetcher:
             self.cache.put(key, pending.data, prefetched=not pending.demanded, visit=pending.visit, keep=keep)
             if self.disk is not None and keep and pending.source != "disk" and isinstance(key, BlockKey):
                 self.disk.offer(key, pending.data)  # behind the reader: it has the bytes already
+            if pending.claim is not None and isinstance(key, BlockKey):
+                assert self._nursery is not None
+                self._nursery.start_soon(self._publish, key, pending.data, pending.claim)  # behind the reader too
+                pending.claim = None
         except Exception as exc:  # noqa: BLE001 - one request never ends the mount: its readers get EIO
             if not isinstance(exc, StoreError):
                 log.exception("unexpected error fetching %s block %d", obj.key, key.index)
@@ -328,10 +336,29 @@ class Fetcher:
                     "%s of %s bytes %d-%d failed after %d attempt(s): %s", "read" if pending.demanded else "prefetch",
                     obj.key, start, end - 1, pending.attempts, exc)
         finally:
+            if pending.claim is not None:  # failed: another worker may claim it now
+                pending.claim.release()
+                pending.claim = None
             self._end(key, pending)
             if prefetch:
                 self._prefetching -= 1
             self._admit()
+
+    async def _publish(self, key: BlockKey, data: Buffer, claim: Claim) -> None:
+        """Make a block this worker fetched readable by every worker (its file), then let go of its claim: the
+        workers that waited for it read it. A small block is written here, a large one in a thread (the cache
+        recycles no buffer that this task still references)."""
+        shared = self.shared
+        assert shared is not None
+        try:
+            if len(data) < MMAP_MIN:
+                shared.publish(key, data)
+            else:
+                await trio.to_thread.run_sync(shared.publish, key, data, limiter=self._disk_readers)
+        except OSError as exc:
+            log.warning("block %d of %s not shared with the other workers: %s", key.index, key.key, exc)
+        finally:
+            claim.release()
 
     def _keeps(self, key: CacheKey, obj: ObjectInfo) -> bool:
         """Does the cache keep this block past its readers? In a distributed cache only what this node owns: its
@@ -353,6 +380,10 @@ class Fetcher:
         index = self._block_of(start, stop)
         if index is None:  # a range across two blocks: no tier holds it whole
             return None
+        if self.shared is not None:
+            data = await self._from_shared(obj, index, start, stop, pending)
+            if data is not None:
+                return data, "shared"
         data = await self._from_disk(obj, index, start, stop)
         if data is not None:
             return data, "disk"
@@ -361,6 +392,54 @@ class Fetcher:
             if data is not None:
                 return data, "peer"
         return None
+
+    async def _from_shared(self, obj: ObjectInfo, index: int, start: int, stop: int, pending: _Pending) \
+            -> Buffer | None:
+        """Bytes [start, stop) of block `index` from the file another worker of this mount published; for a whole
+        block not published, the claim to fetch it for every worker (pending.claim), or, while another worker holds
+        that claim, its bytes once it published them (a claim whose worker died or failed is taken over)."""
+        shared = self.shared
+        assert shared is not None
+        block = BlockKey(obj.key, obj.etag, index)
+        lo, hi = block_extent(index, obj.size, self.block_size)
+        data = await self._load_shared(block, hi - lo)
+        if (start, stop) != (lo, hi):  # a random reader's range inside the block: no claim, the store if not held
+            return None if data is None else bytes(memoryview(data)[start - lo:stop - lo])
+        if data is not None:
+            return data
+        give_up = self._clock() + self.read_deadline
+        delay, waited = CLAIM_POLL, False
+        while True:
+            claim = shared.try_claim(block)
+            data = await self._load_shared(block, hi - lo)  # (published just before the claim was free)
+            if claim is not None:
+                if data is not None:
+                    claim.release()
+                    return data
+                if waited:
+                    shared.stats.takeovers += 1  # its worker died, or its GET failed: this one fetches
+                pending.claim = claim
+                return None
+            if data is not None:
+                return data
+            if not waited:
+                waited = True
+                shared.stats.waits += 1
+            if self._clock() > give_up:
+                return None  # a worker that holds its claim this long is stuck: fetch without one
+            await self._sleep(delay)
+            delay = min(delay * 2, CLAIM_POLL_MAX)
+
+    async def _load_shared(self, block: BlockKey, size: int) -> Buffer | None:
+        shared = self.shared
+        assert shared is not None
+        if size < MMAP_MIN:
+            return shared.load(block, size)
+        if not shared.holds(block):
+            return None
+        huge = self.huge_pages
+        return await trio.to_thread.run_sync(lambda: shared.load(block, size, allocate(size, huge)),
+                                             limiter=self._disk_readers, abandon_on_cancel=True)
 
     async def _from_disk(self, obj: ObjectInfo, index: int, start: int, stop: int) -> Buffer | None:
         """Bytes [start, stop) (block `index`, or a range inside it) from the block on this node's disk, checked."""

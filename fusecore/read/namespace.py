@@ -27,6 +27,7 @@ from typing import Awaitable, Callable, Iterable, Iterator
 import trio
 
 from ..metrics import MountMetrics
+from .registry import Registry, derived_inode
 from ..store.objects import Listing, ObjectInfo, ObjectStore
 from ..store.errors import NotFound
 
@@ -82,8 +83,11 @@ class Node:
 
 class Namespace:
     def __init__(self, store: ObjectStore, prefix: str, ttl: float, metrics: MountMetrics, *,
-                 run_sync: Callable[..., Awaitable] | None = None, clock: Callable[[], float] = time.monotonic):
+                 run_sync: Callable[..., Awaitable] | None = None, clock: Callable[[], float] = time.monotonic,
+                 registry: Registry | None = None):
         self.store = store
+        # Several workers (registry.py): inode numbers derived from paths, and named in the registry for the others
+        self.registry = registry
         self.prefix = prefix
         self.ttl = ttl
         self.metrics = metrics
@@ -137,7 +141,10 @@ class Namespace:
 
     # ---- the kernel's references ---------------------------------------------------------
     def remember(self, node: Node) -> None:
-        """The kernel got this inode in a reply (lookup, readdirplus entry): one more reference."""
+        """The kernel got this inode in a reply (lookup, readdirplus entry): one more reference (and, with several
+        workers, its path is in the registry before the reply goes: the next request may reach another worker)."""
+        if self.registry is not None:
+            self.registry.name_inode(node.inode, node.path, node.is_dir)
         node.refs += 1
         self._unreferenced.discard(node.inode)
 
@@ -187,10 +194,27 @@ class Namespace:
     def _fresh(self, stamp: float) -> bool:
         return self._clock() - stamp < self.ttl
 
+    async def resolve(self, inode: int) -> Node:
+        """The node of an inode number the kernel holds: this worker's, or (with several workers) one another
+        worker named, looked up here by its path; NotFound if it names nothing now."""
+        node = self._nodes.get(inode)
+        if node is not None or self.registry is None:
+            return node if node is not None else self.node(inode)
+        named = self.registry.inode_path(inode)
+        if named is None:
+            raise NotFound(f"inode {inode} is unknown")
+        path, is_dir = named
+        node = self._nodes[ROOT_INODE]
+        for name in path.split("/") if path else ():
+            node = await self.lookup(node.inode, name)
+        if node.inode != inode:  # the path is now the other kind (a file became a directory)
+            raise NotFound(f"inode {inode} ({path}) is gone")
+        return node
+
     async def lookup(self, parent_inode: int, name: str) -> Node:
         """The child `name` of a directory, or NotFound."""
         self.sweep()
-        parent = self.node(parent_inode)
+        parent = await self.resolve(parent_inode)
         if not parent.is_dir or not valid_name(name):
             raise NotFound(name)
         if self._fresh(parent.listed_at):
@@ -211,7 +235,7 @@ class Namespace:
         """The directory's (name, inode) pairs in name order; the same list until the directory changes,
         so that each readdir page costs its own entries only (no re-sort, no copy)."""
         self.sweep()
-        node = self.node(inode)
+        node = await self.resolve(inode)
         if not node.is_dir:
             raise NotFound(node.path)
         await self.ensure_listed(node)
@@ -342,8 +366,7 @@ class Namespace:
         inode = self._by_path.get(path)
         node = self._nodes.get(inode) if inode is not None else None
         if node is None or node.is_dir != is_dir:
-            inode = self._next_inode
-            self._next_inode += 1
+            inode = self._new_inode(path, is_dir)
             node = Node(inode, path, is_dir)
             self._nodes[inode] = node
             self._by_path[path] = inode
@@ -352,6 +375,18 @@ class Namespace:
             node.info = info
         node.checked_at = now
         return node
+
+    def _new_inode(self, path: str, is_dir: bool) -> int:
+        if self.registry is None:
+            inode = self._next_inode
+            self._next_inode += 1
+            return inode
+        inode = derived_inode(path, is_dir)
+        other = self._nodes.get(inode)
+        if other is not None and other.path != path:  # 64 bits: about once in 10**7 mounts of a billion names
+            log.error("inode %d is derived from both %r and %r: %r now shows as the latter", inode, other.path, path,
+                      other.path)
+        return inode
 
     async def object_at(self, key: str) -> ObjectInfo | None:
         """The object `key` as this mount lists it (each directory on its way looked up as a reader's open would),

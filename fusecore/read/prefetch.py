@@ -54,6 +54,19 @@ class ReadAhead:
         self._run_end = 0  # furthest byte read in the current run
         self._from_zero = True  # the current run began at offset 0 (the file's first read)
 
+    @property
+    def last_end(self) -> int:
+        return self._last_end
+
+    def continue_at(self, end: int) -> None:
+        """This file's reader read up to `end` through another worker of the mount: carry on as if that read had
+        been seen here, as a run (its window at least one block: a random reader costs one block more, once)."""
+        self._frontier = max(0, (end - 1) // self.block_size)
+        self._issued_until = max(self._issued_until, self._frontier)
+        self._last_end = end
+        self._from_zero, self.random, self._run_start, self._run_end = True, False, 0, end
+        self.window = max(self.window, 1)
+
     def unissue(self, index: int) -> None:
         """Blocks from `index` on were not fetched after all; offer them again on the next read."""
         self._issued_until = min(self._issued_until, index - 1)

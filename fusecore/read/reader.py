@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 
 import trio
 
@@ -12,7 +13,8 @@ from .fetcher import Fetcher
 from ..metrics import MountMetrics
 from .prefetch import ReadAhead
 from ..store.objects import ObjectInfo
-from ..store.errors import StoreError
+from ..store.errors import NotFound, StoreError
+from .registry import Registry
 
 FIRST_BLOCK_PARTS = 8  # a file read from offset 0 with the initial window gets its first block in this many GETs
 # (512 KiB each for 4 MiB blocks: the first 1 MiB read returns after 512 KiB at one connection's rate), while
@@ -35,27 +37,67 @@ class OpenFile:
         return not self.closed and self.readahead.seeks == seeks
 
 
+FOREIGN_FILES = 4096  # with several workers: open files this worker keeps read-ahead state for (registry.py)
+
+
 class Reader:
     def __init__(self, fetcher: Fetcher, metrics: MountMetrics, *, block_size: int, prefetch_limit: int,
-                 initial_prefetch: int = 0):
+                 initial_prefetch: int = 0, registry: Registry | None = None, worker: int = 0):
+        """With several workers (`registry`), a handle is unique to the mount (the worker's number in its high bits)
+        and its version is in the registry, so that any worker reads it; each keeps its own read-ahead state."""
         self.fetcher = fetcher
+        self.registry = registry
         self.block_size = block_size
         self.max_window_blocks = max(1, prefetch_limit // block_size)
         self.initial_window_blocks = max(1, initial_prefetch // block_size)
-        self._files: dict[int, OpenFile] = {}
+        self._files: OrderedDict[int, OpenFile] = OrderedDict()
         self.read_calls = 0
         self.read_bytes = 0
-        self._handles = itertools.count(1)
+        if not 0 <= worker < 1 << 15:
+            raise ValueError(f"worker {worker} out of range")
+        self._handles = itertools.count((worker << 48) + 1)
         self._served_cache = metrics.bytes_served.labels(source="cache")
         self._served_network = metrics.bytes_served.labels(source="network")
 
     def open(self, info: ObjectInfo) -> int:
         fh = next(self._handles)
-        self._files[fh] = OpenFile(fh, info, ReadAhead(info.size, self.block_size, self.max_window_blocks,
-                                                                self.initial_window_blocks))
+        if self.registry is not None:
+            self.registry.open_handle(fh, info)
+        self._add(fh, info)
         return fh
 
+    def _add(self, fh: int, info: ObjectInfo) -> OpenFile:
+        f = self._files[fh] = OpenFile(fh, info, ReadAhead(info.size, self.block_size, self.max_window_blocks,
+                                                           self.initial_window_blocks))
+        if self.registry is not None and len(self._files) > FOREIGN_FILES:
+            self._files.popitem(last=False)[1].closed = True  # (released elsewhere, or idle: the registry has it)
+        return f
+
+    def _file(self, fh: int) -> OpenFile:
+        f = self._files.get(fh)
+        if f is not None:
+            return f
+        info = self.registry.handle(fh) if self.registry is not None else None
+        if info is None:
+            raise NotFound(f"file handle {fh} is not open")
+        return self._add(fh, info)  # opened by another worker
+
+    def _follow(self, f: OpenFile, offset: int, size: int) -> None:
+        """Several workers: a read that continues where another worker's read of this file ended continues its run
+        here (registry.note_position)."""
+        assert self.registry is not None
+        end = self.registry.position(f.fh)
+        last = f.readahead.last_end
+        if end is None:
+            if last < 0 < offset:  # no worker saw a read yet: the first ones are in flight elsewhere
+                f.readahead.continue_at(offset)
+        elif end != last and abs(offset - end) <= 2 * self.block_size:
+            f.readahead.continue_at(end)
+        self.registry.note_position(f.fh, offset + size)
+
     def release(self, fh: int) -> None:
+        if self.registry is not None:
+            self.registry.release_handle(fh)
         f = self._files.pop(fh, None)
         if f is not None:
             f.closed = True
@@ -65,7 +107,9 @@ class Reader:
         return len(self._files)
 
     async def read(self, fh: int, offset: int, size: int) -> Buffer:
-        f = self._files[fh]
+        f = self._file(fh)
+        if self.registry is not None:
+            self._follow(f, offset, size)
         info = f.info
         self.read_calls += 1
         self.read_bytes += size

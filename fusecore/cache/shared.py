@@ -1,0 +1,273 @@
+"""The blocks a mount's worker processes share (`--workers N`): one file per whole block in a folder on tmpfs.
+
+Any worker reads any block without a hop to another process (`load`); the worker that fetched a block publishes it
+whole (`publish`: written aside, then renamed into place, so a block file is always complete); a block is fetched
+once per mount whichever worker asked (`try_claim`: an flock'ed file per block being fetched, which the kernel
+releases if its worker dies); and what stays is decided in one place, the hub (`SharedPolicy`), which every worker
+tells of the blocks it published and read (datagrams on the hub's socket) and which evicts by unlinking. A file
+unlinked while a worker reads it stays readable to that worker: eviction never tears a read.
+
+A block is named by bucket-relative key, ETag and index (design §7): a changed object's blocks have other names.
+Pure file operations: no event loop, no store.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import mmap
+import socket
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterator
+
+from .blocks import BlockKey
+
+log = logging.getLogger(__name__)
+
+BLOCKS, CLAIMS, HUB_SOCKET = "blocks", "claims", "hub.sock"
+NEWS_BATCH = 8192  # bytes of news a worker gathers before it sends them to the hub (and at least every FLUSH_EVERY s)
+FLUSH_EVERY = 0.05
+PROTECTED_FRACTION = 0.8  # of the budget, for blocks read again (SharedPolicy)
+
+
+def block_name(key: BlockKey) -> str:
+    digest = hashlib.blake2b(f"{key.key}\0{key.etag}\0{key.index}".encode("utf-8", "surrogateescape"),
+                             digest_size=16)
+    return digest.hexdigest()
+
+
+def prepare(root: str) -> None:
+    """The shared folder's layout, private to the mount's user (the hub makes it before starting workers)."""
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    for sub in (BLOCKS, CLAIMS):
+        os.makedirs(os.path.join(root, sub), mode=0o700, exist_ok=True)
+
+
+class Claim:
+    """This worker fetches a block: others wait for its file. Released (unlocked, removed) once published or
+    failed; the kernel releases the lock of a worker that died, and a waiter then claims it itself."""
+
+    __slots__ = ("fd", "path")
+
+    def __init__(self, fd: int, path: str):
+        self.fd, self.path = fd, path
+
+    def release(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self.fd)  # (closing drops the lock)
+        self.fd = -1
+
+
+@dataclass
+class SharedStats:
+    loaded: int = 0  # blocks read from another worker's file
+    loaded_bytes: int = 0
+    published: int = 0
+    waits: int = 0  # a block another worker was fetching, waited for
+    takeovers: int = 0  # a claim whose worker died or failed, claimed again
+    dropped_events: int = 0  # news the hub's socket had no room for (its rescan finds the files)
+
+
+class SharedBlocks:
+    """One worker's view of the shared blocks."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self._blocks = os.path.join(root, BLOCKS)
+        self._claims = os.path.join(root, CLAIMS)
+        self._hub = os.path.join(root, HUB_SOCKET)
+        self._events = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        self._news: list[bytes] = []
+        self._news_bytes = 0
+        self.stats = SharedStats()
+
+    def path(self, key: BlockKey) -> str:
+        return os.path.join(self._blocks, block_name(key))
+
+    def holds(self, key: BlockKey) -> bool:
+        return os.path.exists(self.path(key))
+
+    def coming(self, key: BlockKey) -> bool:
+        """Is the block held, or being fetched by some worker (its claim is there)? A read-ahead then leaves it."""
+        name = block_name(key)
+        return os.path.exists(os.path.join(self._blocks, name)) or os.path.exists(os.path.join(self._claims, name))
+
+    def load(self, key: BlockKey, size: int, into: bytearray | mmap.mmap | None = None) -> bytearray | mmap.mmap | None:
+        """The block's bytes if a worker published it (at exactly `size` bytes: any other length is never served,
+        and is removed), else None."""
+        name = block_name(key)
+        path = os.path.join(self._blocks, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            if os.fstat(fd).st_size != size:
+                log.warning("shared block %s of %s has %d bytes, not %d: removed", key.index, key.key,
+                            os.fstat(fd).st_size, size)
+                _unlink(path)
+                return None
+            buffer = into if into is not None else bytearray(size)
+            view = memoryview(buffer)[:size]
+            got = 0
+            while got < size:
+                n = os.preadv(fd, [view[got:]], got)
+                if n <= 0:
+                    return None
+                got += n
+        finally:
+            os.close(fd)
+        self.stats.loaded += 1
+        self.stats.loaded_bytes += size
+        self._tell(b"hit " + name.encode())
+        return buffer
+
+    def try_claim(self, key: BlockKey) -> Claim | None:
+        """The right to fetch `key` (None: another worker is fetching it now)."""
+        path = os.path.join(self._claims, block_name(key))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        return Claim(fd, path)
+
+    def publish(self, key: BlockKey, data: bytes | bytearray | memoryview | mmap.mmap) -> None:
+        """Make a fetched block readable by every worker: written aside, renamed into place."""
+        name = block_name(key)
+        final = os.path.join(self._blocks, name)
+        aside = os.path.join(self._claims, f"{name}.{os.getpid()}.part")
+        try:
+            fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                view = memoryview(data)
+                done = 0
+                while done < len(view):
+                    done += os.write(fd, view[done:])
+            finally:
+                os.close(fd)
+            os.rename(aside, final)
+        except OSError as exc:  # a full tmpfs: the block stays this worker's only
+            _unlink(aside)
+            if exc.errno not in (errno.ENOSPC, errno.ENOENT):
+                raise
+            log.debug("shared block %s not published: %s", name, exc.strerror)
+            return
+        self.stats.published += 1
+        self._tell(b"add %s %d" % (name.encode(), len(data)))
+
+    def _tell(self, message: bytes) -> None:
+        """News for the hub, sent in batches (`flush`): a unix datagram socket queues few datagrams."""
+        self._news.append(message)
+        self._news_bytes += len(message) + 1
+        if self._news_bytes >= NEWS_BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._news:
+            return
+        batch = b"\n".join(self._news)
+        count = len(self._news)
+        self._news.clear()
+        self._news_bytes = 0
+        try:
+            self._events.sendto(batch, self._hub)
+        except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):
+            self.stats.dropped_events += count
+
+    def close(self) -> None:
+        self.flush()
+        self._events.close()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class SharedPolicy:
+    """What the shared blocks keep within one budget (the hub's, for every worker): a segmented LRU where a block
+    read again (a hit) outranks one streamed once, whatever its size; the oldest block read once goes first."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self._probation: OrderedDict[str, int] = OrderedDict()
+        self._protected: OrderedDict[str, int] = OrderedDict()
+        self._protected_bytes = 0
+        self.bytes = 0
+        self.evictions = 0
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._probation) + len(self._protected)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._probation or name in self._protected
+
+    def admit(self, name: str, size: int) -> list[str]:
+        """A block was published: the blocks to evict now (the oldest read once first)."""
+        if name not in self:
+            self._probation[name] = size
+            self.bytes += size
+        return self._over()
+
+    def hit(self, name: str) -> None:
+        if name in self._protected:
+            self._protected.move_to_end(name)
+            return
+        size = self._probation.pop(name, None)
+        if size is None:
+            return
+        self.hits += 1
+        self._protected[name] = size
+        self._protected_bytes += size
+        while self._protected_bytes > self.budget * PROTECTED_FRACTION and len(self._protected) > 1:
+            old, old_size = self._protected.popitem(last=False)  # back to probation, newest there
+            self._protected_bytes -= old_size
+            self._probation[old] = old_size
+
+    def forget(self, name: str) -> None:
+        """The file is gone (removed by a worker as damaged, or missing at a rescan)."""
+        size = self._probation.pop(name, None)
+        if size is None:
+            size = self._protected.pop(name, None)
+            if size is None:
+                return
+            self._protected_bytes -= size
+        self.bytes -= size
+
+    def resize(self, budget: int) -> list[str]:
+        self.budget = budget
+        return self._over()
+
+    def _over(self) -> list[str]:
+        victims = []
+        while self.bytes > self.budget and len(self):
+            if self._probation:
+                name, size = self._probation.popitem(last=False)
+            else:
+                name, size = self._protected.popitem(last=False)
+                self._protected_bytes -= size
+            self.bytes -= size
+            self.evictions += 1
+            victims.append(name)
+        return victims
+
+    def names(self) -> Iterator[str]:
+        yield from self._probation
+        yield from self._protected

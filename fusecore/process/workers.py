@@ -1,0 +1,379 @@
+"""A mount served by several processes (`--workers N`, design §8).
+
+The hub (the mount's own process) mounts, answers INIT and keeps the connection; each worker is a process of its
+own (`python -m fusecore serve-worker`) that serves a clone of that connection (session.clone) with a whole data
+path of its own: its own GETs, namespace and read-ahead, so that every core can answer requests. The kernel hands
+each request to whichever worker reads first; what a reply depends on is the same in every worker:
+
+- blocks: files in the mount's shared folder on tmpfs (cache/shared.py), fetched once whichever worker asked, kept or
+  evicted here in the hub (SharedPolicy) within the mount's one budget, which the workers' own small caches (bytes
+  in flight, blocks being read) are part of (`budgets`);
+- inode numbers derived from paths, and an open file's version, in the same folder (read/registry.py).
+
+The hub also supervises: a worker that dies is started again on a new clone (the requests it held fail with
+ECONNABORTED, as the kernel ends them; no other read is touched); a worker that ends because the connection ended
+(unmounted) ends the mount. The control socket is the hub's: `stats` sums the workers' own, the other requests go to
+every worker (`warm` to one: the blocks it fetches are every worker's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import trio
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+from ..cache import shared as blocks
+from ..config import Identity, MountConfig, identity_document, mount_document
+from ..fuse.protocol import Agreed
+from ..metrics import Summed
+from ..fuse.session import clone
+from ..read.registry import Registry
+from . import control
+from .launch import LaunchFailed, _read_ready, ended
+
+log = logging.getLogger(__name__)
+
+SHARED_BASE = "/dev/shm"  # tmpfs on every Linux: block files cost memory, not disk
+READY_TIMEOUT = 60.0  # seconds a worker may take to start serving
+RESCAN_EVERY = 5.0  # seconds between the hub's looks at the shared folder (news a full socket dropped)
+ENDED = 0  # a worker's exit status when the connection ended (unmounted): the mount ends
+LOCAL_BLOCKS = 8  # a worker's own cache: its bytes in flight and this many blocks being read (at most half the budget)
+
+
+@dataclass(frozen=True)
+class WorkerRole:
+    """What the hub tells a worker beside the mount's configuration (command-line flags of serve-worker)."""
+
+    index: int  # from 1
+    spawn: int  # this start of it, unique in the mount (a started-again worker's file handles are new ones)
+    shared: str  # the shared folder
+    fuse_fd: int  # its clone of the connection
+    minor: int  # what INIT agreed
+    flags: int
+    max_write: int
+
+    @property
+    def control_socket(self) -> str:
+        return os.path.join(self.shared, f"w{self.index}.sock")
+
+    def agreed(self) -> Agreed:
+        return Agreed(self.minor, self.flags, self.max_write, max(1, self.max_write // 4096))
+
+
+def budgets(cfg: MountConfig) -> tuple[MountConfig, int]:
+    """A worker's configuration (its own cache and bytes in flight: its share) and the shared blocks' budget: the
+    two together are the mount's one budget."""
+    n = cfg.workers
+    inflight = max(cfg.block_size, cfg.inflight_limit // n)
+    local = max(4 * cfg.block_size, min(cfg.cache_size // (2 * n), inflight + LOCAL_BLOCKS * cfg.block_size))
+    worker = dataclasses.replace(cfg, cache_size=local, max_inflight_bytes=inflight, cache_size_auto=False,
+                                 metrics_port=None, control_socket=None, fuse_fd=None)
+    return worker, max(2 * cfg.block_size, cfg.cache_size - n * local)
+
+
+def shared_folder() -> str:
+    """A new private folder for one mount's shared blocks, under /dev/shm; folders of hubs that died (kill -9) are
+    removed first (their blocks would otherwise hold memory until reboot)."""
+    base = SHARED_BASE if os.path.isdir(SHARED_BASE) else "/tmp"
+    prefix = f"stoker-{os.geteuid()}-"
+    for name in os.listdir(base):
+        if name.startswith(prefix) and name[len(prefix):].isdigit() and ended(int(name[len(prefix):])):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+    path = os.path.join(base, f"{prefix}{os.getpid()}")
+    shutil.rmtree(path, ignore_errors=True)
+    os.mkdir(path, 0o700)
+    blocks.prepare(path)
+    Registry.prepare(path)
+    return path
+
+
+class Worker:
+    """One worker process as the hub sees it."""
+
+    def __init__(self, role: WorkerRole, proc: subprocess.Popen, ready_fd: int):
+        self.role, self.proc, self.ready_fd = role, proc, ready_fd
+
+
+class Hub:
+    """Starts and supervises the workers, keeps the shared blocks within the budget, answers the control socket."""
+
+    def __init__(self, cfg: MountConfig, fd: int, agreed: Agreed, shared: str, log_level: str):
+        self.cfg = cfg
+        self.fd = fd
+        self.agreed = agreed
+        self.shared = shared
+        self.log_level = log_level
+        self.worker_cfg, budget = budgets(cfg)
+        self.policy = blocks.SharedPolicy(budget)
+        self.workers: dict[int, Worker] = {}
+        self.restarts = 0
+        self.spawns = 0
+        self.stopping = False
+        self.ended = False  # the connection ended (unmounted)
+        self._blocks_dir = os.path.join(shared, blocks.BLOCKS)
+
+    # ---- workers ---------------------------------------------------------------------------
+    def start(self, index: int) -> Worker:
+        """Start worker `index` on a new clone of the connection."""
+        mine = clone(self.fd)
+        self.spawns += 1
+        role = WorkerRole(index, self.spawns, self.shared, mine, self.agreed.minor, self.agreed.flags,
+                          self.agreed.max_write)
+        read_fd, write_fd = os.pipe()
+        argv = [sys.executable, "-P", "-m", "fusecore", "serve-worker", "--ready-fd", str(write_fd),
+                "--fuse-fd", str(mine), "--worker", str(index), "--spawn", str(role.spawn), "--shared", self.shared,
+                "--minor", str(role.minor), "--flags", str(role.flags), "--max-write", str(role.max_write)]
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=[mine, write_fd], close_fds=True)
+        finally:
+            os.close(mine)
+            os.close(write_fd)
+        document = {"config": mount_document(self.worker_cfg),
+                    "credentials": identity_document(self.cfg.store.credentials), "log_level": self.log_level}
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(document).encode())
+            proc.stdin.close()
+        except OSError:
+            pass  # it died already: its ready pipe says why
+        worker = self.workers[index] = Worker(role, proc, read_fd)
+        return worker
+
+    def wait_ready(self, worker: Worker, timeout: float = READY_TIMEOUT) -> None:
+        """Block until the worker serves (its ready line), or raise with why it did not."""
+        answer = _read_ready(worker.ready_fd, timeout)
+        if answer == "OK":
+            return
+        worker.proc.kill()
+        worker.proc.wait()
+        if answer and answer.startswith("ERR "):
+            kind, _, message = answer[4:].partition(" ")
+            raise LaunchFailed(f"worker {worker.role.index}: {message}", kind)
+        raise LaunchFailed(f"worker {worker.role.index} did not start (status {worker.proc.returncode})")
+
+    async def supervise(self, done: trio.CancelScope) -> None:
+        """Start a worker that died again; end the mount when a worker ends because the connection did."""
+        while not self.stopping:
+            await trio.sleep(0.05)
+            for index, worker in list(self.workers.items()):
+                status = worker.proc.poll()
+                if status is None or self.stopping:
+                    continue
+                if status == ENDED:
+                    log.info("worker %d: the connection ended (unmounted)", index)
+                    self.ended = True
+                    done.cancel()
+                    return
+                self.restarts += 1
+                log.warning("worker %d (pid %d) ended with status %d: starting it again (the requests it held "
+                            "failed)", index, worker.proc.pid, status)
+                replacement = self.start(index)
+                try:
+                    await trio.to_thread.run_sync(self.wait_ready, replacement)
+                except Exception as exc:  # noqa: BLE001 - tried again at the next round
+                    log.error("worker %d did not start again: %s", index, exc)
+
+    def stop(self) -> None:
+        """Ask every worker to end, then make sure they did."""
+        self.stopping = True
+        for worker in self.workers.values():
+            if worker.proc.poll() is None:
+                worker.proc.terminate()
+        deadline = time.monotonic() + 10
+        for worker in self.workers.values():
+            try:
+                worker.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                worker.proc.kill()
+                worker.proc.wait()
+
+    # ---- the shared blocks -----------------------------------------------------------------
+    async def keep_budget(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Take the workers' news (a block published, a block read) and evict past the budget."""
+        events = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_DGRAM)
+        await events.bind(os.path.join(self.shared, blocks.HUB_SOCKET))
+        events.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4 * 1024 * 1024)
+        task_status.started()
+        with events:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._rescan)
+                while True:
+                    for message in (await events.recv(blocks.NEWS_BATCH + 256)).split(b"\n"):
+                        self._news(message)
+
+    def _news(self, message: bytes) -> None:
+        verb, _, rest = message.partition(b" ")
+        if verb == b"hit":
+            self.policy.hit(rest.decode())
+        elif verb == b"add":
+            name, _, size = rest.partition(b" ")
+            self._evict(self.policy.admit(name.decode(), int(size)))
+
+    def _evict(self, names: list[str]) -> None:
+        for name in names:
+            try:
+                os.unlink(os.path.join(self._blocks_dir, name))
+            except FileNotFoundError:
+                pass
+
+    async def _rescan(self) -> None:
+        while True:
+            await trio.sleep(RESCAN_EVERY)
+            self.rescan()
+
+    def rescan(self) -> None:
+        """The files as they are: one published whose news was dropped is counted; one gone is forgotten."""
+        present: dict[str, int] = {}
+        with os.scandir(self._blocks_dir) as entries:
+            for entry in entries:
+                try:
+                    present[entry.name] = entry.stat().st_size
+                except FileNotFoundError:
+                    pass
+        for name in [n for n in self.policy.names() if n not in present]:
+            self.policy.forget(name)
+        for name, size in present.items():
+            if name not in self.policy:
+                self._evict(self.policy.admit(name, size))
+
+    # ---- the control socket: the hub answers for the mount -----------------------------------
+    def _sockets(self) -> list[str]:
+        return [w.role.control_socket for w in self.workers.values() if w.proc.poll() is None]
+
+    async def _each(self, message: dict) -> list[dict]:
+        async def one(path: str, into: list[dict]) -> None:
+            try:
+                into.append(await trio.to_thread.run_sync(control.call, path, message, 10.0))
+            except (OSError, control.ControlError) as exc:  # a worker starting again: the others answer
+                log.info("worker at %s did not answer %s: %s", path, message.get("op"), exc)
+
+        answers: list[dict] = []
+        async with trio.open_nursery() as nursery:
+            for path in self._sockets():
+                nursery.start_soon(one, path, answers)
+        return answers
+
+    async def stats(self) -> dict:
+        answers = await self._each({"op": "stats"})
+        total = _sum(answers) if answers else {}
+        local = total.get("cache", {}).get("bytes", 0)
+        total["pid"] = os.getpid()
+        total.setdefault("cache", {}).update({"bytes": local + self.policy.bytes, "budget": self.cfg.cache_size})
+        total["open_files"] = len(os.listdir(os.path.join(self.shared, "fh")))
+        total["workers"] = {"count": len(self.workers), "pids": [w.proc.pid for w in self.workers.values()],
+                            "restarts": self.restarts}
+        total.setdefault("shared", {}).update({"bytes": self.policy.bytes, "budget": self.policy.budget,
+                                               "blocks": len(self.policy), "evictions": self.policy.evictions,
+                                               "hits": self.policy.hits})
+        return total
+
+    async def drop(self) -> dict:
+        before = self.policy.bytes
+        self._evict(list(self.policy.names()))
+        self.rescan()
+        answers = await self._each({"op": "drop"})
+        return {"dropped_bytes": before + sum(a.get("dropped_bytes", 0) for a in answers)}
+
+    async def resize(self, cache_size: int) -> dict:
+        cfg = dataclasses.replace(self.cfg, cache_size=cache_size)
+        worker, budget = budgets(cfg)
+        await self._each({"op": "resize", "cache_size": worker.cache_size})
+        self.cfg, self.worker_cfg = cfg, worker
+        self._evict(self.policy.resize(budget))
+        return {"budget": cache_size, "bytes": self.policy.bytes}
+
+    async def rotate(self, identity: Identity) -> dict:
+        self.cfg = dataclasses.replace(self.cfg, store=dataclasses.replace(self.cfg.store, credentials=identity))
+        await self._each({"op": "credentials", "credentials": identity_document(identity)})
+        return {"rotated": True}
+
+    def serve_metrics(self, port: int, addr: str) -> None:
+        """--metrics-port: the workers' metrics summed (asked of each at scrape time), beside the hub's own gauges
+        of the shared blocks."""
+        registry = CollectorRegistry()
+        registry.register(Summed(self._metrics_texts))
+        for name, doc, value in (
+                ("stoker_shared_bytes", "Bytes of the blocks the workers share", lambda: self.policy.bytes),
+                ("stoker_shared_budget_bytes", "Budget of the shared blocks", lambda: self.policy.budget),
+                ("stoker_shared_evictions", "Shared blocks evicted (total)", lambda: self.policy.evictions),
+                ("stoker_workers", "Worker processes serving the mount", lambda: len(self._sockets())),
+                ("stoker_worker_restarts", "Workers started again after they died (total)", lambda: self.restarts)):
+            Gauge(name, doc, registry=registry).set_function(value)
+        start_http_server(port, addr=addr, registry=registry)
+
+    def _metrics_texts(self) -> list[str]:
+        texts = []
+        for path in self._sockets():
+            try:
+                texts.append(str(control.call(path, {"op": "metrics"}, 5.0).get("text", "")))
+            except (OSError, control.ControlError) as exc:
+                log.info("worker at %s gave no metrics: %s", path, exc)
+        return texts
+
+    async def set_peers(self, members: list[str], replicas: int | None = None) -> dict:
+        raise ValueError("a mount served by several workers has no distributed cache (for now)")
+
+    async def join(self, request: Any) -> dict:
+        raise ValueError("a mount served by several workers cannot join a distributed cache (for now)")
+
+    async def warm(self, paths: list[str], report: Callable[[dict], Awaitable[None]]) -> dict:
+        """One worker warms: the blocks it fetches are published for all of them."""
+        sockets = self._sockets()
+        if not sockets:
+            raise ValueError("no worker is serving")
+        send, receive = trio.open_memory_channel[dict](16)
+        token = trio.lowlevel.current_trio_token()
+
+        def relay() -> None:
+            with send:
+                for answer in control.request(sockets[0], {"op": "warm", "paths": paths}, None):
+                    trio.from_thread.run(send.send, answer, trio_token=token)
+
+        last: dict = {}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.to_thread.run_sync, relay)
+            async with receive:
+                async for answer in receive:
+                    if last:
+                        await report(last)
+                    last = answer
+        return last
+
+
+def _sum(answers: list[dict]) -> dict:
+    """The workers' stats as one mount's: numbers added, everything else the first worker's."""
+    first = answers[0]
+    out: dict = {}
+    for name, value in first.items():
+        values = [a.get(name) for a in answers]
+        if isinstance(value, dict):
+            out[name] = _sum([v for v in values if isinstance(v, dict)])
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = sum(v for v in values if isinstance(v, (int, float)))
+        else:
+            out[name] = value
+    cache = out.get("cache")
+    if isinstance(cache, dict) and cache.get("hits", 0) + cache.get("misses", 0):
+        cache["hit_ratio"] = round(cache["hits"] / (cache["hits"] + cache["misses"]), 4)
+    return out
+
+
+def die_with_parent() -> None:
+    """A worker ends when its hub does (PR_SET_PDEATHSIG): no worker serves a mount nobody supervises."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

@@ -1,0 +1,113 @@
+"""What a mount's workers share (cache/shared.py, read/registry.py), as pure file operations: published blocks, claims
+to fetch, the hub's policy, inode numbers and open files. The real mounts are in test_workers.py."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from fusecore.cache import shared
+from fusecore.cache.blocks import BlockKey
+from fusecore.metrics import Summed
+from fusecore.read.prefetch import ReadAhead
+from fusecore.read.registry import Registry, derived_inode
+from fusecore.store.objects import ObjectInfo
+
+KiB = 1024
+
+
+def _root(tmp_path) -> str:
+    root = str(tmp_path / "shared")
+    shared.prepare(root)
+    Registry.prepare(root)
+    return root
+
+
+def test_a_published_block_is_read_by_another_worker_and_a_wrong_length_never(tmp_path):
+    root = _root(tmp_path)
+    hub = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    hub.bind(os.path.join(root, shared.HUB_SOCKET))
+    one, two = shared.SharedBlocks(root), shared.SharedBlocks(root)
+    key = BlockKey("data/a.jpg", '"etag1"', 0)
+    assert two.load(key, 100) is None
+    one.publish(key, b"x" * 100)
+    assert bytes(two.load(key, 100)) == b"x" * 100
+    assert two.load(BlockKey("data/a.jpg", '"etag2"', 0), 100) is None  # another version: another name
+    assert two.load(key, 99) is None and not two.holds(key)  # the length it must have, or removed
+    one.flush()
+    two.flush()
+    news = hub.recv(65536).split(b"\n") + hub.recv(65536).split(b"\n")
+    assert any(n.startswith(b"add ") for n in news) and any(n.startswith(b"hit ") for n in news)
+
+
+def test_one_worker_claims_a_block_and_a_dead_claim_is_taken_over(tmp_path):
+    root = _root(tmp_path)
+    one, two = shared.SharedBlocks(root), shared.SharedBlocks(root)
+    key = BlockKey("k", "e", 3)
+    claim = one.try_claim(key)
+    assert claim is not None
+    assert two.try_claim(key) is None and two.coming(key)  # another worker fetches it
+    claim.release()  # failed (or its worker died: the kernel drops the lock)
+    again = two.try_claim(key)
+    assert again is not None
+    fd = os.open(os.path.join(root, shared.CLAIMS, shared.block_name(key)), os.O_RDWR)
+    os.close(fd)  # (a worker that only looked, then closed, takes nobody's claim away)
+    assert one.try_claim(key) is None
+    again.release()
+
+
+def test_the_policy_keeps_what_was_read_twice_within_its_budget():
+    policy = shared.SharedPolicy(budget=10 * KiB)
+    for name in ("a", "b", "c"):
+        assert policy.admit(name, 3 * KiB) == []
+    policy.hit("a")  # read again: it outranks what was streamed once
+    assert policy.admit("d", 3 * KiB) == ["b"]
+    assert policy.admit("e", 3 * KiB) == ["c"]
+    assert "a" in policy and policy.bytes <= policy.budget
+    assert policy.resize(3 * KiB) == ["d", "e"]
+    policy.forget("a")
+    assert policy.bytes == 0 and len(policy) == 0
+
+
+def test_inode_numbers_are_derived_and_open_files_are_named_for_every_worker(tmp_path):
+    root = _root(tmp_path)
+    one, two = Registry(root), Registry(root)
+    path = "dir:1/naïve name\nwith: colons"
+    inode = derived_inode(path, False)
+    assert inode == derived_inode(path, False) != derived_inode(path, True)
+    assert inode > 1 and derived_inode("", True) > 1
+    one.name_inode(inode, path, False)
+    assert two.inode_path(inode) == (path, False)
+    assert two.inode_path(inode + 1) is None
+    info = ObjectInfo(key="p/" + path, size=12345, etag='"a:b"', mtime=1767225600.25)
+    one.open_handle(7 << 48 | 5, info)
+    assert two.handle(7 << 48 | 5) == info
+    two.release_handle(7 << 48 | 5)
+    assert one.handle(7 << 48 | 5) is None
+    one.note_position(9, 4096)
+    assert two.position(9) == 4096 and two.position(9 + 8192) is None
+
+
+def test_a_run_read_through_another_worker_continues_here():
+    ahead = ReadAhead(64 * 1024 * KiB, 1024 * KiB, max_window_blocks=16, initial_window=4)
+    ahead.continue_at(3 * 1024 * KiB)
+    assert not ahead.paged(3)
+    assert list(ahead.on_read(3 * 1024 * KiB, 128 * KiB)) == [4, 5]  # sequential: its window opens
+    fresh = ReadAhead(64 * 1024 * KiB, 1024 * KiB, max_window_blocks=16, initial_window=4)
+    fresh.on_read(3 * 1024 * KiB, 128 * KiB)
+    assert fresh.paged(3)  # without it, the same read is a young random run's
+
+
+def test_the_workers_metrics_are_summed():
+    texts = []
+    for gets, ratio in ((3, 0.5), (4, 1.0)):
+        registry = CollectorRegistry()
+        Counter("stoker_get_requests", "GETs", ["kind"], registry=registry).labels(kind="demand").inc(gets)
+        Gauge("stoker_cache_hit_ratio", "ratio", registry=registry).set(ratio)
+        texts.append(generate_latest(registry).decode())
+    registry = CollectorRegistry()
+    registry.register(Summed(lambda: texts))
+    assert registry.get_sample_value("stoker_get_requests_total", {"kind": "demand"}) == 7
+    assert registry.get_sample_value("stoker_cache_hit_ratio") == 0.75
