@@ -232,6 +232,15 @@ class MountConfig:
     disk_cache_size: int = 0
     # Processes serving the mount (fusecore/process/workers.py): 1 serves it in this process, as before
     workers: int = 1
+    # Writes (fusecore/read/writer.py): new files written in order, streamed into multipart uploads of part_size,
+    # upload_concurrency parts of a file in flight, part_budget bytes of parts in memory for the whole mount;
+    # overwriting an existing object and deleting one each need their own flag
+    writable: bool = False
+    allow_overwrite: bool = False
+    allow_delete: bool = False
+    part_size: int = 8 * 1024**2
+    upload_concurrency: int = 4
+    part_budget: int = 128 * 1024**2
 
     def __post_init__(self) -> None:
         """Every setting in its range, named as its flag: no value may yield a mount that cannot serve."""
@@ -264,9 +273,20 @@ class MountConfig:
         if self.disk_cache or self.disk_cache_size:
             self._check_disk()
         _within("workers", self.workers, 1, MAX_WORKERS, f"must be between 1 and {MAX_WORKERS}")
+        self._check_writes()
         if self.workers > 1 and (self.disk_cache or self.peers):
             raise ConfigError("workers", "several workers serve a mount with a memory cache only, for now: not with "
                                          "--disk-cache or --peers (use --workers 1 there)")
+
+    def _check_writes(self) -> None:
+        if (self.allow_overwrite or self.allow_delete) and not self.writable:
+            raise ConfigError("allow-overwrite" if self.allow_overwrite else "allow-delete", "needs --writable")
+        if self.writable and self.workers > 1:
+            raise ConfigError("writable", "a writable mount is served by one process, for now (--workers 1)")
+        # S3's bounds: parts of 5 MiB to 5 GiB (the last may be smaller), at most 10,000 of them per object
+        _within("part-size", self.part_size, 5 * 1024**2, 5 * 1024**3, "must be between 5MiB and 5GiB")
+        _within("upload-concurrency", self.upload_concurrency, 1, 64)
+        _within("part-budget", self.part_budget, self.part_size, 1 << 40, "must hold at least one part")
 
     def _check_disk(self) -> None:
         """What can be said without looking at the disk (fusecore/cache/disk.py checks the directory itself)."""

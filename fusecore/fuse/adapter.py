@@ -12,6 +12,8 @@ from typing import Awaitable, Callable, Sequence
 
 from ..read.namespace import Namespace, Node
 from ..read.reader import Reader
+from ..read.writer import Refused
+from ..read.writes import Writes
 from ..store.errors import StoreError
 from . import protocol as p
 from .errnos import errno_for
@@ -23,6 +25,7 @@ log = logging.getLogger(__name__)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 _MAX_TIMEOUT = 365 * 24 * 3600.0
 NOTHING: Sequence[Buffer] = ()
+WRITABLE_ROOM = 1 << 50  # the free space a writable mount reports (a bucket has no size)
 
 Op = Callable[[p.Request], Awaitable[Sequence[Buffer]]]
 
@@ -36,8 +39,9 @@ class StokerFS:
 
     def __init__(self, namespace: Namespace, reader: Reader, *, block_size: int, kernel_cache: bool,
                  uid: int, gid: int, on_open: Callable[[Node], None] = lambda node: None,
-                 passthrough: Passthrough | None = None):
+                 passthrough: Passthrough | None = None, writes: Writes | None = None):
         self.on_open = on_open
+        self.writes = writes  # a writable mount's (read/writes.py says what each write-side operation means)
         self.ns = namespace
         self.reader = reader
         self.block_size = block_size
@@ -51,6 +55,13 @@ class StokerFS:
             p.Op.READDIR: self.readdir, p.Op.RELEASEDIR: self.nothing,
             p.Op.STATFS: self.statfs, p.Op.ACCESS: self.access,
         }
+        if writes is not None:
+            self._ops.update({
+                p.Op.CREATE: self.create, p.Op.WRITE: self.write, p.Op.FLUSH: self.flush, p.Op.FSYNC: self.flush,
+                p.Op.SETATTR: self.setattr, p.Op.MKDIR: self.mkdir, p.Op.UNLINK: self.unlink, p.Op.RMDIR: self.rmdir,
+                p.Op.RENAME: self.rename, p.Op.RENAME2: self.rename,
+            })
+        self._file_mode, self._dir_mode = (0o644, 0o755) if writes is not None else (0o444, 0o555)
 
     async def __call__(self, request: p.Request) -> Sequence[Buffer]:
         op = self._ops.get(request.opcode)
@@ -63,7 +74,7 @@ class StokerFS:
         except FuseError:
             raise
         except StoreError as exc:
-            log.debug("opcode %d: %s", request.opcode, exc)
+            (log.info if isinstance(exc, Refused) else log.debug)("opcode %d: %s", request.opcode, exc)
             raise FuseError(errno_for(exc)) from None
         except Exception:  # noqa: BLE001 - the boundary: log and report EIO
             log.exception("unexpected error answering opcode %d", request.opcode)
@@ -77,10 +88,10 @@ class StokerFS:
 
     def _attr(self, node: Node) -> p.Attr:
         if node.is_dir:
-            return p.Attr(node.inode, 0, stat.S_IFDIR | 0o555, 2, self.uid, self.gid,
+            return p.Attr(node.inode, 0, stat.S_IFDIR | self._dir_mode, 2, self.uid, self.gid,
                           int(self.ns.mount_time * 1e9), self.block_size)
         assert node.info is not None
-        return p.Attr(node.inode, node.info.size, stat.S_IFREG | 0o444, 1, self.uid, self.gid,
+        return p.Attr(node.inode, node.info.size, stat.S_IFREG | self._file_mode, 1, self.uid, self.gid,
                       int(node.info.mtime * 1e9), self.block_size)
 
     async def lookup(self, r: p.Request) -> Sequence[Buffer]:
@@ -130,11 +141,16 @@ class StokerFS:
 
     async def open(self, r: p.Request) -> Sequence[Buffer]:
         flags = p.OPEN_IN.unpack_from(r.arg)[0]
-        if flags & _WRITE_FLAGS:
+        if flags & _WRITE_FLAGS and self.writes is None:
             raise FuseError(errno.EROFS)
         node = await self.ns.resolve(r.nodeid)
         if node.is_dir:
             raise FuseError(errno.EISDIR)
+        if self.writes is not None:
+            if flags & _WRITE_FLAGS:
+                return (p.open_out(await self.writes.open(node, flags)),)
+            if node.writing:
+                raise Refused(f"{node.path} is being written: it can be read once closed", "busy")
         info = node.info
         assert info is not None
         fh = self.reader.open(info)
@@ -156,17 +172,74 @@ class StokerFS:
 
     async def release(self, r: p.Request) -> Sequence[Buffer]:
         fh = p.RELEASE_IN.unpack_from(r.arg)[0]
+        if self.writes is not None and self.writes.owns(fh):
+            await self.writes.release(fh)
+            return NOTHING
         self.reader.release(fh)
         if self.passthrough is not None:
             self.passthrough.release(fh)
         return NOTHING
 
     async def statfs(self, r: p.Request) -> Sequence[Buffer]:
-        return (p.statfs_out(self.block_size),)
+        return (p.statfs_out(self.block_size, free=WRITABLE_ROOM if self.writes is not None else 0),)
 
     async def access(self, r: p.Request) -> Sequence[Buffer]:
-        if p.ACCESS_IN.unpack_from(r.arg)[0] & os.W_OK:
+        if p.ACCESS_IN.unpack_from(r.arg)[0] & os.W_OK and self.writes is None:
             raise FuseError(errno.EACCES)
+        return NOTHING
+
+    # ---- a writable mount's (read/writes.py) ------------------------------------------------------------------
+    async def create(self, r: p.Request) -> Sequence[Buffer]:
+        assert self.writes is not None
+        name = os.fsdecode(p.name_of(r.arg[p.CREATE_IN.size:]))
+        node, fh = await self.writes.create(r.nodeid, name)
+        self.ns.remember(node)
+        return (p.entry_out(self._attr(node), self.timeout), p.open_out(fh))
+
+    async def write(self, r: p.Request) -> Sequence[Buffer]:
+        assert self.writes is not None
+        fh, offset, size = p.WRITE_IN.unpack_from(r.arg)[:3]
+        data = r.arg[p.WRITE_IN.size:p.WRITE_IN.size + size]
+        return (p.write_out(await self.writes.write(fh, offset, data)),)
+
+    async def flush(self, r: p.Request) -> Sequence[Buffer]:
+        """FLUSH (each close) and FSYNC: a file written through this handle is complete once this answers."""
+        assert self.writes is not None
+        fh = p.FLUSH_IN.unpack_from(r.arg)[0]  # (FSYNC_IN begins with the handle too)
+        if self.writes.owns(fh):
+            await self.writes.flush(fh)
+        return NOTHING
+
+    async def setattr(self, r: p.Request) -> Sequence[Buffer]:
+        assert self.writes is not None
+        valid, _, _, size = p.SETATTR_IN.unpack_from(r.arg)[:4]
+        node = await self.ns.resolve(r.nodeid)
+        if valid & (p.Setattr.MODE | p.Setattr.UID | p.Setattr.GID):
+            raise Refused(f"{node.path}: modes and owners are the mount's (--uid, --gid), not each file's",
+                          "read_write")
+        if valid & p.Setattr.SIZE:
+            self.writes.truncate(node, size)
+        return (p.attr_out(self._attr(node), self.timeout),)  # times: accepted, not kept (S3 keeps its own)
+
+    async def mkdir(self, r: p.Request) -> Sequence[Buffer]:
+        assert self.writes is not None
+        node = await self.writes.mkdir(r.nodeid, os.fsdecode(p.name_of(r.arg[p.MKDIR_IN.size:])))
+        self.ns.remember(node)
+        return (p.entry_out(self._attr(node), self.timeout),)
+
+    async def unlink(self, r: p.Request) -> Sequence[Buffer]:
+        assert self.writes is not None
+        await self.writes.unlink(r.nodeid, os.fsdecode(p.name_of(r.arg)))
+        return NOTHING
+
+    async def rmdir(self, r: p.Request) -> Sequence[Buffer]:
+        assert self.writes is not None
+        await self.writes.rmdir(r.nodeid, os.fsdecode(p.name_of(r.arg)))
+        return NOTHING
+
+    async def rename(self, r: p.Request) -> Sequence[Buffer]:
+        assert self.writes is not None
+        self.writes.rename()
         return NOTHING
 
     async def nothing(self, r: p.Request) -> Sequence[Buffer]:

@@ -25,6 +25,16 @@ BATCH_FORGET_IN = struct.Struct("<II")  # count dummy
 FORGET_ONE = struct.Struct("<QQ")  # nodeid nlookup
 INTERRUPT_IN = struct.Struct("<Q")  # unique
 ACCESS_IN = struct.Struct("<II")  # mask padding
+CREATE_IN = struct.Struct("<IIII")  # flags mode umask open_flags (then the name)
+MKDIR_IN = struct.Struct("<II")  # mode umask (then the name)
+WRITE_IN = struct.Struct("<QQIIQII")  # fh offset size write_flags lock_owner flags padding (then the bytes)
+WRITE_OUT = struct.Struct("<II")  # size padding
+NOTIFY_INVAL_ENTRY_OUT = struct.Struct("<QII")  # parent namelen flags (then the name and a NUL)
+NOTIFY_INVAL_ENTRY = 3  # a notification's code, sent in the reply head's error field with unique 0
+FLUSH_IN = struct.Struct("<QIIQ")  # fh unused padding lock_owner
+FSYNC_IN = struct.Struct("<QII")  # fh fsync_flags padding
+SETATTR_IN = struct.Struct("<IIQQQQQQIIIIIIII")  # valid padding fh size lock_owner atime mtime ctime atimensec
+# mtimensec ctimensec mode unused uid gid unused
 INIT_IN = struct.Struct("<IIII")  # major minor max_readahead flags
 INIT_IN_FLAGS2 = struct.Struct("<I")  # flags2, from 7.36 (present when FUSE_INIT_EXT is offered)
 INIT_OUT = struct.Struct("<IIIIHHIIHHII24x")  # major minor max_readahead flags max_background congestion_threshold
@@ -47,6 +57,13 @@ class Op(enum.IntEnum):
     FORGET = 2
     GETATTR = 3
     SETATTR = 4
+    SYMLINK = 6
+    MKNOD = 8
+    MKDIR = 9
+    UNLINK = 10
+    RMDIR = 11
+    RENAME = 12
+    LINK = 13
     OPEN = 14
     READ = 15
     WRITE = 16
@@ -66,6 +83,7 @@ class Op(enum.IntEnum):
     DESTROY = 38
     BATCH_FORGET = 42
     READDIRPLUS = 44
+    RENAME2 = 45
 
 
 class Init(enum.IntFlag):
@@ -81,6 +99,27 @@ class Init(enum.IntFlag):
     MAX_PAGES = 1 << 22
     INIT_EXT = 1 << 30
     PASSTHROUGH = 1 << 37
+
+
+class Setattr(enum.IntFlag):
+    """What a SETATTR changes (its `valid` bits)."""
+
+    MODE = 1 << 0
+    UID = 1 << 1
+    GID = 1 << 2
+    SIZE = 1 << 3
+    ATIME = 1 << 4
+    MTIME = 1 << 5
+    FH = 1 << 6
+    ATIME_NOW = 1 << 7
+    MTIME_NOW = 1 << 8
+    LOCKOWNER = 1 << 9
+    CTIME = 1 << 10
+    KILL_SUIDGID = 1 << 11
+
+
+TIMES = Setattr.ATIME | Setattr.MTIME | Setattr.ATIME_NOW | Setattr.MTIME_NOW | Setattr.CTIME | Setattr.FH \
+    | Setattr.LOCKOWNER | Setattr.KILL_SUIDGID  # (what a SETATTR may hold that changes nothing Stoker stores)
 
 
 class OpenFlag(enum.IntFlag):
@@ -173,8 +212,28 @@ def open_out(fh: int, flags: int = 0, backing_id: int = 0) -> bytes:
     return OPEN_OUT.pack(fh, flags, backing_id)
 
 
-def statfs_out(block_size: int, namemax: int = 255) -> bytes:
-    return STATFS_OUT.pack(0, 0, 0, 0, 0, block_size, namemax, block_size, 0)
+def statfs_out(block_size: int, namemax: int = 255, free: int = 0) -> bytes:
+    """`free`: bytes a writer may count on (a writable mount says a bucket's room is large: tools that check the
+    free space before writing must not see 0)."""
+    blocks = free // block_size
+    return STATFS_OUT.pack(blocks, blocks, blocks, 0, 0, block_size, namemax, block_size, 0)
+
+
+def notify_inval_entry(parent: int, name: bytes) -> bytes:
+    """A notification that the kernel must forget the entry `name` of directory `parent` (it no longer exists)."""
+    body = NOTIFY_INVAL_ENTRY_OUT.pack(parent, len(name), 0) + name + b"\0"
+    return OUT_HEADER.pack(OUT_HEADER.size + len(body), NOTIFY_INVAL_ENTRY, 0) + body
+
+
+def write_out(size: int) -> bytes:
+    return WRITE_OUT.pack(size, 0)
+
+
+def two_names(arg: memoryview) -> tuple[bytes, bytes]:
+    """RENAME's old and new names, each NUL-terminated."""
+    raw = bytes(arg)
+    first, _, rest = raw.partition(b"\0")
+    return first, rest.partition(b"\0")[0]
 
 
 def _aligned(n: int) -> int:

@@ -249,6 +249,16 @@ class Connection:
     def _write(self, parts: list[Buffer]) -> None:
         os.writev(self.fd, parts)
 
+    # ---- notifications ------------------------------------------------------------------------
+    def forget_entry(self, parent: int, name: bytes) -> None:
+        """Tell the kernel a name is gone (FUSE_NOTIFY_INVAL_ENTRY). Blocking, and it may wait for a directory lock a
+        request being answered holds: call it from a thread, never from the loop."""
+        try:
+            os.write(self.fd, p.notify_inval_entry(parent, name))
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, *GONE):  # ENOENT: the kernel did not hold it
+                log.info("FUSE_NOTIFY_INVAL_ENTRY of %r: %s", name, os.strerror(exc.errno or errno.EIO))
+
     # ---- backing files (passthrough) -------------------------------------------------------
     def open_backing(self, fd: int) -> int:
         """Register an open file as a backing file of this connection (needs CAP_SYS_ADMIN): its id."""

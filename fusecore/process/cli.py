@@ -90,6 +90,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--workers", type=int, default=_default("workers"),
                    help="processes serving the mount, each on its own clone of the FUSE connection, sharing one "
                         "cache (default 1; a memory cache only for now: not with --disk-cache or --peers)")
+    m.add_argument("--writable", action="store_true",
+                   help="let new files be written (in order, from their start): each streams into a multipart "
+                        "upload and exists in the bucket once closed")
+    m.add_argument("--allow-overwrite", action="store_true", help="--writable: let an existing object be replaced")
+    m.add_argument("--allow-delete", action="store_true", help="--writable: let objects be deleted")
+    m.add_argument("--part-size", default=_size_default("part_size"),
+                   help=f"--writable: size of each uploaded part (default {_size_default('part_size')}; an object "
+                        "has at most 10,000)")
+    m.add_argument("--upload-concurrency", type=int, default=_default("upload_concurrency"),
+                   help=f"--writable: parts of one file sent at once (default {_default('upload_concurrency')})")
+    m.add_argument("--part-budget", default=_size_default("part_budget"),
+                   help=f"--writable: memory for parts of all files being written (default "
+                        f"{_size_default('part_budget')}); a writer that outruns the store waits")
     m.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     m.add_argument("--metrics-addr", default="127.0.0.1", help="address for --metrics-port (default 127.0.0.1)")
     m.add_argument("--control-socket", help="unix socket of the control API (default: derived from MOUNTPOINT)")
@@ -171,6 +184,12 @@ def config_from_args(args: argparse.Namespace) -> MountConfig:
         gid=args.gid,
         fuse_fd=None if args.fuse_fd is None else _fuse_fd(args.fuse_fd),
         workers=args.workers,
+        writable=args.writable,
+        allow_overwrite=args.allow_overwrite,
+        allow_delete=args.allow_delete,
+        part_size=parse_size(args.part_size, name="part-size"),
+        upload_concurrency=args.upload_concurrency,
+        part_budget=parse_size(args.part_budget, name="part-budget"),
     )
 
 

@@ -89,7 +89,12 @@ def run_mount(cfg: MountConfig, ready: ReadyCallback, log_level: str = "INFO") -
             cfg = _sized(cfg, store)
         if cfg.workers > 1:
             return _run_hub(cfg, ready, log_level)
-        datapath = DataPath(cfg, store)
+        journal = (cfg.control_socket or control.default_control_socket(cfg.mountpoint)) + ".uploads"
+        datapath = DataPath(cfg, store, journal=journal if cfg.writable else None)
+        if datapath.writer is not None:
+            swept = datapath.writer.uploads.sweep()
+            if swept:
+                log.info("aborted %d upload(s) a crash of this mount left open", swept)
         log.info("block buffers on %s pages: %s", datapath.pages.size, datapath.pages.why)
     except (MountError, StoreError, ConfigError) as exc:
         ready(exc)
@@ -115,7 +120,7 @@ MAX_TASKS = 128  # requests answered at once; past that the kernel queues them
 async def _serve(cfg: MountConfig, datapath: DataPath, ready: ReadyCallback) -> None:
     fs = StokerFS(datapath.namespace, datapath.reader, block_size=cfg.block_size, kernel_cache=cfg.kernel_cache,
                   uid=os.getuid() if cfg.uid is None else cfg.uid, gid=os.getgid() if cfg.gid is None else cfg.gid,
-                  on_open=datapath.walk.on_open)
+                  on_open=datapath.walk.on_open, writes=datapath.writes)
     conn = _connect(cfg, datapath)
     if conn.agreed is not None and conn.agreed.passthrough:
         fs.passthrough = Passthrough(conn, datapath.held_file)
@@ -124,6 +129,9 @@ async def _serve(cfg: MountConfig, datapath: DataPath, ready: ReadyCallback) -> 
     try:
         async with trio.open_nursery() as nursery:
             datapath.start(nursery)
+            if datapath.writes is not None:
+                datapath.writes.on_gone = lambda parent, name: nursery.start_soon(
+                    trio.to_thread.run_sync, conn.forget_entry, parent, os.fsencode(name))
             socket_path = cfg.control_socket or control.default_control_socket(cfg.mountpoint)
             await nursery.start(control.serve, datapath, socket_path)
             if cfg.metrics_port is not None:
@@ -221,7 +229,7 @@ def _connect(cfg: MountConfig, datapath: DataPath | None) -> Connection:
     """The mount's FUSE connection, INIT answered: mounted here, or the descriptor a caller mounted (CSI)."""
     if cfg.fuse_fd is None:
         options = MountOptions(fsname=f"stoker:{cfg.store.bucket}", subtype="stoker", allow_other=cfg.allow_other,
-                               uid=os.getuid(), gid=os.getgid())
+                               uid=os.getuid(), gid=os.getgid(), read_only=not cfg.writable)
         try:
             fd = mount(cfg.mountpoint, options)
         except MountFailed as exc:
@@ -244,7 +252,9 @@ def _connect(cfg: MountConfig, datapath: DataPath | None) -> Connection:
 def _wants(cfg: MountConfig, datapath: DataPath | None) -> int:
     """Passthrough needs a disk tier to hold files and CAP_SYS_ADMIN to register them (root, the CSI mounter)."""
     held = cfg.passthrough and datapath is not None and datapath.disk is not None and datapath.disk.plain
-    return int(WANT | (Init.PASSTHROUGH if held and os.geteuid() == 0 else 0))
+    # a writable mount: an open with O_TRUNC comes as one OPEN (not an OPEN and a SETATTR to size 0)
+    return int(WANT | (Init.PASSTHROUGH if held and os.geteuid() == 0 else 0)
+               | (Init.ATOMIC_O_TRUNC if cfg.writable else 0))
 
 
 async def _announce_ready(cfg: MountConfig, ready: ReadyCallback) -> None:

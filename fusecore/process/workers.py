@@ -48,6 +48,7 @@ SHARED_BASE = "/dev/shm"  # tmpfs on every Linux: block files cost memory, not d
 READY_TIMEOUT = 60.0  # seconds a worker may take to start serving
 RESCAN_EVERY = 5.0  # seconds between the hub's looks at the shared folder (news a full socket dropped)
 ENDED = 0  # a worker's exit status when the connection ended (unmounted): the mount ends
+_HEX = frozenset(b"0123456789abcdef")
 LOCAL_BLOCKS = 8  # a worker's own cache: its bytes in flight and this many blocks being read (at most half the budget)
 
 
@@ -213,11 +214,14 @@ class Hub:
                         self._news(message)
 
     def _news(self, message: bytes) -> None:
+        """"hit NAME" or "add NAME SIZE"; anything else (a block name is 32 hex digits) is ignored."""
         verb, _, rest = message.partition(b" ")
+        name, _, size = rest.partition(b" ")
+        if len(name) != 32 or not _HEX.issuperset(name):
+            return
         if verb == b"hit":
-            self.policy.hit(rest.decode())
-        elif verb == b"add":
-            name, _, size = rest.partition(b" ")
+            self.policy.hit(name.decode())
+        elif verb == b"add" and size.isdigit():
             self._evict(self.policy.admit(name.decode(), int(size)))
 
     def _evict(self, names: list[str]) -> None:
@@ -244,7 +248,7 @@ class Hub:
         for name in [n for n in self.policy.names() if n not in present]:
             self.policy.forget(name)
         for name, size in present.items():
-            if name not in self.policy:
+            if name not in self.policy and len(name) == 32:  # (not a file the workers would ever write)
                 self._evict(self.policy.admit(name, size))
 
     # ---- the control socket: the hub answers for the mount -----------------------------------

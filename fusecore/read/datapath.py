@@ -10,7 +10,7 @@ import logging
 import os
 import time
 from concurrent.futures import Future
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, cast
 
 import trio
 
@@ -25,6 +25,9 @@ from ..metrics import MountMetrics
 from .namespace import Namespace
 from .reader import Reader
 from .registry import Registry
+from .writer import Writer
+from .writes import Writes
+from ..store.uploads import Uploads, WithClient
 from ..cache.shared import FLUSH_EVERY, SharedBlocks
 from ..store.objects import ObjectInfo, ObjectStore
 from ..cluster.peers import BlockAsk
@@ -40,7 +43,7 @@ DISK_SETTLE = 10.0  # seconds a warm waits at its end for the disk tier to write
 
 class DataPath:
     def __init__(self, cfg: MountConfig, store: ObjectStore, metrics: MountMetrics | None = None, *,
-                 shared: str | None = None, worker: int = 0):
+                 shared: str | None = None, worker: int = 0, journal: str | None = None):
         """`shared`: this data path is a worker of a mount served by several processes, which share blocks, inode
         numbers and open files through that folder (cache/shared.py, registry.py); `worker`: its number, unique in
         the mount for as long as it runs (never reused by a worker started again: it is in its file handles)."""
@@ -71,8 +74,19 @@ class DataPath:
                              registry=registry, worker=worker)
         self.walk = DirectoryPrefetcher(self.namespace, self.fetcher, self.cache, small_file_max=cfg.block_size,
                                         budget=cfg.prefetch_limit)
+        # A writable mount (`journal`: where its open uploads are named, for the next start to abort: uploads.py)
+        self.writer: Writer | None = None
+        self.writes: Writes | None = None
+        if cfg.writable:
+            uploads = Uploads(cast(WithClient, store), journal)  # (an S3Store: its botocore client writes)
+            self.writer = Writer(uploads, part_size=cfg.part_size, concurrency=cfg.upload_concurrency,
+                                 budget=cfg.part_budget, deadline=cfg.read_deadline)
+            self.writes = Writes(self.namespace, self.writer, allow_overwrite=cfg.allow_overwrite,
+                                 allow_delete=cfg.allow_delete, forget_blocks=self.cache.invalidate)
 
     def start(self, nursery: trio.Nursery) -> None:
+        if self.writer is not None:
+            self.writer.start(nursery)
         self.fetcher.start(nursery)
         self.walk.start(nursery)
         if self.shared is not None:
@@ -216,6 +230,8 @@ class DataPath:
             **({"cluster": self.cluster.stats()} if self.cluster is not None else {}),
             **({"disk": dataclasses.asdict(disk)} if disk is not None else {}),
             **({"shared": dataclasses.asdict(self.shared.stats)} if self.shared is not None else {}),
+            **({"writes": {**dataclasses.asdict(self.writer.stats), "files_open": self.writer.in_flight,
+                           "uploads_open": self.writer.uploads.open_uploads}} if self.writer is not None else {}),
         }
 
     def resize(self, cache_size: int) -> dict:

@@ -61,6 +61,7 @@ class Node:
     entries: list[tuple[str, int]] | None = None  # dirs: children sorted by name, kept until they change
     refs: int = 0  # the kernel's lookup count: while above 0 the inode number must stay valid
     cached_etag: str | None = None  # files: the version the kernel's page cache may hold (keep_cache)
+    writing: bool = False  # files: being written by this mount (not in the bucket until closed)
 
     def sorted_children(self) -> list[tuple[str, int]]:
         """The children in name order, sorted once per change (readdir pages index into it)."""
@@ -387,6 +388,24 @@ class Namespace:
             log.error("inode %d is derived from both %r and %r: %r now shows as the latter", inode, other.path, path,
                       other.path)
         return inode
+
+    # ---- what this mount writes (read/writer.py): seen here at once, by others after their TTL --------------------
+    def add_file(self, parent: Node, name: str, info: ObjectInfo) -> Node:
+        """A file being written (or just written) in `parent`: listed here from now on."""
+        node = self._upsert(_join(parent.path, name), False, info, self._clock())
+        parent.set_child(name, node.inode)
+        return node
+
+    def add_dir(self, parent: Node, name: str) -> Node:
+        """A directory made here (mkdir): it exists in the bucket once a file is written in it (S3 has prefixes, not
+        directories), and until then for as long as this mount's listing of its parent is fresh."""
+        node = self._upsert(_join(parent.path, name), True, None, self._clock())
+        node.listed_at = self._clock()  # (empty, and known to be)
+        parent.set_child(name, node.inode)
+        return node
+
+    def remove(self, parent: Node, name: str) -> None:
+        parent.set_child(name, None)
 
     async def object_at(self, key: str) -> ObjectInfo | None:
         """The object `key` as this mount lists it (each directory on its way looked up as a reader's open would),

@@ -111,3 +111,21 @@ def test_the_workers_metrics_are_summed():
     registry.register(Summed(lambda: texts))
     assert registry.get_sample_value("stoker_get_requests_total", {"kind": "demand"}) == 7
     assert registry.get_sample_value("stoker_cache_hit_ratio") == 0.75
+
+
+def test_the_hub_ignores_news_it_cannot_parse_and_never_leaves_its_folder(tmp_path):
+    from fusecore.config import MountConfig, StoreConfig
+    from fusecore.fuse.protocol import Agreed
+    from fusecore.process.workers import Hub
+
+    root = _root(tmp_path)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    hub = Hub(MountConfig(StoreConfig(bucket="b"), cache_size=8 * 1024 * KiB, block_size=1024 * KiB, workers=2), -1,
+              Agreed(31, 0, 1 << 20, 256), root, "INFO")
+    for news in (b"add ../../outside 999999999999", b"add " + b"g" * 32 + b" 5", b"add " + b"a" * 32 + b" x",
+                 b"hit", b"\xff\xfe", b"add " + b"a" * 32):
+        hub._news(news)
+    assert len(hub.policy) == 0 and outside.read_bytes() == b"keep"
+    hub._news(b"add " + b"a" * 32 + b" 5")
+    assert hub.policy.bytes == 5

@@ -22,6 +22,7 @@ class FaultProxy:
         self.upstream = urlparse(upstream)
         self.mode = "pass"  # pass | slowdown | reset | blackhole | shift-range | ignore-range
         self.slowdown_until = 0.0  # every GET answers 503 SlowDown until this time.monotonic()
+        self.slowdown_methods: tuple[str, ...] = ("GET",)  # ... or every request of these methods
         self.retry_after: str | None = None  # Retry-After sent with a 503
         self.remaining = 0  # how many GETs the fault applies to (slowdown, reset)
         self.gets = 0
@@ -91,7 +92,7 @@ class FaultProxy:
                 self.gets += 1
             if self.mode == "blackhole":
                 return "blackhole"
-            if method == "GET" and time.monotonic() < self.slowdown_until:
+            if method in self.slowdown_methods and time.monotonic() < self.slowdown_until:
                 self.faults_served += 1
                 return "slowdown"
             if self.mode in ("slowdown", "reset", "shift-range", "ignore-range") and method == "GET" \
@@ -101,11 +102,13 @@ class FaultProxy:
                 return self.mode
         return None
 
-    def slow_down_for(self, seconds: float, retry_after: str | None = None) -> None:
-        """Answer every GET with 503 SlowDown for `seconds` from now."""
+    def slow_down_for(self, seconds: float, retry_after: str | None = None, methods: tuple[str, ...] = ("GET",)) -> None:
+        """Answer every GET (or every request of `methods`: PUT and POST for uploads) with 503 SlowDown for `seconds`
+        from now."""
         with self._lock:
             self.slowdown_until = time.monotonic() + seconds
             self.retry_after = retry_after
+            self.slowdown_methods = methods
 
     def set(self, mode: str, count: int = 0) -> None:
         with self._lock:

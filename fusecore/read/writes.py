@@ -1,0 +1,192 @@
+"""What each write-side operation of a writable mount means (`--writable`), on the namespace and the writer: create,
+open for writing, write, close, remove, make or remove a directory. The FUSE adapter maps requests to these.
+
+Decided here (docs/operations.md "Writes"), as Mountpoint for S3 does where S3 cannot do otherwise:
+- a file is written from its start, in order; a write elsewhere is refused (`not_sequential`, EINVAL);
+- an existing object is replaced only when opened with O_TRUNC and `--allow-overwrite` (else EPERM); appending to
+  one, or opening one for reading and writing, is refused (EPERM);
+- the object exists once the writer closes the file (FLUSH) or fsyncs it: the first of those completes the upload,
+  and a later write to the same open file is refused; a file being written cannot be opened for reading (EBUSY);
+- deleting needs `--allow-delete` (EPERM); a directory is a prefix: mkdir makes one here, which the bucket holds once
+  a file is written in it, and rmdir removes only an empty one (ENOTEMPTY);
+- rename is refused with EXDEV (S3 has no rename: `mv` then copies and deletes, as between two filesystems); links,
+  symbolic links and device files are refused by the kernel's ENOSYS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import time
+from typing import Callable
+
+from ..store.errors import NotFound
+from ..store.objects import ObjectInfo
+from .namespace import Namespace, Node, valid_name
+from .writer import Refused, Writer, Writing
+
+log = logging.getLogger(__name__)
+
+WRITE_HANDLES = 1 << 62  # a write's file handles, apart from the reader's
+
+
+@dataclasses.dataclass(eq=False)
+class _Open:
+    writing: Writing
+    node: Node
+    before: ObjectInfo | None  # the object it replaces (kept if the write fails), or None for a new one
+    parent: Node
+
+
+class Writes:
+    def __init__(self, ns: Namespace, writer: Writer, *, allow_overwrite: bool, allow_delete: bool,
+                 forget_blocks: Callable[[str], object] = lambda key: None):
+        self.ns = ns
+        self.writer = writer
+        self.allow_overwrite = allow_overwrite
+        self.allow_delete = allow_delete
+        self._forget_blocks = forget_blocks  # the blocks of a replaced or deleted object leave the cache
+        self._open: dict[int, _Open] = {}
+        self._handles = itertools.count(WRITE_HANDLES)
+        # The kernel must forget a name that no longer exists (a new file whose upload failed): set by the process
+        # serving the connection (daemon.py)
+        self.on_gone: Callable[[int, str], None] = lambda parent_inode, name: None
+
+    def owns(self, fh: int) -> bool:
+        return fh >= WRITE_HANDLES
+
+    async def create(self, parent_inode: int, name: str) -> tuple[Node, int]:
+        """A new file (O_CREAT of a name that does not exist), open for writing."""
+        parent = await self.ns.resolve(parent_inode)
+        if not valid_name(name):
+            raise Refused(f"{name!r} is not a name a file can have", "invalid")
+        try:
+            existing: Node | None = await self.ns.lookup(parent.inode, name)
+        except NotFound:
+            existing = None
+        if existing is not None:
+            return existing, await self.open(existing, os.O_WRONLY | os.O_TRUNC)
+        node = self.ns.add_file(parent, name, ObjectInfo(self.ns.prefix + _join(parent.path, name), 0, "",
+                                                          time.time()))
+        return node, self._begin(node, parent, None)
+
+    async def open(self, node: Node, flags: int) -> int:
+        """An existing file opened for writing: only to replace it whole (O_TRUNC), with --allow-overwrite."""
+        if node.writing:
+            raise Refused(f"{node.path} is being written already", "busy")
+        if flags & os.O_APPEND or not flags & os.O_TRUNC:
+            raise Refused(f"{node.path}: an object is replaced whole (O_TRUNC), never appended to or changed in "
+                          "place", "append")
+        if flags & os.O_ACCMODE == os.O_RDWR:
+            raise Refused(f"{node.path}: opened for reading and writing at once", "read_write")
+        if not self.allow_overwrite:
+            raise Refused(f"{node.path} exists; replacing it needs --allow-overwrite", "overwrite")
+        parent = self.ns.parent_of(node)
+        assert parent is not None and node.info is not None
+        before = node.info
+        node.info = dataclasses.replace(before, size=0)
+        return self._begin(node, parent, before)
+
+    def _begin(self, node: Node, parent: Node, before: ObjectInfo | None) -> int:
+        assert node.info is not None
+        fh = next(self._handles)
+        node.writing = True
+        self._open[fh] = _Open(self.writer.begin(node.info.key), node, before, parent)
+        return fh
+
+    async def write(self, fh: int, offset: int, data: memoryview) -> int:
+        o = self._of(fh)
+        await self.writer.write(o.writing, offset, data)
+        assert o.node.info is not None
+        o.node.info = dataclasses.replace(o.node.info, size=o.writing.written)
+        return len(data)
+
+    async def flush(self, fh: int) -> None:
+        """Close (or fsync): the object is complete, or the close fails and nothing was made (the store's error)."""
+        o = self._open.get(fh)
+        if o is None or o.writing.done is not None:
+            return
+        try:
+            info = await self.writer.finish(o.writing)
+        except Exception:
+            self._failed(o)
+            raise
+        o.node.info, o.node.writing = info, False
+        o.node.cached_etag = None
+        if o.before is not None:
+            self._forget_blocks(info.key)
+        log.debug("wrote %s (%d bytes, %s)", info.key, info.size, info.etag)
+
+    async def release(self, fh: int) -> None:
+        """The last close: a file no FLUSH completed (the kernel sends one at every close; this is the rest) is
+        completed now, and its failure logged (no caller is left to tell)."""
+        o = self._open.get(fh)
+        if o is None:
+            return
+        try:
+            await self.flush(fh)
+        except Exception as exc:  # noqa: BLE001 - logged by the writer; the upload is aborted
+            log.debug("release of %s: %s", o.node.path, exc)
+        finally:
+            self._open.pop(fh, None)
+
+    def _failed(self, o: _Open) -> None:
+        """No object was made: the file shows as before (the old object, or no file)."""
+        o.node.writing = False
+        if o.before is not None:
+            o.node.info = o.before
+        elif o.parent.children.get(o.node.name) == o.node.inode:
+            self.ns.remove(o.parent, o.node.name)
+            self.on_gone(o.parent.inode, o.node.name)
+
+    def _of(self, fh: int) -> _Open:
+        o = self._open.get(fh)
+        if o is None:
+            raise Refused(f"file handle {fh} is not open for writing", "not_open")
+        return o
+
+    def truncate(self, node: Node, size: int) -> None:
+        """Only what changes nothing: a file being written cut to where it is (O_TRUNC of a new file)."""
+        if size == (node.info.size if node.info is not None else 0) and (node.writing or size == 0):
+            return
+        raise Refused(f"{node.path}: cut to {size} bytes (an object is replaced whole, never cut)", "truncate")
+
+    async def unlink(self, parent_inode: int, name: str) -> None:
+        parent = await self.ns.resolve(parent_inode)
+        node = await self.ns.lookup(parent.inode, name)
+        if node.writing:
+            raise Refused(f"{node.path} is being written", "busy")
+        if not self.allow_delete:
+            raise Refused(f"deleting {node.path} needs --allow-delete", "delete")
+        assert node.info is not None
+        await self.writer.delete(node.info.key)
+        self._forget_blocks(node.info.key)
+        self.ns.remove(parent, name)
+
+    async def mkdir(self, parent_inode: int, name: str) -> Node:
+        parent = await self.ns.resolve(parent_inode)
+        if not valid_name(name):
+            raise Refused(f"{name!r} is not a name a directory can have", "invalid")
+        try:
+            await self.ns.lookup(parent.inode, name)
+        except NotFound:
+            return self.ns.add_dir(parent, name)
+        raise Refused(f"{_join(parent.path, name)} exists", "exists")
+
+    async def rmdir(self, parent_inode: int, name: str) -> None:
+        parent = await self.ns.resolve(parent_inode)
+        node = await self.ns.lookup(parent.inode, name)
+        if not node.is_dir:
+            raise Refused(f"{node.path} is not a directory", "not_dir")
+        if await self.ns.readdir(node.inode):
+            raise Refused(f"{node.path} is not empty", "not_empty")
+        self.ns.remove(parent, name)
+
+    def rename(self) -> None:
+        raise Refused("S3 has no rename (copy and delete instead: mv does so when told EXDEV)", "rename")
+
+
+def _join(parent: str, name: str) -> str:
+    return f"{parent}/{name}" if parent else name

@@ -1,0 +1,169 @@
+"""A writable mount (`--writable`), on real mounts against moto: files written in order stream into the bucket and
+exist once closed; what S3 cannot do is refused with its errno; overwrite and delete only with their flags; a failed
+upload fails the close and leaves no object; uploads a crash left open are aborted at the next start."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import signal
+
+import pytest
+
+from fusecore.process import control
+from tests.conftest import requires_fuse
+from tests.support.waiting import wait_for
+
+KiB, MiB = 1024, 1024 * 1024
+
+pytestmark = [pytest.mark.integration, requires_fuse]
+
+
+def _write(path: str, data: bytes, chunk: int = 1 * MiB) -> None:
+    with open(path, "wb", buffering=0) as f:
+        for i in range(0, len(data), chunk):
+            f.write(data[i:i + chunk])
+
+
+def _object(s3, bucket: str, key: str) -> bytes | None:
+    try:
+        return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    except s3.exceptions.NoSuchKey:
+        return None
+
+
+def _open_uploads(s3, bucket: str) -> list[str]:
+    return [u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+
+
+def test_files_written_in_order_are_objects_once_closed_and_read_back_at_once(s3, bucket, mounts):
+    s3.put_object(Bucket=bucket, Key="data/existing.bin", Body=b"old")
+    mp = mounts.mount(f"s3://{bucket}", "--writable", "--part-size", "5MiB", "--no-kernel-cache")
+    os.makedirs(os.path.join(mp, "ckpt/step-100"), exist_ok=True)  # a directory is a prefix: made here
+    big = os.urandom(23 * MiB + 4321)  # five parts (the last short), several in flight
+    small = os.urandom(300 * KiB + 7)  # one PUT
+    _write(os.path.join(mp, "ckpt/step-100/model.pt"), big)
+    _write(os.path.join(mp, "ckpt/step-100/meta.json"), small, chunk=64 * KiB)
+    _write(os.path.join(mp, "ckpt/empty"), b"")
+    assert _object(s3, bucket, "ckpt/step-100/model.pt") == big
+    assert _object(s3, bucket, "ckpt/step-100/meta.json") == small
+    assert _object(s3, bucket, "ckpt/empty") == b""
+    # read back through the mount at once, listed with its size
+    with open(os.path.join(mp, "ckpt/step-100/model.pt"), "rb") as f:
+        assert hashlib.sha256(f.read()).digest() == hashlib.sha256(big).digest()
+    assert sorted(os.listdir(os.path.join(mp, "ckpt/step-100"))) == ["meta.json", "model.pt"]
+    assert os.stat(os.path.join(mp, "ckpt/step-100/model.pt")).st_size == len(big)
+    assert _open_uploads(s3, bucket) == []
+    stats = mounts.stats(mp)["writes"]
+    assert stats["bytes_written"] == len(big) + len(small) and stats["uploads_completed"] == 3
+    assert stats["files_open"] == 0 and stats["uploads_open"] == 0
+
+
+def test_what_s3_cannot_do_is_refused_with_its_errno(s3, bucket, mounts):
+    s3.put_object(Bucket=bucket, Key="d/old.txt", Body=b"old bytes")
+    s3.put_object(Bucket=bucket, Key="d/sub/x", Body=b"x")
+    mp = mounts.mount(f"s3://{bucket}", "--writable", "--no-kernel-cache")
+    old = os.path.join(mp, "d/old.txt")
+
+    def refused(call, code):
+        with pytest.raises(OSError) as caught:
+            call()
+        assert caught.value.errno == code, caught.value
+
+    refused(lambda: open(old, "wb"), errno.EPERM)  # an existing object: no --allow-overwrite
+    refused(lambda: open(old, "ab"), errno.EPERM)  # appended to
+    refused(lambda: open(old, "r+b"), errno.EPERM)  # changed in place
+    refused(lambda: os.unlink(old), errno.EPERM)  # no --allow-delete
+    refused(lambda: os.rename(old, os.path.join(mp, "d/new.txt")), errno.EXDEV)
+    refused(lambda: os.rmdir(os.path.join(mp, "d/sub")), errno.ENOTEMPTY)
+    refused(lambda: os.link(old, os.path.join(mp, "d/hard")), errno.EPERM)  # (the kernel says EPERM for ENOSYS)
+    with open(os.path.join(mp, "d/new.bin"), "wb", buffering=0) as f:
+        f.write(b"a" * 1000)
+        f.seek(5000)
+        refused(lambda: f.write(b"b"), errno.EINVAL)  # a write past where the last one ended
+        refused(lambda: open(os.path.join(mp, "d/new.bin"), "rb"), errno.EBUSY)  # being written
+    assert _object(s3, bucket, "d/new.bin") == b"a" * 1000
+    assert _object(s3, bucket, "d/old.txt") == b"old bytes"
+
+
+def test_overwrite_and_delete_only_with_their_flags(s3, bucket, mounts):
+    s3.put_object(Bucket=bucket, Key="m/model.pt", Body=b"version 1")
+    mp = mounts.mount(f"s3://{bucket}", "--writable", "--allow-overwrite", "--allow-delete", "--no-kernel-cache")
+    path = os.path.join(mp, "m/model.pt")
+    assert open(path, "rb").read() == b"version 1"
+    _write(path, b"version 2, longer")
+    assert _object(s3, bucket, "m/model.pt") == b"version 2, longer"
+    assert open(path, "rb").read() == b"version 2, longer"  # never the old version's bytes
+    os.unlink(path)
+    assert _object(s3, bucket, "m/model.pt") is None and not os.path.exists(path)
+    os.mkdir(os.path.join(mp, "m/empty"))
+    os.rmdir(os.path.join(mp, "m/empty"))
+
+
+def test_a_failed_upload_fails_the_close_and_leaves_no_object(s3, bucket, mounts, moto_server):
+    mp = mounts.mount(f"s3://{bucket}", "--writable", "--part-size", "5MiB", "--max-attempts", "1")
+    path = os.path.join(mp, "out.bin")
+    f = open(path, "wb", buffering=0)
+    f.write(os.urandom(6 * MiB))  # the first part is sent: the upload exists
+    assert wait_for(lambda: _open_uploads(s3, bucket) == ["out.bin"], 10)
+    for upload in s3.list_multipart_uploads(Bucket=bucket)["Uploads"]:  # the store loses it (as an expiry would)
+        s3.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+    f.write(os.urandom(1 * MiB))
+    with pytest.raises(OSError) as caught:
+        f.close()
+    assert caught.value.errno in (errno.EIO, errno.ENOENT), caught.value
+    assert _object(s3, bucket, "out.bin") is None
+    assert not os.path.exists(path)
+    assert _open_uploads(s3, bucket) == []
+
+
+def test_uploads_a_killed_mount_left_open_are_aborted_when_it_starts_again(s3, bucket, mounts):
+    mp = mounts.mount(f"s3://{bucket}", "--writable", "--part-size", "5MiB")
+    pid = mounts.stats(mp)["pid"]
+    f = open(os.path.join(mp, "half.bin"), "wb", buffering=0)
+    f.write(os.urandom(11 * MiB))
+    assert wait_for(lambda: _open_uploads(s3, bucket) == ["half.bin"], 10)
+    journal = control.default_control_socket(mp) + ".uploads"
+    assert list(json.load(open(journal)).values()) == ["half.bin"]
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(OSError):
+        f.close()
+    mounts.unmount(mp)
+    assert _object(s3, bucket, "half.bin") is None
+    again = mounts.mount(f"s3://{bucket}", "--writable", mountpoint=mp)
+    assert _open_uploads(s3, bucket) == [] and json.load(open(journal)) == {}
+    assert not os.path.exists(os.path.join(again, "half.bin"))
+
+
+def test_writes_need_the_flag_and_the_flags_need_writes(s3, bucket, mounts):
+    mp = mounts.mount(f"s3://{bucket}")
+    with pytest.raises(OSError) as caught:
+        open(os.path.join(mp, "x"), "wb")
+    assert caught.value.errno == errno.EROFS
+    result = mounts.run(f"s3://{bucket}", "--allow-delete")
+    assert result.returncode == 2 and "--writable" in result.stderr
+    result = mounts.run(f"s3://{bucket}", "--writable", "--workers", "2")
+    assert result.returncode == 2 and "workers" in result.stderr
+
+
+def test_four_seconds_of_503s_during_an_upload_and_the_file_completes_exactly(s3, bucket, mounts, moto_server):
+    import time
+
+    from tests.support.faultproxy import FaultProxy
+
+    data = os.urandom(17 * MiB + 99)
+    with FaultProxy(moto_server.endpoint) as proxy:
+        mp = mounts.mount(f"s3://{bucket}", "--writable", "--part-size", "5MiB", "--max-attempts", "12",
+                          endpoint=proxy.endpoint)
+        path = os.path.join(mp, "ckpt.bin")
+        started = time.monotonic()
+        with open(path, "wb", buffering=0) as f:
+            f.write(data[:6 * MiB])
+            proxy.slow_down_for(4.0, methods=("PUT", "POST"))
+            for i in range(6 * MiB, len(data), MiB):
+                f.write(data[i:i + MiB])
+        assert time.monotonic() - started >= 4.0 and proxy.faults_served > 0
+    assert _object(s3, bucket, "ckpt.bin") == data
+    assert _open_uploads(s3, bucket) == []
