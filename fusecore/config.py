@@ -239,8 +239,8 @@ class MountConfig:
     allow_overwrite: bool = False
     allow_delete: bool = False
     part_size: int = 8 * 1024**2
-    upload_concurrency: int = 4
-    part_budget: int = 128 * 1024**2
+    upload_concurrency: int = 16
+    part_budget: int = 256 * 1024**2
 
     def __post_init__(self) -> None:
         """Every setting in its range, named as its flag: no value may yield a mount that cannot serve."""

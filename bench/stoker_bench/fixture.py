@@ -46,6 +46,11 @@ class StoreProcess:
         with urllib.request.urlopen(self.endpoint + "/_stats", timeout=10) as r:
             return json.loads(r.read())
 
+    def written(self) -> dict:
+        """Objects clients wrote since the store started: {"bucket/key": {"size", "right"}}."""
+        with urllib.request.urlopen(f"{self.endpoint}/_written", timeout=30) as resp:
+            return json.load(resp)
+
     def reset(self) -> None:
         req = urllib.request.Request(self.endpoint + "/_reset", method="POST")
         urllib.request.urlopen(req, timeout=10).close()

@@ -1,7 +1,9 @@
 """An emulated cloud object store for benchmarks (a fixture, not a product).
 
 S3-compatible enough for Stoker, s3fs-fuse, rclone and boto3: path-style ListObjects v1 and v2
-(prefix, delimiter, pagination), HEAD bucket/object, GET with Range, GET ?location. Every request
+(prefix, delimiter, pagination), HEAD bucket/object, GET with Range, GET ?location; and writes: PUT, multipart
+uploads (create, parts, complete, abort), a copy onto itself, DELETE, answering `Expect: 100-continue` as S3 does;
+a written object's bytes are checked against the generated content (`GET /_written`). Every request
 waits a first-byte latency, and every connection is capped to a bandwidth, like a cloud store.
 Object content is generated, not stored: byte i of an object is PATTERN[(i + shift(key)) % len],
 so datasets of any size cost no memory and any range can be verified (`expected_bytes`).
@@ -14,8 +16,10 @@ import argparse
 import asyncio
 import bisect
 import hashlib
+import itertools
 import json
 import random
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -61,6 +65,8 @@ class Stats:
     bytes_sent: int = 0
     get_bytes: int = 0  # object bytes (GET bodies): bytes_sent less listings and error bodies
     connections: int = 0
+    uploads: int = 0  # requests that write (PUT, multipart, DELETE)
+    bytes_received: int = 0
 
 
 class ObjectStoreServer:
@@ -71,6 +77,9 @@ class ObjectStoreServer:
         self.latency = latency
         self.bandwidth = bandwidth  # bytes/s per connection; 0 = unlimited
         self.stats = Stats()
+        self.uploads: dict[str, dict] = {}  # multipart uploads open: key, and each part's (length, SHA-256)
+        self._upload_ids = itertools.count(1)
+        self.written: dict[str, dict] = {}
 
     # ---- HTTP plumbing -------------------------------------------------------------------
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -86,9 +95,13 @@ class ObjectStoreServer:
                     k, _, v = h.decode("latin-1").partition(":")
                     headers[k.strip().lower()] = v.strip()
                 length = int(headers.get("content-length", 0) or 0)
+                body = b""
                 if length:
-                    await reader.readexactly(length)
-                keep = await self.respond(method, target, headers, writer)
+                    if headers.get("expect", "").lower() == "100-continue":  # as S3: the body only once asked for
+                        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                        await writer.drain()
+                    body = await self._receive(reader, length)
+                keep = await self.respond(method, target, headers, writer, body)
                 if not keep or headers.get("connection", "").lower() == "close":
                     return
         except (ConnectionError, asyncio.IncompleteReadError, ValueError):
@@ -98,7 +111,7 @@ class ObjectStoreServer:
 
     async def send(self, writer, status: int, headers: dict, body: bytes | None = None,
                    key: str | None = None, start: int = 0, end: int = 0, head_only: bool = False) -> bool:
-        reason = {200: "OK", 206: "Partial Content", 404: "Not Found", 416: "Range Not Satisfiable",
+        reason = {200: "OK", 204: "No Content", 206: "Partial Content", 404: "Not Found", 416: "Range Not Satisfiable",
                   412: "Precondition Failed", 400: "Bad Request", 501: "Not Implemented"}.get(status, "OK")
         length = len(body) if body is not None else end - start
         lines = [f"HTTP/1.1 {status} {reason}", f"Content-Length: {length}", "Server: stoker-bench-store",
@@ -136,8 +149,86 @@ class ObjectStoreServer:
                     await asyncio.sleep(ahead)
             await writer.drain()
 
+    async def _receive(self, reader, length: int) -> bytes:
+        """A request's body, paced to the per-connection bandwidth (uploads cost what downloads cost)."""
+        began = time.monotonic()
+        parts = []
+        got = 0
+        while got < length:
+            chunk = await reader.read(min(CHUNK, length - got))
+            if not chunk:
+                raise asyncio.IncompleteReadError(b"".join(parts), length)
+            parts.append(chunk)
+            got += len(chunk)
+            self.stats.bytes_received += len(chunk)
+            if self.bandwidth:
+                ahead = began + got / self.bandwidth - time.monotonic()
+                if ahead > 0:
+                    await asyncio.sleep(ahead)
+        return b"".join(parts)
+
+    # ---- uploads: objects written by clients (their bytes checked, then served as generated ones) -------------
+    def _add(self, bucket: str, key: str, size: int, right: bool) -> str:
+        """A written object: listed and served from now on (its content is the generated one: what a bench writer
+        writes, checked here part by part); `written` says whether each byte was the expected one."""
+        if key not in self.buckets[bucket]:
+            bisect.insort(self._sorted_keys[bucket], key)
+        self.buckets[bucket][key] = size
+        self.written[f"{bucket}/{key}"] = {"size": size, "right": right}
+        return etag_of(key, size)
+
+    async def _upload(self, method: str, bucket: str, key: str, query: dict, headers: dict, body: bytes, writer) -> bool:
+        self.stats.uploads += 1
+        xml = {"Content-Type": "application/xml"}
+        if method == "POST" and "uploads" in query:
+            upload = f"u{next(self._upload_ids)}"
+            self.uploads[upload] = {"key": key, "parts": {}}
+            return await self.send(writer, 200, xml, (
+                '<?xml version="1.0" encoding="UTF-8"?><InitiateMultipartUploadResult><Bucket>'
+                f'{escape(bucket)}</Bucket><Key>{escape(key)}</Key><UploadId>{upload}</UploadId>'
+                '</InitiateMultipartUploadResult>').encode())
+        upload = query.get("uploadId")
+        if upload is not None and upload not in self.uploads:
+            return await self.send(writer, 404, xml, _error("NoSuchUpload", "The specified upload does not exist."))
+        if method == "PUT" and upload is not None:
+            number = int(query["partNumber"])
+            digest = hashlib.sha256(body).hexdigest()
+            self.uploads[upload]["parts"][number] = (len(body), digest)
+            return await self.send(writer, 200, {"ETag": f'"{digest[:32]}"'}, b"")
+        if method == "POST" and upload is not None:
+            parts = self.uploads.pop(upload)["parts"]
+            asked = [int(n) for n in re.findall(r"<PartNumber>(\d+)</PartNumber>", body.decode())]
+            right, offset = asked == sorted(parts) and bool(asked), 0
+            for n in asked:
+                size, digest = parts.get(n, (0, ""))
+                right = right and hashlib.sha256(expected_bytes(key, offset, offset + size)).hexdigest() == digest
+                offset += size
+            etag = self._add(bucket, key, offset, right)
+            return await self.send(writer, 200, xml, (
+                '<?xml version="1.0" encoding="UTF-8"?><CompleteMultipartUploadResult><Bucket>'
+                f'{escape(bucket)}</Bucket><Key>{escape(key)}</Key><ETag>{escape(etag)}</ETag>'
+                '</CompleteMultipartUploadResult>').encode())
+        if method == "DELETE" and upload is not None:
+            self.uploads.pop(upload, None)
+            return await self.send(writer, 204, {}, b"")
+        if method == "PUT":
+            source = headers.get("x-amz-copy-source")
+            if source is not None:  # a copy onto itself (s3fs sets metadata so): the same bytes
+                size = self.buckets[bucket].get(key, 0)
+                etag = etag_of(key, size)
+                return await self.send(writer, 200, xml, (
+                    f'<?xml version="1.0" encoding="UTF-8"?><CopyObjectResult><ETag>{escape(etag)}</ETag>'
+                    f'<LastModified>{LAST_MODIFIED}</LastModified></CopyObjectResult>').encode())
+            etag = self._add(bucket, key, len(body), body == expected_bytes(key, 0, len(body)))
+            return await self.send(writer, 200, {"ETag": etag}, b"")
+        if method == "DELETE":
+            if self.buckets[bucket].pop(key, None) is not None:
+                self._sorted_keys[bucket].remove(key)
+            return await self.send(writer, 204, {}, b"")
+        return await self.send(writer, 501, {}, b"")
+
     # ---- S3 semantics ---------------------------------------------------------------------
-    async def respond(self, method: str, target: str, headers: dict, writer) -> bool:
+    async def respond(self, method: str, target: str, headers: dict, writer, body: bytes = b"") -> bool:
         self.stats.requests += 1
         url = urlsplit(target)
         path = unquote(url.path)
@@ -148,6 +239,8 @@ class ObjectStoreServer:
         if path == "/_reset":
             self.stats = Stats()
             return await self.send(writer, 200, {}, b"")
+        if path == "/_written":  # objects clients wrote, and whether each byte was the expected one
+            return await self.send(writer, 200, {"Content-Type": "application/json"}, json.dumps(self.written).encode())
         if self.latency:
             await asyncio.sleep(self.latency)
         bucket, _, key = path.lstrip("/").partition("/")
@@ -165,6 +258,8 @@ class ObjectStoreServer:
                 self.stats.lists += 1
                 return await self.send(writer, 200, {"Content-Type": "application/xml"}, self._list(bucket, query))
             return await self.send(writer, 501, {}, b"")
+        if method in ("PUT", "POST", "DELETE"):
+            return await self._upload(method, bucket, key, query, headers, body, writer)
         size = self.buckets[bucket].get(key)
         if size is None:
             return await self.send(writer, 404, {"Content-Type": "application/xml"},

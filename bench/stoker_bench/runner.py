@@ -13,7 +13,7 @@ from fusecore.store.bodies import socket_readinto
 
 from .fixture import StoreProcess
 from .systems import Unavailable, disk_variants, kind_of
-from .workloads import WORKLOADS, Dataset, Outcome
+from .workloads import WORKLOADS, WRITE_WORKLOADS, Dataset, Outcome
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 GiB = 1024**3
@@ -191,6 +191,9 @@ def run_all(*, scale: float, systems: list[str], workloads: list[str], workdir: 
             info["simulated_gpu"] = {"rate_samples_per_s": gpu_rate, "batch": gpu_batch}
         info["store_ceiling_MBps"] = store_ceiling(d, workdir, latency)
         info["python_client_ceiling_MBps"] = python_client_ceiling(store, d)
+        if WRITE_WORKLOADS & set(workloads):
+            info["store_write_ceiling_MBps"] = store_write_ceiling(store)
+            log(f"the store takes {info['store_write_ceiling_MBps']} MB/s of parallel PUTs (48 connections)")
         log(f"emulated store at {store.endpoint}: {info['objects']} objects, latency {latency * 1000:.0f} ms, "
             f"{bandwidth / 1e6:.0f} MB/s per connection; unthrottled ceiling {info['store_ceiling_MBps']} MB/s; "
             f"a bare Python client with 48 connections reaches {info['python_client_ceiling_MBps']} MB/s")
@@ -244,6 +247,8 @@ def _run_workload(store: StoreProcess, workload: str, systems: list[str], d: Dat
         # on, this 24 GiB machine would serve every epoch from memory whatever the budget.
         system = kind(store.endpoint, "bench", workdir, cache, kernel_cache=kernel_cache)
         system.store_stats = store.stats
+        system.store_written = store.written
+        system.writable = workload in WRITE_WORKLOADS
         try:
             system.start()
         except Unavailable as exc:
@@ -293,6 +298,28 @@ def store_ceiling(d: Dataset, workdir: str, latency: float) -> float:
         with ThreadPoolExecutor(8) as pool:
             total = sum(pool.map(fetch, range(8)))
         return round(total / (time.monotonic() - started) / 1e6, 1)
+
+
+def store_write_ceiling(store: StoreProcess, connections: int = 48, part: int = 8 * 1024 * 1024) -> float:
+    """What the store takes of uploads at most: `connections` threads each PUTting parts of 8 MiB (MB/s)."""
+    import urllib3
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .objectstore import expected_bytes
+
+    pool = urllib3.PoolManager(maxsize=connections)
+    count = connections * 2
+
+    def put(i: int) -> int:
+        key = f"ceiling/put-{i}"
+        resp = pool.request("PUT", f"{store.endpoint}/bench/{key}", body=expected_bytes(key, 0, part))
+        resp.release_conn()
+        return part
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(connections) as executor:
+        done = sum(executor.map(put, range(count)))
+    return round(done / (time.monotonic() - started) / 1e6, 1)
 
 
 def python_client_ceiling(store: StoreProcess, d: Dataset, connections: int = 48) -> float:

@@ -51,6 +51,7 @@ class MountedSystem:
         self.proc: subprocess.Popen | None = None
         self.log_path = os.path.join(workdir, f"{self.name}.log")
         self.cache_dir: str | None = None  # a disk cache's folder (cache_folder), removed at stop
+        self.writable = False  # started for the write cells (the runner sets it): mounted read-write
 
     def cache_folder(self) -> str:
         """A fresh folder in the workdir for this system's disk cache; `stop` removes it."""
@@ -90,7 +91,8 @@ class Stoker(MountedSystem):
         os.makedirs(self.mountpoint, exist_ok=True)
         cmd = [sys.executable, "-P", "-m", "stoker", "mount", f"s3://{self.bucket}", self.mountpoint,
                "--endpoint-url", self.endpoint, "--cache-size", str(self.cache_bytes), "--log-file", self.log_path,
-               "--metadata-ttl", "3600", *self.extra_args] + ([] if self.kernel_cache else ["--no-kernel-cache"])
+               "--metadata-ttl", "3600", *self.extra_args] + ([] if self.kernel_cache else ["--no-kernel-cache"]) \
+            + (["--writable"] if self.writable else [])
         result = subprocess.run(cmd, env=self.env(), capture_output=True, text=True)
         if result.returncode != 0:
             raise Unavailable(result.stderr.strip())
@@ -123,7 +125,8 @@ class S3fs(MountedSystem):
             f.write(f"{ACCESS_KEY}:{SECRET_KEY}\n")
         os.chmod(passwd, 0o600)
         # Parallel ranged downloads as s3fs documents them: parallel_count x multipart_size.
-        opts = ",".join([f"url={self.endpoint}", "use_path_request_style", f"passwd_file={passwd}", "ro",
+        opts = ",".join([f"url={self.endpoint}", "use_path_request_style", f"passwd_file={passwd}",
+                         *(() if self.writable else ("ro",)),
                          "parallel_count=32", "multipart_size=8", "max_stat_cache_size=200000",
                          "stat_cache_expire=3600", f"logfile={self.log_path}", "dbglevel=warn", *self.options])
         cmd = ["s3fs", self.bucket, self.mountpoint, "-f", "-o", opts]
@@ -153,7 +156,7 @@ class Rclone(MountedSystem):
         cache_dir = self.cache_folder()
         env = self.env()
         env.pop("AWS_CA_BUNDLE", None)  # rclone fails at start-up on it
-        cmd = ["rclone", "mount", f":s3:{self.bucket}", self.mountpoint, "--read-only",
+        cmd = ["rclone", "mount", f":s3:{self.bucket}", self.mountpoint, *(() if self.writable else ("--read-only",)),
                "--s3-provider", "Other", "--s3-endpoint", self.endpoint, "--s3-access-key-id", ACCESS_KEY,
                "--s3-secret-access-key", SECRET_KEY, "--s3-force-path-style",
                "--vfs-cache-mode", "full", "--cache-dir", cache_dir, "--vfs-read-chunk-size", "8M",
@@ -192,6 +195,13 @@ class Boto3Baseline:
         if size is not None:
             kw["Range"] = f"bytes={offset}-{offset + size - 1}"
         return self.client.get_object(Bucket=self.bucket, Key=key, **kw)["Body"]
+
+    def write_object(self, key: str, fileobj, *, part: int, concurrency: int) -> None:
+        """A bare multipart-upload client (boto3's upload_fileobj) with the part size and concurrency given."""
+        from boto3.s3.transfer import TransferConfig
+
+        self.client.upload_fileobj(fileobj, self.bucket, key, Config=TransferConfig(
+            multipart_threshold=part, multipart_chunksize=part, max_concurrency=concurrency, use_threads=True))
 
     def list_stat(self, prefix: str) -> int:
         paginator = self.client.get_paginator("list_objects_v2")

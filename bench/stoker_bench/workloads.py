@@ -49,12 +49,14 @@ class Dataset:
     disk_cache: int = 0  # the memory cache of the `disk` workload: about a quarter of what it reads
     flat: list[tuple[str, int]] = field(default_factory=list)  # issue 44's cold epoch: ~110 KB files in one folder
     classes: list[tuple[str, int]] = field(default_factory=list)  # the same files in class folders of 30
+    write_size: int = 0  # the write cells' large file (eight writers write a quarter of it each)
 
     @classmethod
     def build(cls, scale: float) -> "Dataset":
         rng = random.Random(42)
         d = cls(scale)
         big = max(16 * MiB, int(1024 * MiB * scale) // MiB * MiB)
+        d.write_size = big + 12345  # several hundred MiB at the default scale (not a whole number of parts)
         d.seq = [(f"large/object-{i}.bin", big + i * 4099) for i in range(4)]
         d.shards = [(f"shards/shard-{i:04d}.tar", 64 * MiB) for i in range(max(4, int(16 * scale)))]
         d.small = [(f"small/train/{i % 100:03d}/img-{i:06d}.jpg", rng.randint(90_000, 130_000))
@@ -380,6 +382,75 @@ def _dataloader(system, d: Dataset, run: int, *, gpu_rate: float | None = None, 
     return dataloader_epoch(system, d, run, gpu_rate=gpu_rate, gpu_batch=gpu_batch)
 
 
+# ---- writes (issue 46): objects written through each system, timed to the end of the close, bytes checked by the store
+WRITE_PART = 8 * MiB  # the part size every system is given (Stoker's default)
+WRITE_CONCURRENCY = 16  # parts of one file at once (Stoker's default; boto3's upload_fileobj is given the same)
+
+
+def _pattern_chunks(key: str, size: int, chunk: int = MiB):
+    """The generated content of `key` in `chunk` pieces (views of the pattern: nothing is built)."""
+    from .objectstore import _DOUBLE, PATTERN_SIZE, shift_of
+
+    shift = shift_of(key)
+    view = memoryview(_DOUBLE)
+    for pos in range(0, size, chunk):
+        n = min(chunk, size - pos)
+        p = (pos + shift) % PATTERN_SIZE
+        yield view[p:p + n]
+
+
+class _PatternReader:
+    """A file-like object of a key's generated content (for boto3's upload_fileobj)."""
+
+    def __init__(self, key: str, size: int):
+        self._chunks = _pattern_chunks(key, size, 256 * KiB)
+        self._left = b""
+
+    def read(self, n: int = -1) -> bytes:
+        out = bytearray(self._left)
+        while n < 0 or len(out) < n:
+            piece = next(self._chunks, None)
+            if piece is None:
+                break
+            out += piece
+        if n >= 0:
+            self._left = bytes(out[n:])
+            del out[n:]
+        else:
+            self._left = b""
+        return bytes(out)
+
+
+def write_object(system, key: str, size: int) -> None:
+    if system.is_mount:
+        path = os.path.join(system.mountpoint, key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb", buffering=0) as f:
+            for piece in _pattern_chunks(key, size):
+                f.write(piece)
+        return
+    system.write_object(key, _PatternReader(key, size), part=WRITE_PART, concurrency=WRITE_CONCURRENCY)
+
+
+def _writes(system, plan: list[tuple[str, int]], writers: int) -> Outcome:
+    started = time.monotonic()
+    _parallel(writers, plan, lambda item: write_object(system, *item))
+    seconds = time.monotonic() - started
+    written = system.store_written()
+    wrong = sum(1 for key, size in plan if written.get(f"bench/{key}") != {"size": size, "right": True})
+    return Outcome(bytes=sum(size for _, size in plan), files=len(plan), seconds=seconds, wrong=wrong)
+
+
+def write_one(system, d: Dataset, run: int) -> Outcome:
+    """One writer, one large file in 1 MiB writes (a checkpoint), timed to the end of its close."""
+    return _writes(system, [(f"out/{system.name}/run{run}/model.pt", d.write_size)], 1)
+
+
+def write_eight(system, d: Dataset, run: int) -> Outcome:
+    """Eight writers at once, one file each (the shards of a distributed checkpoint)."""
+    return _writes(system, [(f"out/{system.name}/run{run}/rank{i}.pt", d.write_size // 4) for i in range(8)], 8)
+
+
 WORKLOADS = {
     "seq1": ("large sequential, 1 reader (MB/s)", seq1),
     "seq4": ("large sequential, 4 readers (MB/s)", seq4),
@@ -400,4 +471,7 @@ WORKLOADS = {
     "mixed": ("2 large + 8 small-file readers, then warm (MB/s)", mixed),
     "disk": ("small files beside a stream, dataset ~4x memory, with and without disk caches (files/s)", disk_epochs),
     "dataloader": ("PyTorch DataLoader, 8 workers, ~110 KB samples (samples/s)", _dataloader),
+    "write1": ("one writer, one large file in 1 MiB writes, to the end of its close (MB/s)", write_one),
+    "write8": ("eight writers at once, a file each, to the end of their closes (MB/s)", write_eight),
 }
+WRITE_WORKLOADS = frozenset({"write1", "write8"})

@@ -252,9 +252,10 @@ def _connect(cfg: MountConfig, datapath: DataPath | None) -> Connection:
 def _wants(cfg: MountConfig, datapath: DataPath | None) -> int:
     """Passthrough needs a disk tier to hold files and CAP_SYS_ADMIN to register them (root, the CSI mounter)."""
     held = cfg.passthrough and datapath is not None and datapath.disk is not None and datapath.disk.plain
-    # a writable mount: an open with O_TRUNC comes as one OPEN (not an OPEN and a SETATTR to size 0)
+    # a writable mount: an open with O_TRUNC comes as one OPEN (not an OPEN and a SETATTR to size 0), and a write
+    # of up to max_write as one WRITE (without BIG_WRITES the kernel sends one per page: 4 KiB)
     return int(WANT | (Init.PASSTHROUGH if held and os.geteuid() == 0 else 0)
-               | (Init.ATOMIC_O_TRUNC if cfg.writable else 0))
+               | (Init.ATOMIC_O_TRUNC | Init.BIG_WRITES if cfg.writable else 0))
 
 
 async def _announce_ready(cfg: MountConfig, ready: ReadyCallback) -> None:

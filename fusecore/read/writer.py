@@ -22,6 +22,8 @@ from ..store.uploads import Uploads
 
 log = logging.getLogger(__name__)
 
+FREE_PARTS = 4  # part buffers kept for the next parts
+
 
 class Refused(StoreError):
     """A write-side operation S3 cannot do (or this mount may not): `why` names which, for the errno (fuse/errnos.py)
@@ -53,7 +55,8 @@ class Writing:
 
     key: str
     written: int = 0
-    buffer: bytearray = field(default_factory=bytearray)
+    part: bytearray | None = None  # the part being filled (a whole part's buffer), up to `filled`
+    filled: int = 0
     upload: str | None = None
     etags: list[str] = field(default_factory=list)
     sending: int = 0  # parts in flight
@@ -72,6 +75,7 @@ class Writer:
         self._budget = trio.Semaphore(max(1, budget // part_size))  # parts of the whole mount in memory
         self._nursery: trio.Nursery | None = None
         self._writing: set[Writing] = set()
+        self._free: list[bytearray] = []  # part buffers sent and taken back (filling fresh pages costs a fault each)
         self.stats = WriteStats()
 
     def start(self, nursery: trio.Nursery) -> None:
@@ -91,15 +95,21 @@ class Writer:
             raise w.failed
         if w.done is not None or offset != w.written:
             raise not_sequential(w.key, offset, w.written)
-        w.buffer += data
-        w.written += len(data)
-        self.stats.bytes_written += len(data)
-        while len(w.buffer) >= self.part_size:
-            part = bytes(w.buffer[:self.part_size])
-            del w.buffer[:self.part_size]
-            await self._send(w, part)
+        view = memoryview(data)
+        w.written += len(view)
+        self.stats.bytes_written += len(view)
+        while view:
+            if w.part is None:
+                w.part, w.filled = self._free.pop() if self._free else bytearray(self.part_size), 0
+            n = min(len(view), self.part_size - w.filled)
+            w.part[w.filled:w.filled + n] = view[:n]  # the one copy of the bytes in this process
+            w.filled += n
+            view = view[n:]
+            if w.filled == self.part_size:
+                part, w.part = w.part, None
+                await self._send(w, part)
 
-    async def _send(self, w: Writing, part: bytes) -> None:
+    async def _send(self, w: Writing, part: bytearray) -> None:
         """Start sending the next part (waiting for room in the mount's budget and the file's slots)."""
         assert self._nursery is not None and w.slots is not None
         with trio.move_on_after(self.deadline) as waited:
@@ -122,7 +132,7 @@ class Writer:
         w.sending += 1
         self._nursery.start_soon(self._part, w, number, part)
 
-    async def _part(self, w: Writing, number: int, part: bytes) -> None:
+    async def _part(self, w: Writing, number: int, part: bytearray) -> None:
         assert w.slots is not None
         try:
             if w.failed is None:
@@ -139,6 +149,8 @@ class Writer:
             w.sending -= 1
             w.slots.release()
             self._budget.release()
+            if len(part) == self.part_size and len(self._free) < FREE_PARTS:
+                self._free.append(part)
             if not w.sending:
                 w.drained.set()
                 w.drained = trio.Event()
@@ -158,11 +170,10 @@ class Writer:
             return w.done
         try:
             if w.failed is None and w.upload is None:
-                info = await trio.to_thread.run_sync(self.uploads.put, w.key, bytes(w.buffer))
+                info = await trio.to_thread.run_sync(self.uploads.put, w.key, self._rest(w))
             else:
-                if w.failed is None and w.buffer:
-                    last, w.buffer = bytes(w.buffer), bytearray()
-                    await self._send(w, last)
+                if w.failed is None and w.filled:
+                    await self._send(w, self._rest(w))
                 while w.sending:
                     await w.drained.wait()
                 if w.failed is not None:
@@ -174,10 +185,16 @@ class Writer:
             await self.abandon(w)
             raise
         w.done = info
-        w.buffer = bytearray()
         self._writing.discard(w)
         self.stats.uploads_completed += 1
         return info
+
+    @staticmethod
+    def _rest(w: Writing) -> bytearray:
+        """The last part (shorter than a part): what the buffer holds."""
+        rest = w.part[:w.filled] if w.part is not None else bytearray()
+        w.part, w.filled = None, 0
+        return rest
 
     async def delete(self, key: str) -> None:
         await trio.to_thread.run_sync(self.uploads.delete, key)
@@ -187,7 +204,7 @@ class Writer:
         if w.done is not None or w not in self._writing:
             return
         self._writing.discard(w)
-        w.buffer = bytearray()
+        w.part = None
         if w.failed is None:
             w.failed = Unavailable(f"{w.key}: abandoned")
         while w.sending:

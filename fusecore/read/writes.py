@@ -99,8 +99,10 @@ class Writes:
     async def write(self, fh: int, offset: int, data: memoryview) -> int:
         o = self._of(fh)
         await self.writer.write(o.writing, offset, data)
-        assert o.node.info is not None
-        o.node.info = dataclasses.replace(o.node.info, size=o.writing.written)
+        info = o.node.info
+        assert info is not None
+        if info.size != o.writing.written:
+            o.node.info = dataclasses.replace(info, size=o.writing.written)
         return len(data)
 
     async def flush(self, fh: int) -> None:

@@ -46,10 +46,10 @@ class Uploads:
     def _client(self):
         return self.store.client
 
-    def put(self, key: str, data: bytes | bytearray | memoryview) -> ObjectInfo:
+    def put(self, key: str, data: bytes | bytearray) -> ObjectInfo:
         """A whole object in one PUT (smaller than a part)."""
         try:
-            resp = self._client.put_object(Bucket=self.bucket, Key=key, Body=bytes(data))
+            resp = self._client.put_object(Bucket=self.bucket, Key=key, Body=data)
         except Exception as exc:  # noqa: BLE001 - translated, once
             raise translate(exc, f"put {key!r}") from exc
         return ObjectInfo(key=key, size=len(data), etag=resp["ETag"], mtime=time.time())
@@ -64,11 +64,11 @@ class Uploads:
             self._write_journal()
         return upload
 
-    def part(self, key: str, upload: str, number: int, data: bytes | bytearray | memoryview) -> str:
+    def part(self, key: str, upload: str, number: int, data: bytes | bytearray) -> str:
         """Send part `number` (from 1); its ETag."""
         try:
             resp = self._client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload, PartNumber=number,
-                                            Body=bytes(data))
+                                            Body=data)
         except Exception as exc:  # noqa: BLE001
             raise translate(exc, f"upload {key!r} part {number}") from exc
         return resp["ETag"]

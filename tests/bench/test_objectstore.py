@@ -72,3 +72,32 @@ def test_latency_and_bandwidth_cap_are_applied(tmp_path):
         assert data == expected_bytes("obj", 0, 2_000_000)
         assert elapsed >= 0.05 + 2_000_000 / 4e6 * 0.8  # latency plus ~0.5 s at 4 MB/s
         assert s.stats()["gets"] == 1 and s.stats()["bytes_sent"] >= 2_000_000
+
+
+def test_uploads_are_taken_checked_and_then_served(client, store):
+    from stoker_bench.objectstore import expected_bytes
+
+    key = "out/model.pt"
+    size = 11 * 1024 * 1024 + 5
+    body = expected_bytes(key, 0, size)
+    upload = client.create_multipart_upload(Bucket="bench", Key=key)["UploadId"]
+    parts = []
+    for n, start in enumerate(range(0, size, 5 * 1024 * 1024), 1):  # (botocore asks 100-continue for each)
+        etag = client.upload_part(Bucket="bench", Key=key, UploadId=upload, PartNumber=n,
+                                  Body=body[start:start + 5 * 1024 * 1024])["ETag"]
+        parts.append({"PartNumber": n, "ETag": etag})
+    client.complete_multipart_upload(Bucket="bench", Key=key, UploadId=upload, MultipartUpload={"Parts": parts})
+    client.put_object(Bucket="bench", Key="out/small", Body=expected_bytes("out/small", 0, 1000))
+    client.put_object(Bucket="bench", Key="out/wrong", Body=b"not the expected bytes")
+    written = store.written()
+    assert written["bench/out/model.pt"] == {"size": size, "right": True}
+    assert written["bench/out/small"] == {"size": 1000, "right": True}
+    assert written["bench/out/wrong"]["right"] is False
+    assert client.head_object(Bucket="bench", Key=key)["ContentLength"] == size  # listed and served from now on
+    assert client.get_object(Bucket="bench", Key=key, Range="bytes=0-99")["Body"].read() == body[:100]
+    aborted = client.create_multipart_upload(Bucket="bench", Key="out/gone")["UploadId"]
+    client.abort_multipart_upload(Bucket="bench", Key="out/gone", UploadId=aborted)
+    assert "bench/out/gone" not in store.written()
+    client.delete_object(Bucket="bench", Key="out/small")
+    with pytest.raises(client.exceptions.ClientError):
+        client.head_object(Bucket="bench", Key="out/small")
