@@ -152,7 +152,7 @@ class ObjectStoreServer:
     async def _receive(self, reader, length: int) -> bytes:
         """A request's body, paced to the per-connection bandwidth (uploads cost what downloads cost)."""
         began = time.monotonic()
-        parts = []
+        parts: list[bytes] = []
         got = 0
         while got < length:
             chunk = await reader.read(min(CHUNK, length - got))
@@ -181,11 +181,11 @@ class ObjectStoreServer:
         self.stats.uploads += 1
         xml = {"Content-Type": "application/xml"}
         if method == "POST" and "uploads" in query:
-            upload = f"u{next(self._upload_ids)}"
-            self.uploads[upload] = {"key": key, "parts": {}}
+            new = f"u{next(self._upload_ids)}"
+            self.uploads[new] = {"key": key, "parts": {}}
             return await self.send(writer, 200, xml, (
                 '<?xml version="1.0" encoding="UTF-8"?><InitiateMultipartUploadResult><Bucket>'
-                f'{escape(bucket)}</Bucket><Key>{escape(key)}</Key><UploadId>{upload}</UploadId>'
+                f'{escape(bucket)}</Bucket><Key>{escape(key)}</Key><UploadId>{new}</UploadId>'
                 '</InitiateMultipartUploadResult>').encode())
         upload = query.get("uploadId")
         if upload is not None and upload not in self.uploads:
