@@ -76,7 +76,13 @@ KNOBS: dict[str, Knob] = {
     "kernelCache": Knob("kernel_cache", _boolean, "kernel-cache"),
     "uid": Knob("uid", _positive_int, "uid"),
     "gid": Knob("gid", _positive_int, "gid"),
+    # Writes (fusecore/read/writes.py): an administrator's choice, in a PV or StorageClass, never a pod's (an inline
+    # volume's attributes are the pod's: refused there)
+    "writable": Knob("writable", _boolean, "writable"),
+    "allowOverwrite": Knob("allow_overwrite", _boolean, "allow-overwrite"),
+    "allowDelete": Knob("allow_delete", _boolean, "allow-delete"),
 }
+WRITE_KNOBS = ("writable", "allowOverwrite", "allowDelete")
 STORE_ATTRIBUTES = ("bucket", "prefix", "endpointUrl", "region")
 AUTH_SOURCES = ("secret", "pod", "node")  # csi/auth.py
 AUTH_ATTRIBUTES = ("authenticationSource", "roleArn", "stsEndpointUrl")
@@ -137,6 +143,12 @@ class VolumeSpec:
                            disk_cache=disk_cache, **settings)
 
     @property
+    def writable(self) -> bool:
+        """May this volume be written (a PV's or StorageClass's `writable: "true"`)? Each pod's publish still says
+        whether its target is read-only."""
+        return bool(dict(self.knobs).get("writable", False))
+
+    @property
     def disk_cache_size(self) -> int:
         """What the volume asks of the node's disk (diskCacheSize; 0: no disk tier)."""
         return int(dict(self.knobs).get("diskCacheSize", 0))  # type: ignore[call-overload]
@@ -183,6 +195,10 @@ def parse_volume_context(context: dict[str, str]) -> VolumeSpec:
     if role_arn is not None and not role_arn.startswith("arn:"):
         raise AttributeProblem(f"volume attribute 'roleArn': expected an IAM role ARN (arn:...), got {role_arn!r}")
     sts_endpoint = str(values.pop("stsEndpointUrl", "")) or None
+    asked = [k for k in WRITE_KNOBS if values.get(k)]
+    if ephemeral and asked:
+        raise AttributeProblem(f"volume attribute {asked[0]!r}: an inline volume's attributes are the pod's own, and a "
+                               "pod never makes a volume writable (a PV or a StorageClass may)")
     spec = VolumeSpec(
         bucket=bucket,
         prefix=f"{prefix}/" if prefix else "",

@@ -16,8 +16,9 @@ from fusecore.process.mounts import MountInfo, bind_follower, mount_table, unmou
 class MountTable(Protocol):
     def table(self) -> list[MountInfo]: ...
 
-    def bind(self, source: str, target: str) -> None:
-        """A read-only bind of `source` at `target` that follows later mounts stacked on `source`; OSError."""
+    def bind(self, source: str, target: str, read_only: bool = True) -> None:
+        """A bind of `source` at `target` (read-only unless asked) that follows later mounts stacked on `source`;
+        OSError."""
 
     def unmount(self, path: str) -> str | None:
         """Unmount every layer at `path`; None once nothing is mounted there, else why something still is."""
@@ -29,8 +30,8 @@ class HostMounts:
     def table(self) -> list[MountInfo]:
         return mount_table()
 
-    def bind(self, source: str, target: str) -> None:
-        bind_follower(source, target)
+    def bind(self, source: str, target: str, read_only: bool = True) -> None:
+        bind_follower(source, target, read_only)
 
     def unmount(self, path: str) -> str | None:
         return unmount_stack(path)

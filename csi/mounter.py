@@ -144,7 +144,7 @@ class ProcessMounter:
         cfg = request.config
         try:
             fd = mount_fuse_fd(cfg.mountpoint, f"stoker:{cfg.store.bucket}", allow_other=cfg.allow_other,
-                               uid=os.getuid(), gid=os.getgid())
+                               uid=os.getuid(), gid=os.getgid(), read_only=not cfg.writable)
         except OSError as exc:
             raise MountFailed(f"cannot mount at {cfg.mountpoint}: {exc.strerror}") from None
         mounted = top_mount(cfg.mountpoint)

@@ -211,7 +211,7 @@ class VolumeManager:
         elif self._is_mounted(target):
             raise Conflict(f"{target} is already a mount point")
         if self._behind(record, [target]):
-            self._bind(record, target)
+            self._bind(record, target, how)
         record.targets[target] = how
         self.state.save(record)
         log.info("published volume %s at %s", record.volume_id, target)
@@ -389,7 +389,7 @@ class VolumeManager:
         if isinstance(self._serving(record), str):
             self._mount(record, parse_volume_context(record.context), self._saved(record))
         for path in self._behind(record):
-            self._bind(record, path)
+            self._bind(record, path, record.targets.get(path, ""))
 
     def _serving(self, record: VolumeRecord) -> control.MountStats | str:
         """The stats of the volume's live mount, or why its mount is not serving."""
@@ -474,10 +474,13 @@ class VolumeManager:
                               "kubelet's next stage or publish brings them again")
         return Resolved(record.who.split(":", 1)[0], identity, record.who)
 
-    def _bind(self, record: VolumeRecord, path: str) -> None:
+    def _bind(self, record: VolumeRecord, path: str, how: str) -> None:
+        """A target: read-only, unless the volume is writable (its PV or StorageClass says so) and this publish is
+        not read-only (capability_key's "...:rw")."""
         _make_dir(path)
+        writable = parse_volume_context(record.context).writable and how.endswith(":rw")
         try:
-            self.mounts.bind(record.mount_path, path)
+            self.mounts.bind(record.mount_path, path, read_only=not writable)
         except OSError as exc:
             raise StillMounted(f"bind mount at {path} failed: {exc.strerror}") from None
 

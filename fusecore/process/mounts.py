@@ -74,16 +74,17 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True
 MS_SLAVE, MS_SHARED = 1 << 19, 1 << 20
 
 
-def mount_fuse_fd(target: str, fsname: str, *, allow_other: bool, uid: int, gid: int) -> int:
-    """Open /dev/fuse and mount it read-only at `target` (on top of whatever is there, a dead
+def mount_fuse_fd(target: str, fsname: str, *, allow_other: bool, uid: int, gid: int, read_only: bool = True) -> int:
+    """Open /dev/fuse and mount it at `target`, read-only unless asked (on top of whatever is there, a dead
     mount included); returns the descriptor, to be served by a `stoker mount --fuse-fd`."""
     return mount_device(target, MountOptions(fsname=fsname, subtype="stoker", allow_other=allow_other, uid=uid,
-                                             gid=gid))
+                                             gid=gid, read_only=read_only))
 
 
 _SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442  # the same on every architecture
 _OPEN_TREE_CLONE, _AT_FDCWD, _AT_EMPTY_PATH, _MOVE_MOUNT_F_EMPTY_PATH = 1, -100, 0x1000, 0x4
 _READ_ONLY_ATTRS = 0x1 | 0x2 | 0x4  # MOUNT_ATTR_RDONLY | NOSUID | NODEV
+_READ_WRITE_ATTRS = 0x2 | 0x4  # NOSUID | NODEV
 
 
 class _MountAttr(ctypes.Structure):
@@ -105,8 +106,8 @@ def _set_attr(fd: int, attr_set: int = 0, propagation: int = 0) -> None:
              ctypes.c_size_t(ctypes.sizeof(attr)))
 
 
-def bind_follower(source: str, target: str) -> None:
-    """Bind `source` read-only at `target` as a mount that receives what is mounted on `source` later
+def bind_follower(source: str, target: str, read_only: bool = True) -> None:
+    """Bind `source` at `target` (read-only unless asked: a writable volume's target a pod may write) as a mount that receives what is mounted on `source` later
     (a slave of it) and shares the rest with its own copies (in every namespace that sees `target`).
 
     Mounting a new filesystem on `source` then reaches `target` and every container's view of it,
@@ -118,7 +119,7 @@ def bind_follower(source: str, target: str) -> None:
     except OSError as exc:
         raise OSError(exc.errno, f"bind of {source}: {exc.strerror}") from exc
     try:
-        _set_attr(fd, _READ_ONLY_ATTRS, MS_SLAVE)
+        _set_attr(fd, _READ_ONLY_ATTRS if read_only else _READ_WRITE_ATTRS, MS_SLAVE)
         _set_attr(fd, 0, MS_SHARED)
         _syscall(_SYS_MOVE_MOUNT, ctypes.c_int(fd), b"", ctypes.c_int(_AT_FDCWD), target.encode(),
                  ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH))

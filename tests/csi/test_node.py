@@ -455,3 +455,54 @@ def test_caches_never_add_up_to_more_than_the_nodes_cache_memory(tmp_path, moto_
     finally:
         plugin.stop()
 
+
+
+READ_WRITE_MANY = pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume(),
+                                      access_mode=pb.VolumeCapability.AccessMode(
+                                          mode=pb.VolumeCapability.AccessMode.MULTI_NODE_MULTI_WRITER))
+
+
+def test_a_writable_volume_is_written_through_read_write_targets_only(plugin, moto_server, s3, bucket, tmp_path):
+    """A PV with `writable: "true"` (ReadWriteMany): kubelet publishes readonly=false for a pod that writes, true for
+    one that mounts it readOnly; both share the volume's one mount."""
+    import errno
+
+    ctx = volume_context(bucket, moto_server.endpoint, prefix="out", writable="true")
+    staging, writer, reader = plugin.staging("vol-w"), plugin.target("pod-w"), plugin.target("pod-r")
+    stage(plugin, "vol-w", staging, ctx, capability=READ_WRITE_MANY)
+    publish(plugin, "vol-w", staging, writer, ctx, readonly=False, capability=READ_WRITE_MANY)
+    publish(plugin, "vol-w", staging, reader, ctx, readonly=True, capability=READ_WRITE_MANY)
+    data = os.urandom(3 * 1024 * 1024 + 7)
+    os.makedirs(os.path.join(writer, "ckpt"), exist_ok=True)
+    with open(os.path.join(writer, "ckpt", "step-1.pt"), "wb") as f:
+        f.write(data)
+    assert s3.get_object(Bucket=bucket, Key="out/ckpt/step-1.pt")["Body"].read() == data
+    assert read(os.path.join(reader, "ckpt", "step-1.pt")) == data  # the reader's view: the same mount
+    with pytest.raises(OSError) as caught:
+        open(os.path.join(reader, "ckpt", "other.pt"), "wb")
+    assert caught.value.errno == errno.EROFS
+    assert control_stats(plugin, "vol-w")["writes"]["uploads_completed"] == 1
+    for target in (writer, reader):
+        unpublish(plugin, "vol-w", target)
+    unstage(plugin, "vol-w", staging)
+
+
+def test_a_pod_never_makes_a_volume_writable(plugin, moto_server, s3, bucket, tmp_path):
+    import errno
+
+    s3.put_object(Bucket=bucket, Key="data/x", Body=b"x")
+    ctx = volume_context(bucket, moto_server.endpoint)  # a PV that does not say writable
+    staging, target = plugin.staging("vol-ro"), plugin.target("pod-a")
+    stage(plugin, "vol-ro", staging, ctx, capability=READ_WRITE_MANY)
+    publish(plugin, "vol-ro", staging, target, ctx, readonly=False, capability=READ_WRITE_MANY)
+    assert read(os.path.join(target, "data", "x")) == b"x"
+    with pytest.raises(OSError) as caught:
+        open(os.path.join(target, "data", "y"), "wb")
+    assert caught.value.errno == errno.EROFS
+    # an inline volume's attributes are the pod's: asking writable there is refused
+    inline = volume_context(bucket, moto_server.endpoint, writable="true", **{"csi.storage.k8s.io/ephemeral": "true"})
+    code, details = code_of(lambda: publish(plugin, "csi-inline-w", "", plugin.target("pod-i"), inline,
+                                            readonly=False, capability=READ_WRITE_MANY, secrets=SECRETS))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "writable" in details
+    unpublish(plugin, "vol-ro", target)
+    unstage(plugin, "vol-ro", staging)

@@ -44,7 +44,7 @@ class FakeKernel:
     def table(self) -> list[MountInfo]:
         return list(self.entries)
 
-    def bind(self, source: str, target: str) -> None:
+    def bind(self, source: str, target: str, read_only: bool = True) -> None:
         top = self.top(source)
         if top is None:
             raise FileNotFoundError(2, "nothing mounted at the source", source)
