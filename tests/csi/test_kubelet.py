@@ -334,3 +334,34 @@ def test_a_volume_s_disk_cache_survives_its_mount_and_leaves_with_the_volume(tmp
     finally:
         kubelet.close()
         plugin.stop()
+
+
+def test_a_writable_volume_is_written_by_the_pod_whose_claim_may_write_and_read_by_the_others(node, s3, bucket,
+                                                                                             moto_server):
+    """A PV with `writable: "true"` and accessModes [ReadWriteMany]: kubelet stages and publishes it as
+    MULTI_NODE_MULTI_WRITER, readonly from each pod's claim. The trainer writes a checkpoint through its container's
+    view; an evaluator whose claim is readOnly reads it and cannot write; nothing is left open at the store."""
+    plugin, kubelet = node
+    attributes = volume_context(bucket, moto_server.endpoint, prefix="results", writable="true")
+    writer = kubelet.run_pod("trainer", [PodVolume("out", attributes, handle="pv-results", stage_secrets=SECRETS,
+                                                   access_mode="ReadWriteMany", read_only=False)])
+    reader = kubelet.run_pod("evaluator", [PodVolume("out", attributes, handle="pv-results", stage_secrets=SECRETS,
+                                                     access_mode="ReadWriteMany", read_only=True)])
+    checkpoint = os.urandom(2 * 1024 * 1024 + 11)
+    assert writer.container.write("out", "step-100.pt", checkpoint) == "ok"
+    assert s3.get_object(Bucket=bucket, Key="results/step-100.pt")["Body"].read() == checkpoint
+    assert reader.container.read("out", "step-100.pt") == sha(checkpoint)
+    assert reader.container.write("out", "forged.pt", b"x") == "errno 30"  # EROFS: its claim is readOnly
+    assert s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    kubelet.delete_pod(writer)
+    kubelet.delete_pod(reader)
+    assert stoker_mounts(kubelet.root) == []
+
+
+def test_a_pod_that_may_write_gets_a_read_only_target_of_a_volume_its_pv_does_not_make_writable(node, bucket,
+                                                                                               moto_server):
+    plugin, kubelet = node
+    pod = kubelet.run_pod("trainer", [PodVolume("data", volume_context(bucket, moto_server.endpoint), handle="pv-ro",
+                                                stage_secrets=SECRETS, access_mode="ReadWriteMany", read_only=False)])
+    assert pod.container.write("data", "x.pt", b"x") == "errno 30"
+    kubelet.delete_pod(pod)

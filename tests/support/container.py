@@ -7,6 +7,7 @@ Run as a module inside `unshare --mount --propagation unchanged`; it answers one
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -38,6 +39,14 @@ class Container:
             self.proc.stdin.flush()
             return json.loads(self.proc.stdout.readline() or '"container exited"')
 
+    def write(self, volume: str, path: str, data: bytes, timeout: float = 60.0) -> str:
+        """Write a file as the container would (created, written, closed): 'ok' or 'errno N'."""
+        with self._lock:
+            self.proc.stdin.write(json.dumps([os.path.join(self.views[volume], path), timeout,
+                                              base64.b64encode(data).decode()]) + "\n")
+            self.proc.stdin.flush()
+            return json.loads(self.proc.stdout.readline() or '"container exited"')
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -57,6 +66,15 @@ def _read(path: str) -> str:
         return f"errno {exc.errno}"
 
 
+def _write(path: str, data: bytes) -> str:
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+        return "ok"
+    except OSError as exc:
+        return f"errno {exc.errno}"
+
+
 def _main(spec: str) -> None:
     subprocess.run(["mount", "--make-rslave", "/"], check=True)  # runc's default root propagation
     for view, target in json.loads(spec).items():
@@ -64,9 +82,10 @@ def _main(spec: str) -> None:
         subprocess.run(["mount", "--make-rslave", view], check=True)  # HostToContainer
     print("ready", flush=True)
     for line in sys.stdin:
-        path, timeout = json.loads(line)
-        result: list[str] = [f"still reading after {timeout}s"]
-        reader = threading.Thread(target=lambda: result.__setitem__(0, _read(path)), daemon=True)
+        path, timeout, *written = json.loads(line)
+        result: list[str] = [f"still at it after {timeout}s"]
+        work = (lambda: _write(path, base64.b64decode(written[0]))) if written else (lambda: _read(path))
+        reader = threading.Thread(target=lambda: result.__setitem__(0, work()), daemon=True)
         reader.start()
         reader.join(timeout)
         print(json.dumps(result[0]), flush=True)

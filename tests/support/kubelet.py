@@ -22,6 +22,12 @@ Written down from kubelet's sources, not from what the driver expects:
   {token, expirationTimestamp} of the pod's service account; with requiresRepublish the reconciler
   calls NodePublishVolume again for mounted volumes (same target), with the token manager's current
   token (a new one once 80% of the old one's life has passed). NodeStageVolume never carries tokens.
+- access mode and readonly (csi_mounter.go SetUpAt, csi_attacher.go MountDevice, csi_client.go
+  asCSIAccessModeV1): both NodeStageVolume and NodePublishVolume carry the PV's first access mode
+  (ReadWriteOnce for an inline volume) as SINGLE_NODE_WRITER, MULTI_NODE_READER_ONLY (ReadOnlyMany),
+  MULTI_NODE_MULTI_WRITER (ReadWriteMany) or SINGLE_NODE_SINGLE_WRITER (ReadWriteOncePod);
+  NodePublishVolume's readonly is the pod's claim `readOnly` or the PV's `csi.readOnly` (an inline
+  volume's `csi.readOnly`, false unless set). A volumeMount's own readOnly is the runtime's, not the driver's.
 - a container (runc, mountPropagation HostToContainer) sees an rslave recursive bind of the target
   made in its own mount namespace when it starts (tests/support/container.py).
 What it cannot show: kubelet's reconstruction after its own restart, the attach/detach controller,
@@ -52,6 +58,12 @@ from .waiting import unmount_everything_under
 DRIVER = "csi.stoker.dev"
 READ_ONLY_MANY = pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume(),
                                      access_mode=pb.VolumeCapability.AccessMode(mode=3))
+_CSI_MODE = {"ReadWriteOnce": 1, "ReadOnlyMany": 3, "ReadWriteMany": 5, "ReadWriteOncePod": 6}  # asCSIAccessModeV1
+
+
+def capability(access_mode: str) -> pb.VolumeCapability:
+    return pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume(),
+                               access_mode=pb.VolumeCapability.AccessMode(mode=_CSI_MODE[access_mode]))
 _CORRUPTED = {errno.ENOTCONN, errno.ESTALE, errno.EIO, errno.EACCES, errno.EHOSTDOWN, errno.EWOULDBLOCK}
 
 
@@ -68,6 +80,16 @@ class PodVolume:
     handle: str = ""  # a PV's volumeHandle; empty for an inline volume
     stage_secrets: dict[str, str] = field(default_factory=dict)
     publish_secrets: dict[str, str] = field(default_factory=dict)
+    access_mode: str = ""  # the PV's first access mode ("" : ReadOnlyMany for a PV, ReadWriteOnce inline)
+    read_only: bool | None = None  # the claim's (or the PV's csi.readOnly); None: true for a PV, false inline
+
+    @property
+    def capability(self) -> pb.VolumeCapability:
+        return capability(self.access_mode or ("ReadWriteOnce" if self.inline else "ReadOnlyMany"))
+
+    @property
+    def readonly(self) -> bool:
+        return (not self.inline) if self.read_only is None else self.read_only
 
     @property
     def inline(self) -> bool:
@@ -208,8 +230,8 @@ class Kubelet:
                 {audience: {"token": self.tokens[account], "expirationTimestamp": expires}
                  for audience in self.token_audiences})
         self.node_rpc.NodePublishVolume(pb.NodePublishVolumeRequest(
-            volume_id=handle, staging_target_path=staging, target_path=target, volume_capability=READ_ONLY_MANY,
-            readonly=True, volume_context=context, secrets=volume.publish_secrets), timeout=120)
+            volume_id=handle, staging_target_path=staging, target_path=target, volume_capability=volume.capability,
+            readonly=volume.readonly, volume_context=context, secrets=volume.publish_secrets), timeout=120)
 
     def rotate_token(self, namespace: str, service_account: str) -> str:
         """The token manager fetched a new token for the account (80% of the old one's life passed)."""
@@ -228,7 +250,7 @@ class Kubelet:
         with open(os.path.join(os.path.dirname(staging), "vol_data.json"), "w") as f:
             json.dump({"driverName": DRIVER, "volumeHandle": handle}, f)
         self.node_rpc.NodeStageVolume(pb.NodeStageVolumeRequest(
-            volume_id=handle, staging_target_path=staging, volume_capability=READ_ONLY_MANY,
+            volume_id=handle, staging_target_path=staging, volume_capability=volume.capability,
             volume_context=volume.attributes, secrets=volume.stage_secrets), timeout=120)
         self.staged[handle] = staging
 
