@@ -57,7 +57,7 @@ class StokerFS:
         }
         if writes is not None:
             self._ops.update({
-                p.Op.CREATE: self.create, p.Op.WRITE: self.write, p.Op.FLUSH: self.flush, p.Op.FSYNC: self.flush,
+                p.Op.CREATE: self.create, p.Op.WRITE: self.write, p.Op.FLUSH: self.flush, p.Op.FSYNC: self.fsync,
                 p.Op.SETATTR: self.setattr, p.Op.MKDIR: self.mkdir, p.Op.UNLINK: self.unlink, p.Op.RMDIR: self.rmdir,
                 p.Op.RENAME: self.rename, p.Op.RENAME2: self.rename,
             })
@@ -148,7 +148,7 @@ class StokerFS:
             raise FuseError(errno.EISDIR)
         if self.writes is not None:
             if flags & _WRITE_FLAGS:
-                return (p.open_out(await self.writes.open(node, flags)),)
+                return (p.open_out(await self.writes.open(node, flags, r.pid)),)
             if node.writing:
                 raise Refused(f"{node.path} is being written: it can be read once closed", "busy")
         info = node.info
@@ -191,8 +191,9 @@ class StokerFS:
     # ---- a writable mount's (read/writes.py) ------------------------------------------------------------------
     async def create(self, r: p.Request) -> Sequence[Buffer]:
         assert self.writes is not None
+        flags = p.CREATE_IN.unpack_from(r.arg)[0]
         name = os.fsdecode(p.name_of(r.arg[p.CREATE_IN.size:]))
-        node, fh = await self.writes.create(r.nodeid, name)
+        node, fh = await self.writes.create(r.nodeid, name, flags, r.pid)
         self.ns.remember(node)
         return (p.entry_out(self._attr(node), self.timeout), p.open_out(fh))
 
@@ -203,11 +204,19 @@ class StokerFS:
         return (p.write_out(await self.writes.write(fh, offset, data)),)
 
     async def flush(self, r: p.Request) -> Sequence[Buffer]:
-        """FLUSH (each close) and FSYNC: a file written through this handle is complete once this answers."""
+        """FLUSH (each close): the opener's close of a file it wrote is complete once this answers."""
         assert self.writes is not None
-        fh = p.FLUSH_IN.unpack_from(r.arg)[0]  # (FSYNC_IN begins with the handle too)
+        fh = p.FLUSH_IN.unpack_from(r.arg)[0]
         if self.writes.owns(fh):
-            await self.writes.flush(fh)
+            await self.writes.flush(fh, r.pid)
+        return NOTHING
+
+    async def fsync(self, r: p.Request) -> Sequence[Buffer]:
+        """FSYNC: a file written through this handle is complete (an object) once this answers."""
+        assert self.writes is not None
+        fh = p.FSYNC_IN.unpack_from(r.arg)[0]
+        if self.writes.owns(fh):
+            await self.writes.complete(fh)
         return NOTHING
 
     async def setattr(self, r: p.Request) -> Sequence[Buffer]:

@@ -29,6 +29,7 @@ ERRNO_BY_REFUSAL: dict[str, int] = {
     "exists": errno.EEXIST,
     "not_empty": errno.ENOTEMPTY,
     "not_dir": errno.ENOTDIR,
+    "is_dir": errno.EISDIR,
     "rename": errno.EXDEV,
     "invalid": errno.EINVAL,
     "not_open": errno.EBADF,

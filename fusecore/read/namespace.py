@@ -62,6 +62,7 @@ class Node:
     refs: int = 0  # the kernel's lookup count: while above 0 the inode number must stay valid
     cached_etag: str | None = None  # files: the version the kernel's page cache may hold (keep_cache)
     writing: bool = False  # files: being written by this mount (not in the bucket until closed)
+    made: bool = False  # dirs: made here (mkdir): kept while the bucket has no object under it
 
     def sorted_children(self) -> list[tuple[str, int]]:
         """The children in name order, sorted once per change (readdir pages index into it)."""
@@ -331,6 +332,10 @@ class Namespace:
         for name, info in files.items():
             if name not in dirs:
                 children[name] = self._upsert(_join(node.path, name), False, info, now).inode
+        for name, inode in node.children.items():  # what this mount writes or made is not in the bucket yet
+            kept = self._nodes.get(inode)
+            if name not in children and kept is not None and (kept.writing or kept.made):
+                children[name] = inode
         node.children = children
         node.entries = None
         node.listed_at = node.checked_at = now
@@ -401,6 +406,7 @@ class Namespace:
         directories), and until then for as long as this mount's listing of its parent is fresh."""
         node = self._upsert(_join(parent.path, name), True, None, self._clock())
         node.listed_at = self._clock()  # (empty, and known to be)
+        node.made = True
         parent.set_child(name, node.inode)
         return node
 

@@ -126,6 +126,10 @@ class Writer:
             self._budget.release()
             if isinstance(exc, StoreError):
                 self._fail(w, exc)
+            elif isinstance(exc, Exception):  # any failure ends the file: never a later close of what is left
+                log.exception("starting a part of %s failed", w.key)
+                self._fail(w, Unavailable(f"{w.key}: {type(exc).__name__}"))
+                raise w.failed from exc  # type: ignore[misc]
             raise
         number = len(w.etags) + 1
         w.etags.append("")

@@ -5,8 +5,11 @@ Decided here (docs/operations.md "Writes"), as Mountpoint for S3 does where S3 c
 - a file is written from its start, in order; a write elsewhere is refused (`not_sequential`, EINVAL);
 - an existing object is replaced only when opened with O_TRUNC and `--allow-overwrite` (else EPERM); appending to
   one, or opening one for reading and writing, is refused (EPERM);
-- the object exists once the writer closes the file (FLUSH) or fsyncs it: the first of those completes the upload,
-  and a later write to the same open file is refused; a file being written cannot be opened for reading (EBUSY);
+- the object exists once the writer closes the file or fsyncs it: the first close (FLUSH) by the process that opened
+  it after it wrote something completes the upload (a close by another process, such as a child that inherited the
+  descriptor, or a close before any write, such as a shell's `>` redirection moving the descriptor, completes nothing,
+  as in Mountpoint for S3), and so does the last release; a later write to the same open file is refused; a file being
+  written cannot be opened for reading or again for writing (EBUSY);
 - deleting needs `--allow-delete` (EPERM); a directory is a prefix: mkdir makes one here, which the bucket holds once
   a file is written in it, and rmdir removes only an empty one (ENOTEMPTY);
 - rename is refused with EXDEV (S3 has no rename: `mv` then copies and deletes, as between two filesystems); links,
@@ -21,6 +24,8 @@ import logging
 import os
 import time
 from typing import Callable
+
+import trio
 
 from ..store.errors import NotFound
 from ..store.objects import ObjectInfo
@@ -38,6 +43,21 @@ class _Open:
     node: Node
     before: ObjectInfo | None  # the object it replaces (kept if the write fails), or None for a new one
     parent: Node
+    opener: int  # the process (thread group) that opened it: its close completes the object
+    turn: trio.Lock = dataclasses.field(default_factory=trio.Lock)  # a write and the completion never interleave
+
+
+def process_of(pid: int) -> int:
+    """The thread group of a thread id (FUSE names the calling thread): a close from another thread of the opener is
+    the opener's. 0 where it cannot be read (the process ended)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 class Writes:
@@ -57,8 +77,8 @@ class Writes:
     def owns(self, fh: int) -> bool:
         return fh >= WRITE_HANDLES
 
-    async def create(self, parent_inode: int, name: str) -> tuple[Node, int]:
-        """A new file (O_CREAT of a name that does not exist), open for writing."""
+    async def create(self, parent_inode: int, name: str, flags: int, pid: int) -> tuple[Node, int]:
+        """A new file (O_CREAT of a name the kernel found no entry for), open for writing."""
         parent = await self.ns.resolve(parent_inode)
         if not valid_name(name):
             raise Refused(f"{name!r} is not a name a file can have", "invalid")
@@ -66,13 +86,19 @@ class Writes:
             existing: Node | None = await self.ns.lookup(parent.inode, name)
         except NotFound:
             existing = None
-        if existing is not None:
-            return existing, await self.open(existing, os.O_WRONLY | os.O_TRUNC)
+        if existing is not None:  # (made meanwhile by another writer, or the kernel's negative entry was old)
+            if flags & os.O_EXCL:
+                raise Refused(f"{existing.path} exists", "exists")
+            if existing.is_dir:
+                raise Refused(f"{existing.path} is a directory", "is_dir")
+            return existing, await self.open(existing, flags | os.O_TRUNC, pid)
         node = self.ns.add_file(parent, name, ObjectInfo(self.ns.prefix + _join(parent.path, name), 0, "",
                                                           time.time()))
-        return node, self._begin(node, parent, None)
+        if node.writing:
+            raise Refused(f"{node.path} is being written already", "busy")
+        return node, self._begin(node, parent, None, pid)
 
-    async def open(self, node: Node, flags: int) -> int:
+    async def open(self, node: Node, flags: int, pid: int) -> int:
         """An existing file opened for writing: only to replace it whole (O_TRUNC), with --allow-overwrite."""
         if node.writing:
             raise Refused(f"{node.path} is being written already", "busy")
@@ -87,31 +113,43 @@ class Writes:
         assert parent is not None and node.info is not None
         before = node.info
         node.info = dataclasses.replace(before, size=0)
-        return self._begin(node, parent, before)
+        return self._begin(node, parent, before, pid)
 
-    def _begin(self, node: Node, parent: Node, before: ObjectInfo | None) -> int:
+    def _begin(self, node: Node, parent: Node, before: ObjectInfo | None, pid: int) -> int:
         assert node.info is not None
         fh = next(self._handles)
         node.writing = True
-        self._open[fh] = _Open(self.writer.begin(node.info.key), node, before, parent)
+        self._open[fh] = _Open(self.writer.begin(node.info.key), node, before, parent, process_of(pid))
         return fh
 
     async def write(self, fh: int, offset: int, data: memoryview) -> int:
         o = self._of(fh)
-        await self.writer.write(o.writing, offset, data)
+        async with o.turn:  # (`data` is a view of the request's own bytes: it outlives a wait for the turn)
+            await self.writer.write(o.writing, offset, data)
         info = o.node.info
         assert info is not None
         if info.size != o.writing.written:
             o.node.info = dataclasses.replace(info, size=o.writing.written)
         return len(data)
 
-    async def flush(self, fh: int) -> None:
-        """Close (or fsync): the object is complete, or the close fails and nothing was made (the store's error)."""
+    async def flush(self, fh: int, pid: int) -> None:
+        """A close: the object is complete where it is the opener's close after a write (else nothing happens now),
+        or the close fails and nothing was made (the store's error)."""
+        o = self._open.get(fh)
+        if o is None or o.writing.done is not None or not o.writing.written:
+            return
+        if o.opener and process_of(pid) != o.opener:
+            return  # another process's close of an inherited descriptor: the opener goes on writing
+        await self.complete(fh)
+
+    async def complete(self, fh: int) -> None:
+        """fsync, the opener's close, the last release: the object is complete, or this fails and nothing was made."""
         o = self._open.get(fh)
         if o is None or o.writing.done is not None:
             return
         try:
-            info = await self.writer.finish(o.writing)
+            async with o.turn:
+                info = await self.writer.finish(o.writing)
         except Exception:
             self._failed(o)
             raise
@@ -128,7 +166,7 @@ class Writes:
         if o is None:
             return
         try:
-            await self.flush(fh)
+            await self.complete(fh)
         except Exception as exc:  # noqa: BLE001 - logged by the writer; the upload is aborted
             log.debug("release of %s: %s", o.node.path, exc)
         finally:

@@ -19,7 +19,7 @@ import time
 
 from typing import Any, Protocol
 
-from .errors import StoreError, translate
+from .errors import StoreError, Unavailable, translate
 from .objects import ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -59,9 +59,13 @@ class Uploads:
             upload = self._client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
         except Exception as exc:  # noqa: BLE001
             raise translate(exc, f"upload {key!r}") from exc
-        with self._lock:
-            self._open[upload] = key
-            self._write_journal()
+        try:
+            with self._lock:
+                self._open[upload] = key
+                self._write_journal()
+        except OSError as exc:  # an upload no journal names could outlive a crash: none is left open
+            self.abort(key, upload)
+            raise Unavailable(f"upload {key!r}: the upload journal {self._journal}: {exc.strerror or exc}") from None
         return upload
 
     def part(self, key: str, upload: str, number: int, data: bytes | bytearray) -> str:
@@ -131,7 +135,10 @@ class Uploads:
     def _closed(self, upload: str) -> None:
         with self._lock:
             if self._open.pop(upload, None) is not None:
-                self._write_journal()
+                try:
+                    self._write_journal()
+                except OSError as exc:  # (the upload is gone: a stale line only costs an abort at the next start)
+                    log.warning("the upload journal %s: %s", self._journal, exc.strerror or exc)
 
     def _write_journal(self) -> None:
         if self._journal is None:

@@ -167,3 +167,42 @@ def test_four_seconds_of_503s_during_an_upload_and_the_file_completes_exactly(s3
         assert time.monotonic() - started >= 4.0 and proxy.faults_served > 0
     assert _object(s3, bucket, "ckpt.bin") == data
     assert _open_uploads(s3, bucket) == []
+
+
+def test_a_close_by_another_process_or_before_any_write_completes_nothing(s3, bucket, mounts):
+    """A shell's `>` opens the file, moves the descriptor and closes the first one; a child inherits a descriptor
+    and closes it at exec: neither is the writer's close (each sends a FLUSH)."""
+    import subprocess
+
+    mp = mounts.mount(f"s3://{bucket}", "--writable", "--no-kernel-cache")
+    result = subprocess.run(["sh", "-c", f"echo hello > {os.path.join(mp, 'shell.txt')}"], capture_output=True)
+    assert result.returncode == 0, result.stderr
+    assert _object(s3, bucket, "shell.txt") == b"hello\n"
+    with open(os.path.join(mp, "parent.bin"), "wb", buffering=0) as f:
+        f.write(b"a" * 1000)
+        subprocess.run(["true"], pass_fds=(f.fileno(),), check=True)  # the child's close at its end
+        f.write(b"b" * 1000)
+    assert _object(s3, bucket, "parent.bin") == b"a" * 1000 + b"b" * 1000
+
+
+def test_what_is_being_written_or_was_made_outlives_the_listing(s3, bucket, mounts):
+    import time
+
+    mp = mounts.mount(f"s3://{bucket}", "--writable", "--metadata-ttl", "1", "--no-kernel-cache")
+    os.mkdir(os.path.join(mp, "ckpt"))
+    f = open(os.path.join(mp, "ckpt", "a.pt"), "wb", buffering=0)
+    f.write(b"x" * 100)
+    time.sleep(1.5)  # the listings this mount holds expire
+    assert "a.pt" in os.listdir(os.path.join(mp, "ckpt"))
+    with pytest.raises(OSError) as caught:
+        open(os.path.join(mp, "ckpt", "a.pt"), "wb")  # a second writer of the same name
+    assert caught.value.errno == errno.EBUSY
+    f.close()
+    os.mkdir(os.path.join(mp, "later"))
+    time.sleep(1.5)
+    with open(os.path.join(mp, "later", "b.pt"), "wb") as g:  # a directory made at start, written much later
+        g.write(b"y")
+    assert _object(s3, bucket, "ckpt/a.pt") == b"x" * 100 and _object(s3, bucket, "later/b.pt") == b"y"
+    with pytest.raises(OSError) as caught:
+        os.open(os.path.join(mp, "later", "b.pt"), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    assert caught.value.errno == errno.EEXIST
