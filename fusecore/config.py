@@ -274,6 +274,9 @@ class MountConfig:
             self._check_disk()
         _within("workers", self.workers, 1, MAX_WORKERS, f"must be between 1 and {MAX_WORKERS}")
         self._check_writes()
+        if self.workers > 1 and self.cache_size // (2 * self.workers) < 2 * self.block_size:
+            raise ConfigError("workers", f"{self.workers} workers need a --cache-size of at least "
+                                         f"{4 * self.workers} blocks (each keeps two of its own)")
         if self.workers > 1 and (self.disk_cache or self.peers):
             raise ConfigError("workers", "several workers serve a mount with a memory cache only, for now: not with "
                                          "--disk-cache or --peers (use --workers 1 there)")

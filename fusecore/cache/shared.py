@@ -134,16 +134,20 @@ class SharedBlocks:
     def try_claim(self, key: BlockKey) -> Claim | None:
         """The right to fetch `key` (None: another worker is fetching it now)."""
         path = os.path.join(self._claims, block_name(key))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        except BaseException:
-            os.close(fd)
-            raise
-        return Claim(fd, path)
+        for _ in range(3):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if _same_file(fd, path):
+                    return Claim(fd, path)
+            except BlockingIOError:
+                os.close(fd)
+                return None
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)  # a claim file its worker removed between our open and our lock: open the current one
+        return None
 
     def publish(self, key: BlockKey, data: bytes | bytearray | memoryview | mmap.mmap) -> None:
         """Make a fetched block readable by every worker: written aside, renamed into place."""
@@ -191,6 +195,13 @@ class SharedBlocks:
     def close(self) -> None:
         self.flush()
         self._events.close()
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def _unlink(path: str) -> None:

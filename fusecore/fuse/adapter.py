@@ -10,7 +10,7 @@ import os
 import stat
 from typing import Awaitable, Callable, Sequence
 
-from ..read.namespace import Namespace, Node
+from ..read.namespace import InodeCollision, Namespace, Node
 from ..read.reader import Reader
 from ..read.writer import Refused
 from ..read.writes import Writes
@@ -133,10 +133,14 @@ class StokerFS:
                 else p.dirent(attr, os.fsencode(name), index + 1)
             if used + len(entry) > size:
                 break
+            if plus:
+                try:
+                    self.ns.remember(node)
+                except InodeCollision as exc:  # left out: its LOOKUP says EIO
+                    log.error("%s", exc)
+                    continue
             out.append(entry)
             used += len(entry)
-            if plus:
-                self.ns.remember(node)
         return (b"".join(out),)
 
     async def open(self, r: p.Request) -> Sequence[Buffer]:
@@ -155,8 +159,7 @@ class StokerFS:
         assert info is not None
         fh = self.reader.open(info)
         self.on_open(node)
-        same_version = node.cached_etag == info.etag
-        node.cached_etag = info.etag
+        same_version = self.ns.same_version(node)
         try:
             backing = self.passthrough.open(fh, node.inode, info) if self.passthrough is not None else 0
         except FuseError:

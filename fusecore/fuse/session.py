@@ -16,7 +16,6 @@ import fcntl
 import logging
 import mmap
 import os
-import select
 import struct
 from typing import Awaitable, Callable, Iterable, Sequence
 
@@ -64,8 +63,6 @@ class Connection:
 
     def __init__(self, fd: int, *, max_write: int = 1024 * 1024, agreed: p.Agreed | None = None):
         """`agreed`: this is a clone of a connection whose INIT another process answered (a worker)."""
-        self._clone = agreed is not None
-        self._readable: select.epoll | None = None
         self.fd = fd
         self.max_write = max_write
         self.agreed: p.Agreed | None = agreed
@@ -104,13 +101,6 @@ class Connection:
         log.debug("FUSE %d.%d, flags %#x", p.KERNEL_MAJOR, agreed.minor, agreed.flags)
         return agreed
 
-    def _exclusive_poll(self) -> "select.epoll":
-        """An epoll of this descriptor alone, woken exclusively (EPOLLEXCLUSIVE): of the workers waiting on clones of
-        one connection, a request wakes one, not all of them (each would try to read it; all but one in vain)."""
-        poll = select.epoll()
-        poll.register(self.fd, select.EPOLLIN | select.EPOLLEXCLUSIVE)
-        return poll
-
     def _read(self) -> bytes:
         """One request as the device gives it (b"": the end, which /dev/fuse never gives but a fake kernel may)."""
         n = os.readv(self.fd, [self._buffer])
@@ -126,7 +116,6 @@ class Connection:
         another is started, up to `max_tasks`; past that the kernel queues. `waits`: the opcodes whose answer may
         wait (on the store, a listing): only those can be interrupted, the others are answered at once."""
         os.set_blocking(self.fd, False)
-        self._readable = self._exclusive_poll() if self.agreed is not None and self._clone else None
         self._handle, self._forget, self._max_tasks, self._waits = handle, forget, max_tasks, waits
         self._turn = trio.Lock()
         async with trio.open_nursery() as nursery:
@@ -172,7 +161,7 @@ class Connection:
             try:
                 data = self._read()
             except BlockingIOError:
-                await trio.lowlevel.wait_readable(self._readable or self.fd)
+                await trio.lowlevel.wait_readable(self.fd)
                 continue
             except OSError as exc:
                 if exc.errno in RETRY:
@@ -274,8 +263,6 @@ class Connection:
             log.debug("FUSE_DEV_IOC_BACKING_CLOSE %d: %s", backing, os.strerror(ctypes.get_errno()))
 
     def close(self) -> None:
-        if self._readable is not None:
-            self._readable.close()
         try:
             os.close(self.fd)
         except OSError:

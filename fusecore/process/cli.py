@@ -243,6 +243,7 @@ def serve_main(argv: list[str]) -> int:
     w.add_argument("--fuse-fd", type=int, required=True)
     w.add_argument("--worker", type=int, required=True)
     w.add_argument("--spawn", type=int, required=True)
+    w.add_argument("--hub", type=int, required=True)
     w.add_argument("--shared", required=True)
     w.add_argument("--minor", type=int, required=True)
     w.add_argument("--flags", type=int, required=True)
@@ -269,7 +270,7 @@ def cmd_serve_worker(args: argparse.Namespace) -> int:
     try:
         cfg, level = _read_document()
         role = WorkerRole(args.worker, args.spawn, args.shared, _fuse_fd(args.fuse_fd), args.minor, args.flags,
-                          args.max_write)
+                          args.max_write, args.hub)
     except (ConfigError, ValueError) as exc:
         os.write(args.ready_fd, ready_line(exc))
         return 2

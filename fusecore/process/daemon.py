@@ -154,7 +154,14 @@ def _run_hub(cfg: MountConfig, ready: ReadyCallback, log_level: str) -> int:
         ready(exc)
         return 1
     assert conn.agreed is not None
-    shared = workers.shared_folder()
+    try:
+        shared = workers.shared_folder()
+    except OSError as exc:
+        conn.close()
+        if cfg.fuse_fd is None:
+            unmount(cfg.mountpoint)
+        ready(MountError(f"cannot make the workers' shared folder: {exc.strerror or exc}"))
+        return 1
     hub = workers.Hub(cfg, conn.fd, conn.agreed, shared, log_level)
     try:
         try:
@@ -192,7 +199,7 @@ async def _serve_hub(cfg: MountConfig, hub: workers.Hub, ready: ReadyCallback) -
 
 def run_worker(cfg: MountConfig, role: workers.WorkerRole, ready: ReadyCallback) -> int:
     """Serve one clone of a mount's connection as worker `role.index` (started by its hub)."""
-    workers.die_with_parent()
+    workers.die_with_parent(role.hub)
     tune_malloc()
     try:
         datapath = DataPath(cfg, S3Store(cfg.store), shared=role.shared, worker=role.spawn)

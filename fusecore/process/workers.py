@@ -49,6 +49,7 @@ READY_TIMEOUT = 60.0  # seconds a worker may take to start serving
 RESCAN_EVERY = 5.0  # seconds between the hub's looks at the shared folder (news a full socket dropped)
 ENDED = 0  # a worker's exit status when the connection ended (unmounted): the mount ends
 _HEX = frozenset(b"0123456789abcdef")
+RESTART_FIRST, RESTART_MAX = 0.5, 30.0  # seconds between tries of a worker that does not start again
 LOCAL_BLOCKS = 8  # a worker's own cache: its bytes in flight and this many blocks being read (at most half the budget)
 
 
@@ -63,6 +64,7 @@ class WorkerRole:
     minor: int  # what INIT agreed
     flags: int
     max_write: int
+    hub: int  # the hub's pid
 
     @property
     def control_socket(self) -> str:
@@ -76,10 +78,11 @@ def budgets(cfg: MountConfig) -> tuple[MountConfig, int]:
     """A worker's configuration (its own cache and bytes in flight: its share) and the shared blocks' budget: the
     two together are the mount's one budget."""
     n = cfg.workers
-    inflight = max(cfg.block_size, cfg.inflight_limit // n)
-    local = max(4 * cfg.block_size, min(cfg.cache_size // (2 * n), inflight + LOCAL_BLOCKS * cfg.block_size))
+    half = cfg.cache_size // (2 * n)  # (at least two blocks: MountConfig checks)
+    inflight = max(cfg.block_size, min(cfg.inflight_limit // n, half // 2))
+    local = max(2 * cfg.block_size, min(half, inflight + LOCAL_BLOCKS * cfg.block_size))
     worker = dataclasses.replace(cfg, cache_size=local, max_inflight_bytes=inflight, cache_size_auto=False,
-                                 metrics_port=None, control_socket=None, fuse_fd=None)
+                                 metrics_port=None, control_socket=None, fuse_fd=None, workers=1)  # (one of them)
     return worker, max(2 * cfg.block_size, cfg.cache_size - n * local)
 
 
@@ -120,6 +123,8 @@ class Hub:
         self.workers: dict[int, Worker] = {}
         self.restarts = 0
         self.spawns = 0
+        self._delay: dict[int, float] = {}  # a worker that does not start again is tried less and less often
+        self._next_try: dict[int, float] = {}
         self.stopping = False
         self.ended = False  # the connection ended (unmounted)
         self._blocks_dir = os.path.join(shared, blocks.BLOCKS)
@@ -130,10 +135,11 @@ class Hub:
         mine = clone(self.fd)
         self.spawns += 1
         role = WorkerRole(index, self.spawns, self.shared, mine, self.agreed.minor, self.agreed.flags,
-                          self.agreed.max_write)
+                          self.agreed.max_write, os.getpid())
         read_fd, write_fd = os.pipe()
         argv = [sys.executable, "-P", "-m", "fusecore", "serve-worker", "--ready-fd", str(write_fd),
                 "--fuse-fd", str(mine), "--worker", str(index), "--spawn", str(role.spawn), "--shared", self.shared,
+                "--hub", str(os.getpid()),
                 "--minor", str(role.minor), "--flags", str(role.flags), "--max-write", str(role.max_write)]
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=[mine, write_fd], close_fds=True)
@@ -176,14 +182,20 @@ class Hub:
                     self.ended = True
                     done.cancel()
                     return
+                now = trio.current_time()
+                if now < self._next_try.get(index, 0.0):
+                    continue
                 self.restarts += 1
                 log.warning("worker %d (pid %d) ended with status %d: starting it again (the requests it held "
                             "failed)", index, worker.proc.pid, status)
-                replacement = self.start(index)
                 try:
+                    replacement = self.start(index)
                     await trio.to_thread.run_sync(self.wait_ready, replacement)
-                except Exception as exc:  # noqa: BLE001 - tried again at the next round
-                    log.error("worker %d did not start again: %s", index, exc)
+                    self._delay.pop(index, None)
+                except Exception as exc:  # noqa: BLE001 - tried again later, less and less often
+                    delay = self._delay[index] = min(RESTART_MAX, self._delay.get(index, RESTART_FIRST) * 2)
+                    self._next_try[index] = trio.current_time() + delay
+                    log.error("worker %d did not start again (%s): next try in %gs", index, exc, delay)
 
     def stop(self) -> None:
         """Ask every worker to end, then make sure they did."""
@@ -373,11 +385,14 @@ def _sum(answers: list[dict]) -> dict:
     return out
 
 
-def die_with_parent() -> None:
-    """A worker ends when its hub does (PR_SET_PDEATHSIG): no worker serves a mount nobody supervises."""
+def die_with_parent(hub: int) -> None:
+    """A worker ends when its hub does (PR_SET_PDEATHSIG): no worker serves a mount nobody supervises; and one whose
+    hub died before it asked for that ends at once."""
     import ctypes
 
     try:
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    if os.getppid() != hub:
+        raise SystemExit(f"the hub (pid {hub}) is gone")

@@ -29,9 +29,16 @@ import trio
 from ..metrics import MountMetrics
 from .registry import Registry, derived_inode
 from ..store.objects import Listing, ObjectInfo, ObjectStore
-from ..store.errors import NotFound
+from ..store.errors import NotFound, StoreError
 
 log = logging.getLogger(__name__)
+
+
+class InodeCollision(StoreError):
+    """Two paths of a mount served by several workers derive one inode number: the later is refused (EIO, logged),
+    never answered as the other (64 bits: about once in 10**7 mounts of a million names; registry.derived_inode)."""
+
+    kind = "inode_collision"
 
 ROOT_INODE = 1
 MAX_NAME_BYTES = 255
@@ -143,10 +150,14 @@ class Namespace:
 
     # ---- the kernel's references ---------------------------------------------------------
     def remember(self, node: Node) -> None:
-        """The kernel got this inode in a reply (lookup, readdirplus entry): one more reference (and, with several
-        workers, its path is in the registry before the reply goes: the next request may reach another worker)."""
+        """The kernel got this inode in a reply (lookup, readdirplus entry): one more reference. With several workers
+        its path is in the registry before the reply goes (the next request may reach another worker), and the
+        kernel's references are not counted (a FORGET may reach another worker than the LOOKUP did; any worker can
+        look a swept inode up again by its path)."""
         if self.registry is not None:
-            self.registry.name_inode(node.inode, node.path, node.is_dir)
+            if not self.registry.name_inode(node.inode, node.path, node.is_dir):
+                raise InodeCollision(f"{node.path}: its inode number {node.inode} names another path in this mount")
+            return
         node.refs += 1
         self._unreferenced.discard(node.inode)
 
@@ -200,17 +211,25 @@ class Namespace:
         """The node of an inode number the kernel holds: this worker's, or (with several workers) one another
         worker named, looked up here by its path; NotFound if it names nothing now."""
         node = self._nodes.get(inode)
-        if node is not None or self.registry is None:
+        if self.registry is None:
             return node if node is not None else self.node(inode)
+        if node is not None and (inode == ROOT_INODE or self.registry.named(inode)):
+            return node
         named = self.registry.inode_path(inode)
         if named is None:
             raise NotFound(f"inode {inode} is unknown")
         path, is_dir = named
+        if node is not None:
+            if (node.path, node.is_dir) != named:
+                raise InodeCollision(f"inode {inode} names {path!r} here and {node.path!r} in this worker")
+            self.registry.checked(inode)
+            return node
         node = self._nodes[ROOT_INODE]
         for name in path.split("/") if path else ():
             node = await self.lookup(node.inode, name)
         if node.inode != inode:  # the path is now the other kind (a file became a directory)
             raise NotFound(f"inode {inode} ({path}) is gone")
+        self.registry.checked(inode)
         return node
 
     async def lookup(self, parent_inode: int, name: str) -> Node:
@@ -382,6 +401,16 @@ class Namespace:
         node.checked_at = now
         return node
 
+    def same_version(self, node: Node) -> bool:
+        """Is this open of a file of the version the kernel may hold pages of (the last open's)? Then it may keep
+        them (keep_cache)."""
+        assert node.info is not None
+        etag = node.info.etag
+        if self.registry is not None:
+            return self.registry.reopened(node.inode, etag)
+        same, node.cached_etag = node.cached_etag == etag, etag
+        return same
+
     def _new_inode(self, path: str, is_dir: bool) -> int:
         if self.registry is None:
             inode = self._next_inode
@@ -389,7 +418,7 @@ class Namespace:
             return inode
         inode = derived_inode(path, is_dir)
         other = self._nodes.get(inode)
-        if other is not None and other.path != path:  # 64 bits: about once in 10**7 mounts of a billion names
+        if other is not None and other.path != path:  # (InodeCollision: the registry refuses the later one)
             log.error("inode %d is derived from both %r and %r: %r now shows as the latter", inode, other.path, path,
                       other.path)
         return inode

@@ -18,7 +18,7 @@ import struct
 
 from ..store.objects import ObjectInfo
 
-INODES, HANDLES, POSITIONS = "ino", "fh", "positions"
+INODES, HANDLES, POSITIONS, VERSIONS = "ino", "fh", "positions", "versions"
 _SLOT = struct.Struct("<QQ")  # a handle, and where its last read ended
 SLOTS = 8192
 _INODE_MASK = (1 << 63) - 1
@@ -33,24 +33,30 @@ def derived_inode(path: str, is_dir: bool) -> int:
     return inode if inode > 1 else inode + 2
 
 
+def _table(path: str) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        return mmap.mmap(fd, SLOTS * _SLOT.size)
+    finally:
+        os.close(fd)
+
+
 class Registry:
     def __init__(self, root: str):
         self._inodes = os.path.join(root, INODES)
         self._handles = os.path.join(root, HANDLES)
         self._named: set[int] = set()  # inodes this worker wrote (or found) already
 
-        fd = os.open(os.path.join(root, POSITIONS), os.O_RDWR | os.O_CLOEXEC)
-        try:
-            self._positions = mmap.mmap(fd, SLOTS * _SLOT.size)
-        finally:
-            os.close(fd)
+        self._positions = _table(os.path.join(root, POSITIONS))
+        self._versions = _table(os.path.join(root, VERSIONS))
 
     @staticmethod
     def prepare(root: str) -> None:
         for sub in (INODES, HANDLES):
             os.makedirs(os.path.join(root, sub), mode=0o700, exist_ok=True)
-        with open(os.path.join(root, POSITIONS), "wb") as f:
-            f.truncate(SLOTS * _SLOT.size)
+        for name in (POSITIONS, VERSIONS):
+            with open(os.path.join(root, name), "wb") as f:
+                f.truncate(SLOTS * _SLOT.size)
 
     def note_position(self, fh: int, end: int) -> None:
         """Where a read of `fh` ended, for whichever worker gets its next read (a sequential reader's reads are
@@ -58,19 +64,38 @@ class Registry:
         shares one may be taken for a seek once, never for wrong bytes."""
         _SLOT.pack_into(self._positions, (fh % SLOTS) * _SLOT.size, fh, end)
 
+    def reopened(self, inode: int, etag: str) -> bool:
+        """Was the last open of `inode`, by any worker, of this version? (Only then may the kernel keep the pages it
+        cached: each worker's own memory of it would let a worker with an older listing keep another's newer pages.)
+        A slot shared by two inodes answers no: a cache dropped, never mixed."""
+        tag = int.from_bytes(hashlib.blake2b(etag.encode("utf-8", "surrogateescape"), digest_size=8).digest(), "little")
+        at = (inode % SLOTS) * _SLOT.size
+        same = _SLOT.unpack_from(self._versions, at) == (inode, tag)
+        _SLOT.pack_into(self._versions, at, inode, tag)
+        return same
+
     def position(self, fh: int) -> int | None:
         owner, end = _SLOT.unpack_from(self._positions, (fh % SLOTS) * _SLOT.size)
         return end if owner == fh else None
 
-    def name_inode(self, inode: int, path: str, is_dir: bool) -> None:
+    def name_inode(self, inode: int, path: str, is_dir: bool) -> bool:
+        """Name an inode for every worker; False where another path holds that number already (two paths whose
+        derived numbers collide: the later one is refused, never answered as the other)."""
         if inode in self._named:
-            return
+            return True
         target = (b"d" if is_dir else b"f") + (os.fsencode(path) or b"/")
+        link = os.path.join(self._inodes, f"{inode:x}")
         try:
-            os.symlink(target, os.path.join(self._inodes, f"{inode:x}"))
+            os.symlink(target, link)
         except FileExistsError:
-            pass
+            if os.readlink(link.encode()) != target:
+                return False
         self._named.add(inode)
+        return True
+
+    def named(self, inode: int) -> bool:
+        """Did this worker name (or look up) the inode already (so a node it holds at that number is that path)?"""
+        return inode in self._named
 
     def inode_path(self, inode: int) -> tuple[str, bool] | None:
         """(path, is_dir) of an inode some worker named, or None."""
@@ -79,8 +104,11 @@ class Registry:
         except FileNotFoundError:
             return None
         path = target[1:]
-        self._named.add(inode)
         return ("" if path == b"/" else os.fsdecode(path)), target[:1] == b"d"
+
+    def checked(self, inode: int) -> None:
+        """This worker's node at `inode` is the path the registry names (resolve looked)."""
+        self._named.add(inode)
 
     def open_handle(self, fh: int, info: ObjectInfo) -> None:
         etag = info.etag.encode("utf-8", "surrogateescape")

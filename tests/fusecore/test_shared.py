@@ -121,7 +121,7 @@ def test_the_hub_ignores_news_it_cannot_parse_and_never_leaves_its_folder(tmp_pa
     root = _root(tmp_path)
     outside = tmp_path / "outside"
     outside.write_bytes(b"keep")
-    hub = Hub(MountConfig(StoreConfig(bucket="b"), cache_size=8 * 1024 * KiB, block_size=1024 * KiB, workers=2), -1,
+    hub = Hub(MountConfig(StoreConfig(bucket="b"), cache_size=16 * 1024 * KiB, block_size=1024 * KiB, workers=2), -1,
               Agreed(31, 0, 1 << 20, 256), root, "INFO")
     for news in (b"add ../../outside 999999999999", b"add " + b"g" * 32 + b" 5", b"add " + b"a" * 32 + b" x",
                  b"hit", b"\xff\xfe", b"add " + b"a" * 32):
@@ -129,3 +129,32 @@ def test_the_hub_ignores_news_it_cannot_parse_and_never_leaves_its_folder(tmp_pa
     assert len(hub.policy) == 0 and outside.read_bytes() == b"keep"
     hub._news(b"add " + b"a" * 32 + b" 5")
     assert hub.policy.bytes == 5
+
+
+def test_a_collision_of_derived_inode_numbers_is_refused_not_answered_as_the_other_path(tmp_path):
+    root = _root(tmp_path)
+    one, two = Registry(root), Registry(root)
+    assert one.name_inode(42, "a/first", False)
+    assert not two.name_inode(42, "b/second", False)  # another path with that number: refused
+    assert two.name_inode(42, "a/first", False) and two.inode_path(42) == ("a/first", False)
+
+
+def test_the_kernel_keeps_pages_only_of_the_version_last_opened_by_any_worker(tmp_path):
+    root = _root(tmp_path)
+    one, two = Registry(root), Registry(root)
+    assert not one.reopened(7, '"v1"')  # first open: nothing cached to keep
+    assert one.reopened(7, '"v1"')
+    assert not two.reopened(7, '"v2"')  # another worker opened a newer version: dropped
+    assert not one.reopened(7, '"v1"')  # this worker's older listing: dropped again, never kept
+
+
+def test_several_workers_need_a_cache_that_holds_their_own_blocks():
+    from fusecore.config import ConfigError, MountConfig, StoreConfig
+
+    MountConfig(StoreConfig(bucket="b"), cache_size=64 * 1024 * KiB, block_size=4 * 1024 * KiB, workers=4)
+    try:
+        MountConfig(StoreConfig(bucket="b"), cache_size=32 * 1024 * KiB, block_size=4 * 1024 * KiB, workers=8)
+    except ConfigError as exc:
+        assert exc.setting == "workers"
+    else:
+        raise AssertionError("8 workers of 4 MiB blocks in 32 MiB were accepted")
