@@ -232,6 +232,9 @@ class MountConfig:
     disk_cache_size: int = 0
     # Processes serving the mount (fusecore/process/workers.py): 1 serves it in this process, as before
     workers: int = 1
+    # A worker's own cache (its bytes in flight and the blocks it reads), within cache_size, which stays the mount's
+    # (read-ahead and in-flight bytes are sized from it); 0: not a worker, the cache is cache_size
+    worker_cache: int = 0
     # Writes (fusecore/read/writer.py): new files written in order, streamed into multipart uploads of part_size,
     # upload_concurrency parts of a file in flight, part_budget bytes of parts in memory for the whole mount;
     # overwriting an existing object and deleting one each need their own flag
@@ -273,6 +276,8 @@ class MountConfig:
         if self.disk_cache or self.disk_cache_size:
             self._check_disk()
         _within("workers", self.workers, 1, MAX_WORKERS, f"must be between 1 and {MAX_WORKERS}")
+        if self.worker_cache and not 2 * self.block_size <= self.worker_cache <= self.cache_size:
+            raise ConfigError("worker-cache", "must hold two blocks and fit the cache size")
         self._check_writes()
         if self.workers > 1 and self.cache_size // (2 * self.workers) < 2 * self.block_size:
             raise ConfigError("workers", f"{self.workers} workers need a --cache-size of at least "

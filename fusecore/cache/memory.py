@@ -320,6 +320,16 @@ class BlockCache:
         self._freq.forget(keys)
         return len(keys)
 
+    def discard(self, key: CacheKey) -> None:
+        """Let one block go (a worker's block once it is in the mount's shared blocks: readers read it there)."""
+        for segment in (self._window, self._main, self._lent, self._staged):
+            entry = segment.pop(key, None)
+            if entry is not None:
+                self._account(segment, -entry.size)
+                self._forget(key)
+                self._recycle(entry)
+                return
+
     def clear(self) -> None:
         for segment in (self._window, self._main, self._lent, self._staged):
             segment.clear()

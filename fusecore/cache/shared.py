@@ -71,6 +71,7 @@ class Claim:
 class SharedStats:
     loaded: int = 0  # blocks read from another worker's file
     loaded_bytes: int = 0
+    reads: int = 0  # reads answered from a block file directly (part of a block, not copied whole)
     published: int = 0
     waits: int = 0  # a block another worker was fetching, waited for
     takeovers: int = 0  # a claim whose worker died or failed, claimed again
@@ -130,6 +131,25 @@ class SharedBlocks:
         self.stats.loaded_bytes += size
         self._tell(b"hit " + name.encode())
         return buffer
+
+    def read(self, key: BlockKey, size: int, start: int, stop: int) -> bytes | None:
+        """Bytes [start, stop) of a published block of `size` bytes, read from its file (a reader's read of part of
+        a block: no copy of the rest of it), or None where no worker published it."""
+        path = os.path.join(self._blocks, block_name(key))
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            if os.fstat(fd).st_size != size:
+                return None  # (load removes it)
+            data = os.pread(fd, stop - start, start)
+        finally:
+            os.close(fd)
+        if len(data) != stop - start:
+            return None
+        self.stats.reads += 1
+        return data
 
     def try_claim(self, key: BlockKey) -> Claim | None:
         """The right to fetch `key` (None: another worker is fetching it now)."""

@@ -75,13 +75,13 @@ class WorkerRole:
 
 
 def budgets(cfg: MountConfig) -> tuple[MountConfig, int]:
-    """A worker's configuration (its own cache and bytes in flight: its share) and the shared blocks' budget: the
-    two together are the mount's one budget."""
+    """A worker's configuration (its own cache and bytes in flight: its share; read-ahead sized from the mount's
+    budget, as one process's) and the shared blocks' budget: the two together are the mount's one budget."""
     n = cfg.workers
     half = cfg.cache_size // (2 * n)  # (at least two blocks: MountConfig checks)
     inflight = max(cfg.block_size, min(cfg.inflight_limit // n, half // 2))
     local = max(2 * cfg.block_size, min(half, inflight + LOCAL_BLOCKS * cfg.block_size))
-    worker = dataclasses.replace(cfg, cache_size=local, max_inflight_bytes=inflight, cache_size_auto=False,
+    worker = dataclasses.replace(cfg, worker_cache=local, max_inflight_bytes=inflight, cache_size_auto=False,
                                  metrics_port=None, control_socket=None, fuse_fd=None, workers=1)  # (one of them)
     return worker, max(2 * cfg.block_size, cfg.cache_size - n * local)
 
@@ -304,7 +304,7 @@ class Hub:
     async def resize(self, cache_size: int) -> dict:
         cfg = dataclasses.replace(self.cfg, cache_size=cache_size)
         worker, budget = budgets(cfg)
-        await self._each({"op": "resize", "cache_size": worker.cache_size})
+        await self._each({"op": "resize", "cache_size": cache_size})  # (each worker takes its share: DataPath)
         self.cfg, self.worker_cfg = cfg, worker
         self._evict(self.policy.resize(budget))
         return {"budget": cache_size, "bytes": self.policy.bytes}

@@ -38,6 +38,7 @@ from .walk import DirectoryPrefetcher
 
 log = logging.getLogger(__name__)
 
+WORKER_STAGED = 0.75  # of a worker's own cache: bytes in flight and read ahead (the rest: blocks being read)
 DISK_SETTLE = 10.0  # seconds a warm waits at its end for the disk tier to write what it fetched
 
 
@@ -52,7 +53,10 @@ class DataPath:
         self.rotations = 0  # credentials replaced while mounted
         self.passthrough_stats: Callable[[], dict] | None = None  # set by the FUSE adapter's process
         self.metrics = metrics or MountMetrics()
-        self.cache = BlockCache(cfg.cache_size)
+        # A worker's own cache holds mostly bytes in flight and blocks until they are published (shared.py): its
+        # staging room is most of it (at the usual eighth, a worker's read-ahead would not start)
+        self.cache = BlockCache(cfg.worker_cache, staged_fraction=WORKER_STAGED) if cfg.worker_cache \
+            else BlockCache(cfg.cache_size)
         self.metrics.bind_cache(self.cache.stats)
         self.cluster = Cluster.from_config(cfg, read_key(cfg.peer_key_file), self.metrics) if cfg.peers else None
         self.cache.lends = self.cluster is None
@@ -238,9 +242,11 @@ class DataPath:
         """New cache budget (the operator sizes node caches); in-flight GET bytes follow it as at start."""
         if cache_size < 2 * self.cfg.block_size:
             raise ValueError(f"cache size must hold at least two blocks ({2 * self.cfg.block_size} bytes)")
-        self.cfg = dataclasses.replace(self.cfg, cache_size=cache_size)
+        old = self.cfg
+        local = max(2 * old.block_size, old.worker_cache * cache_size // old.cache_size) if old.worker_cache else 0
+        self.cfg = dataclasses.replace(old, cache_size=cache_size, worker_cache=min(local, cache_size))
         self.fetcher.set_inflight_limit(self.cfg.inflight_limit)
-        self.cache.resize(cache_size)
+        self.cache.resize(self.cfg.worker_cache or cache_size)  # (a worker: its share of the mount's new budget)
         return {"budget": self.cache.budget, "bytes": self.cache.stats().bytes}
 
     async def set_peers(self, members: list[str], replicas: int | None = None) -> dict:
@@ -293,7 +299,8 @@ class DataPath:
         for path in paths or [""]:
             files.extend(await self.namespace.walk_files(path))
         disk = self.disk
-        budget = int(max(self.cache.budget, disk.budget if disk is not None else 0) * WARM_FRACTION)
+        held = self.cfg.cache_size if self.shared is not None else self.cache.budget  # (a worker warms the shared)
+        budget = int(max(held, disk.budget if disk is not None else 0) * WARM_FRACTION)
         block_size = self.cfg.block_size
         planned, total, skipped = [], 0, 0
         for info in files:

@@ -34,6 +34,10 @@ DISK_READERS = 16  # blocks read from the disk tier at once (worker threads of t
 CLAIM_POLL, CLAIM_POLL_MAX = 0.0005, 0.004  # seconds between looks for a block another worker is fetching
 
 
+class _Elsewhere(Exception):
+    """A read-ahead found the block being fetched by another worker of the mount (shared blocks)."""
+
+
 class _Pending:
     """The shared future of one block GET; readers may take bytes as soon as they arrive."""
 
@@ -311,7 +315,10 @@ class Fetcher:
     async def _run(self, key: CacheKey, obj: ObjectInfo, pending: _Pending) -> None:
         prefetch = pending.prefetch_bytes > 0
         try:
-            pending.data = await self._fetch(key, obj, pending)
+            try:
+                pending.data = await self._fetch(key, obj, pending)
+            except _Elsewhere:
+                return  # (no reader waits for it: a reader that comes reads the other worker's file)
             keep = self._keeps(key, obj)
             self.cache.put(key, pending.data, prefetched=not pending.demanded, visit=pending.visit, keep=keep)
             if self.disk is not None and keep and pending.source != "disk" and isinstance(key, BlockKey):
@@ -357,6 +364,10 @@ class Fetcher:
                 await trio.to_thread.run_sync(shared.publish, key, data, limiter=self._disk_readers)
         except OSError as exc:
             log.warning("block %d of %s not shared with the other workers: %s", key.index, key.key, exc)
+        else:
+            if shared.holds(key):  # (published: its readers here read its file, and this worker's room is free)
+                del data
+                self.cache.discard(key)
         finally:
             claim.release()
 
@@ -402,9 +413,9 @@ class Fetcher:
         assert shared is not None
         block = BlockKey(obj.key, obj.etag, index)
         lo, hi = block_extent(index, obj.size, self.block_size)
-        data = await self._load_shared(block, hi - lo)
         if (start, stop) != (lo, hi):  # a random reader's range inside the block: no claim, the store if not held
-            return None if data is None else bytes(memoryview(data)[start - lo:stop - lo])
+            return shared.read(block, hi - lo, start - lo, stop - lo)
+        data = await self._load_shared(block, hi - lo)
         if data is not None:
             return data
         give_up = self._clock() + self.read_deadline
@@ -422,6 +433,8 @@ class Fetcher:
                 return None
             if data is not None:
                 return data
+            if not pending.demanded:
+                raise _Elsewhere  # a read-ahead of a block another worker fetches: its room goes to the next one
             if not waited:
                 waited = True
                 shared.stats.waits += 1

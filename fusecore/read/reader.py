@@ -128,6 +128,13 @@ class Reader:
             block_start, block_end = block_extent(span[0], info.size, self.block_size)
             start = offset - block_start
             need = min(start + size, block_end - block_start)
+            shared = self.fetcher.shared
+            if shared is not None and BlockKey(info.key, info.etag, span[0]) not in self.fetcher.cache:
+                # another worker's block: the bytes asked for, from its file (not the whole block, copied here)
+                held = shared.read(BlockKey(info.key, info.etag, span[0]), block_end - block_start, start, need)
+                if held is not None:
+                    self._served_cache.inc(len(held))
+                    return held
             parts = FIRST_BLOCK_PARTS if f.readahead.opens_wide(offset) else 1
             data, hit = await self.fetcher.block(info, span[0], visit=fh, need=need, parts=parts)
             if need == block_end - block_start:
