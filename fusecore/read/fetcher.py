@@ -16,6 +16,7 @@ from ..cache.blocks import BlockKey, CacheKey, RangeKey, block_extent, extent
 from ..cache.memory import BlockCache, Buffer
 from ..cluster.tier import Cluster
 from ..cache.disk import DiskTier
+from ..failures import StokerError
 from ..cache.shared import Claim, SharedBlocks
 from ..metrics import MountMetrics
 from ..cache.buffers import MMAP_MIN, allocate
@@ -34,8 +35,9 @@ DISK_READERS = 16  # blocks read from the disk tier at once (worker threads of t
 CLAIM_POLL, CLAIM_POLL_MAX = 0.0005, 0.004  # seconds between looks for a block another worker is fetching
 
 
-class _Elsewhere(Exception):
-    """A read-ahead found the block being fetched by another worker of the mount (shared blocks)."""
+class _Elsewhere(StokerError):
+    """A read-ahead found the block being fetched by another worker of the mount (shared blocks): not an error, the
+    read-ahead ends (never raised past the fetcher)."""
 
 
 class _Pending:
