@@ -102,21 +102,28 @@ class SharedBlocks:
         name = block_name(key)
         return os.path.exists(os.path.join(self._blocks, name)) or os.path.exists(os.path.join(self._claims, name))
 
-    def load(self, key: BlockKey, size: int, into: bytearray | mmap.mmap | None = None) -> bytearray | mmap.mmap | None:
-        """The block's bytes if a worker published it (at exactly `size` bytes: any other length is never served,
-        and is removed), else None."""
-        name = block_name(key)
-        path = os.path.join(self._blocks, name)
+    def _opened(self, key: BlockKey, size: int) -> int | None:
+        """A descriptor of the block's file, if a worker published it at exactly `size` bytes (a file of any other
+        length is never served, and is removed)."""
+        path = os.path.join(self._blocks, block_name(key))
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
+        length = os.fstat(fd).st_size
+        if length != size:
+            os.close(fd)
+            log.warning("shared block %s of %s has %d bytes, not %d: removed", key.index, key.key, length, size)
+            _unlink(path)
+            return None
+        return fd
+
+    def load(self, key: BlockKey, size: int, into: bytearray | mmap.mmap | None = None) -> bytearray | mmap.mmap | None:
+        """The whole block's bytes (into `into`, or a new buffer) if a worker published it, else None."""
+        fd = self._opened(key, size)
+        if fd is None:
+            return None
         try:
-            if os.fstat(fd).st_size != size:
-                log.warning("shared block %s of %s has %d bytes, not %d: removed", key.index, key.key,
-                            os.fstat(fd).st_size, size)
-                _unlink(path)
-                return None
             buffer = into if into is not None else bytearray(size)
             view = memoryview(buffer)[:size]
             got = 0
@@ -129,26 +136,25 @@ class SharedBlocks:
             os.close(fd)
         self.stats.loaded += 1
         self.stats.loaded_bytes += size
-        self._tell(b"hit " + name.encode())
+        self._tell(b"hit " + block_name(key).encode())
         return buffer
 
     def read(self, key: BlockKey, size: int, start: int, stop: int) -> bytes | None:
         """Bytes [start, stop) of a published block of `size` bytes, read from its file (a reader's read of part of
-        a block: no copy of the rest of it), or None where no worker published it."""
-        path = os.path.join(self._blocks, block_name(key))
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+        a block: no copy of the rest of it), or None where no worker published it. A read from the block's start
+        counts as a hit for the hub's policy (once per pass over the block, not once per read of it)."""
+        fd = self._opened(key, size)
+        if fd is None:
             return None
         try:
-            if os.fstat(fd).st_size != size:
-                return None  # (load removes it)
             data = os.pread(fd, stop - start, start)
         finally:
             os.close(fd)
         if len(data) != stop - start:
             return None
         self.stats.reads += 1
+        if start == 0:
+            self._tell(b"hit " + block_name(key).encode())
         return data
 
     def try_claim(self, key: BlockKey) -> Claim | None:
