@@ -361,6 +361,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
           f"{format_size(stats['bytes_served']['network'])} from the network")
     print(f"in flight    {stats['inflight']['requests']} GETs, {format_size(stats['inflight']['bytes'])}")
     print(f"errors       {json.dumps(stats['errors']) if stats['errors'] else 'none'}")
+    workers, shared = stats.get("workers"), stats.get("shared")
+    if workers and shared:
+        print(f"workers      {workers['count']} (pids {', '.join(map(str, workers['pids']))}), {workers['restarts']} "
+              f"restarted; shared blocks {format_size(shared['bytes'])} of {format_size(shared['budget'])}, "
+              f"{shared['blocks']} blocks, {shared['evictions']} evictions")
+    writes = stats.get("writes")
+    if writes:
+        print(f"written      {format_size(writes['bytes_written'])}, {writes['uploads_completed']} objects, "
+              f"{writes['uploads_aborted']} aborted; {writes['files_open']} files and {writes['uploads_open']} "
+              "uploads open")
     cluster = stats.get("cluster")
     if cluster:
         by = stats["bytes_by_source"]

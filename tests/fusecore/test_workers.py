@@ -156,6 +156,11 @@ def test_stats_and_metrics_count_every_worker(s3, bucket, mounts):
     assert _epoch(mp, dataset) == []
     stats = mounts.stats(mp)
     assert len(_worker_pids(stats)) == 3
+    import subprocess
+    import sys
+
+    shown = subprocess.run([sys.executable, "-m", "stoker", "stats", mp], capture_output=True, text=True).stdout
+    assert "workers      3 (pids" in shown, shown
     assert stats["fuse_reads"]["count"] >= len(dataset)  # summed over the workers
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value

@@ -59,6 +59,11 @@ def test_files_written_in_order_are_objects_once_closed_and_read_back_at_once(s3
     stats = mounts.stats(mp)["writes"]
     assert stats["bytes_written"] == len(big) + len(small) and stats["uploads_completed"] == 3
     assert stats["files_open"] == 0 and stats["uploads_open"] == 0
+    import subprocess
+    import sys
+
+    shown = subprocess.run([sys.executable, "-m", "stoker", "stats", mp], capture_output=True, text=True).stdout
+    assert "written" in shown and "3 objects, 0 aborted" in shown, shown
 
 
 def test_what_s3_cannot_do_is_refused_with_its_errno(s3, bucket, mounts):
