@@ -175,8 +175,9 @@ class SharedBlocks:
             os.close(fd)  # a claim file its worker removed between our open and our lock: open the current one
         return None
 
-    def publish(self, key: BlockKey, data: bytes | bytearray | memoryview | mmap.mmap) -> None:
-        """Make a fetched block readable by every worker: written aside, renamed into place."""
+    def publish(self, key: BlockKey, data: bytes | bytearray | memoryview | mmap.mmap) -> bool:
+        """Make a fetched block readable by every worker: written aside, renamed into place. False where the folder
+        had no room (the block stays this worker's own)."""
         name = block_name(key)
         final = os.path.join(self._blocks, name)
         aside = os.path.join(self._claims, f"{name}.{os.getpid()}.part")
@@ -195,9 +196,10 @@ class SharedBlocks:
             if exc.errno not in (errno.ENOSPC, errno.ENOENT):
                 raise
             log.debug("shared block %s not published: %s", name, exc.strerror)
-            return
+            return False
         self.stats.published += 1
         self._tell(b"add %s %d" % (name.encode(), len(data)))
+        return True
 
     def _tell(self, message: bytes) -> None:
         """News for the hub, sent in batches (`flush`): a unix datagram socket queues few datagrams."""

@@ -89,7 +89,7 @@ def run_mount(cfg: MountConfig, ready: ReadyCallback, log_level: str = "INFO") -
             cfg = _sized(cfg, store)
         if cfg.workers > 1:
             return _run_hub(cfg, ready, log_level)
-        journal = (cfg.control_socket or control.default_control_socket(cfg.mountpoint)) + ".uploads"
+        journal = _control_socket(cfg) + ".uploads"
         datapath = DataPath(cfg, store, journal=journal if cfg.writable else None)
         if datapath.writer is not None:
             swept = datapath.writer.uploads.sweep()
@@ -118,9 +118,7 @@ MAX_TASKS = 128  # requests answered at once; past that the kernel queues them
 
 
 async def _serve(cfg: MountConfig, datapath: DataPath, ready: ReadyCallback) -> None:
-    fs = StokerFS(datapath.namespace, datapath.reader, block_size=cfg.block_size, kernel_cache=cfg.kernel_cache,
-                  uid=os.getuid() if cfg.uid is None else cfg.uid, gid=os.getgid() if cfg.gid is None else cfg.gid,
-                  on_open=datapath.walk.on_open, writes=datapath.writes)
+    fs = _filesystem(cfg, datapath)
     conn = _connect(cfg, datapath)
     if conn.agreed is not None and conn.agreed.passthrough:
         fs.passthrough = Passthrough(conn, datapath.held_file)
@@ -132,8 +130,7 @@ async def _serve(cfg: MountConfig, datapath: DataPath, ready: ReadyCallback) -> 
             if datapath.writes is not None:
                 datapath.writes.on_gone = lambda parent, name: nursery.start_soon(
                     trio.to_thread.run_sync, conn.forget_entry, parent, os.fsencode(name))
-            socket_path = cfg.control_socket or control.default_control_socket(cfg.mountpoint)
-            await nursery.start(control.serve, datapath, socket_path)
+            await nursery.start(control.serve, datapath, _control_socket(cfg))
             if cfg.metrics_port is not None:
                 datapath.metrics.serve(cfg.metrics_port, cfg.metrics_addr)
             nursery.start_soon(_terminate_on_signal, nursery.cancel_scope)
@@ -188,8 +185,7 @@ async def _serve_hub(cfg: MountConfig, hub: workers.Hub, ready: ReadyCallback) -
     async with trio.open_nursery() as nursery:
         await nursery.start(hub.keep_budget)
         hub.rescan()  # what the workers published before the hub listened
-        socket_path = cfg.control_socket or control.default_control_socket(cfg.mountpoint)
-        await nursery.start(control.serve, hub, socket_path)  # (the hub answers as a DataPath does)
+        await nursery.start(control.serve, hub, _control_socket(cfg))  # (the hub answers as a DataPath does)
         if cfg.metrics_port is not None:
             hub.serve_metrics(cfg.metrics_port, cfg.metrics_addr)
         nursery.start_soon(_terminate_on_signal, nursery.cancel_scope)
@@ -215,9 +211,7 @@ def run_worker(cfg: MountConfig, role: workers.WorkerRole, ready: ReadyCallback)
 
 async def _serve_worker(cfg: MountConfig, role: workers.WorkerRole, datapath: DataPath, ready: ReadyCallback) -> bool:
     """True once the connection ended (unmounted); False when stopped by a signal."""
-    fs = StokerFS(datapath.namespace, datapath.reader, block_size=cfg.block_size, kernel_cache=cfg.kernel_cache,
-                  uid=os.getuid() if cfg.uid is None else cfg.uid, gid=os.getgid() if cfg.gid is None else cfg.gid,
-                  on_open=datapath.walk.on_open)
+    fs = _filesystem(cfg, datapath)
     conn = Connection(role.fuse_fd, agreed=role.agreed())
     try:
         async with trio.open_nursery() as nursery:
@@ -230,6 +224,17 @@ async def _serve_worker(cfg: MountConfig, role: workers.WorkerRole, datapath: Da
     finally:
         conn.close()
     return conn.ended
+
+
+def _filesystem(cfg: MountConfig, datapath: DataPath) -> StokerFS:
+    """The FUSE adapter over a data path (a mount's own process, or one worker of several)."""
+    return StokerFS(datapath.namespace, datapath.reader, block_size=cfg.block_size, kernel_cache=cfg.kernel_cache,
+                    uid=os.getuid() if cfg.uid is None else cfg.uid, gid=os.getgid() if cfg.gid is None else cfg.gid,
+                    on_open=datapath.walk.on_open, writes=datapath.writes)
+
+
+def _control_socket(cfg: MountConfig) -> str:
+    return cfg.control_socket or control.default_control_socket(cfg.mountpoint)
 
 
 def _connect(cfg: MountConfig, datapath: DataPath | None) -> Connection:

@@ -361,13 +361,13 @@ class Fetcher:
         assert shared is not None
         try:
             if len(data) < MMAP_MIN:
-                shared.publish(key, data)
+                published = shared.publish(key, data)
             else:
-                await trio.to_thread.run_sync(shared.publish, key, data, limiter=self._disk_readers)
+                published = await trio.to_thread.run_sync(shared.publish, key, data, limiter=self._disk_readers)
         except OSError as exc:
             log.warning("block %d of %s not shared with the other workers: %s", key.index, key.key, exc)
         else:
-            if shared.holds(key):  # (published: its readers here read its file, and this worker's room is free)
+            if published:  # its readers here read its file, and this worker's room is free
                 del data
                 self.cache.discard(key)
         finally:

@@ -129,9 +129,10 @@ class Reader:
             start = offset - block_start
             need = min(start + size, block_end - block_start)
             shared = self.fetcher.shared
-            if shared is not None and BlockKey(info.key, info.etag, span[0]) not in self.fetcher.cache:
+            block = BlockKey(info.key, info.etag, span[0])
+            if shared is not None and block not in self.fetcher.cache:
                 # another worker's block: the bytes asked for, from its file (not the whole block, copied here)
-                held = shared.read(BlockKey(info.key, info.etag, span[0]), block_end - block_start, start, need)
+                held = shared.read(block, block_end - block_start, start, need)
                 if held is not None:
                     self._served_cache.inc(len(held))
                     return held
