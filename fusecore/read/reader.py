@@ -88,10 +88,11 @@ class Reader:
         assert self.registry is not None
         end = self.registry.position(f.fh)
         last = f.readahead.last_end
-        if end is None:
-            if last < 0 < offset:  # no worker saw a read yet: the first ones are in flight elsewhere
-                f.readahead.continue_at(offset)
-        elif end != last and abs(offset - end) <= 2 * self.block_size:
+        if last < 0 < offset:
+            # this worker's first read of the file: the run began in another worker (whose reads, the kernel's
+            # readahead among them, may land here out of order by more than a block or two)
+            f.readahead.continue_at(offset)
+        elif end is not None and end != last and abs(offset - end) <= 2 * self.block_size:
             f.readahead.continue_at(end)
         self.registry.note_position(f.fh, offset + size)
 
