@@ -3,7 +3,8 @@
 S3-compatible enough for Stoker, s3fs-fuse, rclone and boto3: path-style ListObjects v1 and v2
 (prefix, delimiter, pagination), HEAD bucket/object, GET with Range, GET ?location; and writes: PUT, multipart
 uploads (create, parts, complete, abort), a copy onto itself, DELETE, answering `Expect: 100-continue` as S3 does;
-a written object's bytes are checked against the generated content (`GET /_written`). Every request
+a written object's bytes are checked against the generated content (`GET /_written`; other content, such as a
+checkpoint, is kept as its SHA-256 there; a multipart upload's parts are held until it completes). Every request
 waits a first-byte latency, and every connection is capped to a bandwidth, like a cloud store.
 Object content is generated, not stored: byte i of an object is PATTERN[(i + shift(key)) % len],
 so datasets of any size cost no memory and any range can be verified (`expected_bytes`).
@@ -168,13 +169,19 @@ class ObjectStoreServer:
         return b"".join(parts)
 
     # ---- uploads: objects written by clients (their bytes checked, then served as generated ones) -------------
-    def _add(self, bucket: str, key: str, size: int, right: bool) -> str:
+    def _add(self, bucket: str, key: str, size: int, right: bool, content: list[bytes]) -> str:
         """A written object: listed and served from now on (its content is the generated one: what a bench writer
-        writes, checked here part by part); `written` says whether each byte was the expected one."""
+        writes, checked here part by part); `written` says whether each byte was the expected one, and for content
+        of another kind (a checkpoint) its SHA-256, for the writer to check."""
         if key not in self.buckets[bucket]:
             bisect.insort(self._sorted_keys[bucket], key)
         self.buckets[bucket][key] = size
         self.written[f"{bucket}/{key}"] = {"size": size, "right": right}
+        if not right:
+            sha = hashlib.sha256()
+            for piece in content:
+                sha.update(piece)
+            self.written[f"{bucket}/{key}"]["sha256"] = sha.hexdigest()
         return etag_of(key, size)
 
     async def _upload(self, method: str, bucket: str, key: str, query: dict, headers: dict, body: bytes, writer) -> bool:
@@ -193,17 +200,17 @@ class ObjectStoreServer:
         if method == "PUT" and upload is not None:
             number = int(query["partNumber"])
             digest = hashlib.sha256(body).hexdigest()
-            self.uploads[upload]["parts"][number] = (len(body), digest)
+            self.uploads[upload]["parts"][number] = (len(body), digest, body)
             return await self.send(writer, 200, {"ETag": f'"{digest[:32]}"'}, b"")
         if method == "POST" and upload is not None:
             parts = self.uploads.pop(upload)["parts"]
             asked = [int(n) for n in re.findall(r"<PartNumber>(\d+)</PartNumber>", body.decode())]
             right, offset = asked == sorted(parts) and bool(asked), 0
             for n in asked:
-                size, digest = parts.get(n, (0, ""))
+                size, digest, _ = parts.get(n, (0, "", b""))
                 right = right and hashlib.sha256(expected_bytes(key, offset, offset + size)).hexdigest() == digest
                 offset += size
-            etag = self._add(bucket, key, offset, right)
+            etag = self._add(bucket, key, offset, right, [parts[n][2] for n in asked if n in parts])
             return await self.send(writer, 200, xml, (
                 '<?xml version="1.0" encoding="UTF-8"?><CompleteMultipartUploadResult><Bucket>'
                 f'{escape(bucket)}</Bucket><Key>{escape(key)}</Key><ETag>{escape(etag)}</ETag>'
@@ -219,7 +226,7 @@ class ObjectStoreServer:
                 return await self.send(writer, 200, xml, (
                     f'<?xml version="1.0" encoding="UTF-8"?><CopyObjectResult><ETag>{escape(etag)}</ETag>'
                     f'<LastModified>{LAST_MODIFIED}</LastModified></CopyObjectResult>').encode())
-            etag = self._add(bucket, key, len(body), body == expected_bytes(key, 0, len(body)))
+            etag = self._add(bucket, key, len(body), body == expected_bytes(key, 0, len(body)), [body])
             return await self.send(writer, 200, {"ETag": etag}, b"")
         if method == "DELETE":
             if self.buckets[bucket].pop(key, None) is not None:

@@ -158,7 +158,7 @@ def measure(system, store: StoreProcess, workload: str, d: Dataset, run_index: i
     after_cpu = _cpu_seconds(system)
     cell.value, cell.unit = headline(workload, outcome)
     cell.seconds, cell.bytes, cell.wrong, cell.extra = outcome.seconds, outcome.bytes, outcome.wrong, outcome.extra
-    cell.cpu_seconds = round(after_cpu - before_cpu, 3)
+    cell.cpu_seconds = round(after_cpu - before_cpu - outcome.extra.pop("cpu_outside_s", 0.0), 3)
     if outcome.bytes:
         cell.cpu_s_per_gib = round(cell.cpu_seconds / (outcome.bytes / GiB), 3)
     if sampler:
@@ -210,16 +210,19 @@ def run_all(*, scale: float, systems: list[str], workloads: list[str], workdir: 
 
 
 def _runs(kind, workload: str) -> bool:
-    """Does this system run this cell? s3torchconnector runs only the dataset cells (it reads datasets, not files),
-    and a DataLoader needs a mount or a dataset of the system's own (boto3 has none)."""
+    """Does this system run this cell? s3torchconnector runs only the dataset and checkpoint cells (it reads datasets
+    and writes checkpoints, not files), a DataLoader needs a mount or a dataset of the system's own (boto3 has none),
+    and a checkpoint a mount or a checkpoint writer of the system's own."""
     if workload == "dataloader" and not kind.is_mount and not hasattr(kind, "dataset"):
+        return False
+    if workload == "ckpt" and not kind.is_mount and not hasattr(kind, "save_checkpoint"):
         return False
     return workload in getattr(kind, "workloads", (workload,))
 
 
 def _missing(workload: str) -> str | None:
     """Why a workload cannot run on this machine at all (an optional package is not installed), or None."""
-    if workload == "dataloader":
+    if workload in ("dataloader", "ckpt"):
         from .dataloader import missing
 
         return missing()

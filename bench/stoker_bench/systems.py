@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import Any
 
 from fusecore.process.launch import ended, stop_process
 from fusecore.process.mounts import is_mounted, unmount, wait_unmounted
@@ -217,15 +218,17 @@ def _key_and_bytes(reader) -> tuple[str, bytes]:
 
 class S3TorchConnector:
     """AWS's s3torchconnector (the CRT-based S3 client PyTorch users read datasets with): its S3MapDataset under a
-    DataLoader. It runs the cells a dataset reader runs (WORKLOADS), and only where it is installed."""
+    DataLoader, and its S3Checkpoint writer under torch.save. It runs the cells of a dataset reader and of a checkpoint
+    writer (`workloads`), and only where it is installed."""
 
     name = "s3torch"
     is_mount = False
-    workloads = ("dataloader",)
+    workloads = ("dataloader", "ckpt")
 
     def __init__(self, endpoint: str, bucket: str, workdir: str, cache_bytes: int, **_: object):
         self.endpoint, self.bucket = endpoint, bucket
         self.pid = os.getpid()
+        self._checkpoint: Any = None  # S3Checkpoint, made at the first checkpoint
 
     def start(self) -> None:
         try:
@@ -243,6 +246,17 @@ class S3TorchConnector:
         return S3MapDataset.from_objects([f"s3://{self.bucket}/{key}" for key, _ in items], region="us-east-1",
                                          endpoint=self.endpoint, transform=_key_and_bytes,
                                          s3client_config=S3ClientConfig(force_path_style=True))
+
+    def save_checkpoint(self, key: str, state) -> None:
+        """torch.save into S3Checkpoint's writer (a multipart upload on the CRT, complete at the writer's close)."""
+        import torch
+        from s3torchconnector import S3Checkpoint, S3ClientConfig
+
+        if self._checkpoint is None:  # (one per run of the bench, as a training job keeps one)
+            self._checkpoint = S3Checkpoint(region="us-east-1", endpoint=self.endpoint,
+                                            s3client_config=S3ClientConfig(force_path_style=True))
+        with self._checkpoint.writer(f"s3://{self.bucket}/{key}") as writer:
+            torch.save(state, writer)
 
 
 SYSTEMS: dict[str, type] = {"stoker": Stoker, "s3fs": S3fs, "rclone": Rclone, "boto3": Boto3Baseline,

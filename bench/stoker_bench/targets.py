@@ -39,6 +39,7 @@ def evaluate(cells: list[Cell], info: dict) -> list[str]:
         check("PyTorch DataLoader epoch 1 >= 3x s3torchconnector", st >= 3 * s3t, _times(st, s3t))
     _random_targets(cells, check)
     _disk_targets(cells, check)
+    _write_targets(cells, info, check)
     st, s3 = _value(cells, "ceiling", "stoker", "cold"), _value(cells, "ceiling", "s3fs", "cold")
     if st is not None and s3 is not None:
         busy = _extra(cells, "ceiling", "stoker", "cores_busy")
@@ -72,6 +73,29 @@ def evaluate(cells: list[Cell], info: dict) -> list[str]:
     if idle:
         check("Stoker idle RSS <= 60 MiB", max(idle) <= 60, f"largest fresh mount: {max(idle):.0f} MiB")
     return out
+
+
+def _write_targets(cells: list[Cell], info: dict, check) -> None:
+    """Issue 46: one writer at the store's pace and above a bare client and s3fs, at no more CPU than s3fs; eight
+    writers 2x s3fs; torch.save into the mount 0.9x s3torchconnector's S3Checkpoint."""
+    st, bo, s3 = (_value(cells, "write1", s, "cold") for s in ("stoker", "boto3", "s3fs"))
+    ceiling = info.get("store_write_ceiling_MBps")
+    if st is not None and ceiling:
+        check("one writer >= 80% of the store's ceiling of parallel PUTs", st >= 0.8 * ceiling,
+              f"{st / ceiling:.0%} of {ceiling:.0f} MB/s")
+    if st is not None and bo is not None:
+        check("one writer >= a bare multipart client (boto3 upload_fileobj)", st >= bo, _times(st, bo))
+    if st is not None and s3 is not None:
+        check("one writer >= 1.25x s3fs", st >= 1.25 * s3, _times(st, s3))
+    st_cpu, s3_cpu = (_value(cells, "write1", s, "cold", "cpu_s_per_gib") for s in ("stoker", "s3fs"))
+    if st_cpu is not None and s3_cpu is not None:
+        check("one writer's CPU-s per GiB written <= s3fs", st_cpu <= s3_cpu, f"{st_cpu:.2f} vs {s3_cpu:.2f}")
+    st, s3 = _value(cells, "write8", "stoker", "cold"), _value(cells, "write8", "s3fs", "cold")
+    if st is not None and s3 is not None:
+        check("eight writers >= 2x s3fs", st >= 2 * s3, _times(st, s3))
+    st, s3t = _value(cells, "ckpt", "stoker", "cold"), _value(cells, "ckpt", "s3torch", "cold")
+    if st is not None and s3t is not None:
+        check("torch.save into the mount >= 0.9x S3Checkpoint", st >= 0.9 * s3t, _times(st, s3t))
 
 
 def _random_targets(cells: list[Cell], check) -> None:

@@ -384,7 +384,7 @@ def _dataloader(system, d: Dataset, run: int, *, gpu_rate: float | None = None, 
 
 # ---- writes (issue 46): objects written through each system, timed to the end of the close, bytes checked by the store
 WRITE_PART = 8 * MiB  # the part size every system is given (Stoker's default)
-WRITE_CONCURRENCY = 16  # parts of one file at once (Stoker's default; boto3's upload_fileobj is given the same)
+WRITE_CONCURRENCY = 32  # parts of one file at once (Stoker's default; boto3's upload_fileobj is given the same)
 
 
 def _pattern_chunks(key: str, size: int, chunk: int = MiB):
@@ -441,6 +441,12 @@ def _writes(system, plan: list[tuple[str, int]], writers: int) -> Outcome:
     return Outcome(bytes=sum(size for _, size in plan), files=len(plan), seconds=seconds, wrong=wrong)
 
 
+def _checkpoint(system, d: Dataset, run: int) -> Outcome:
+    from .checkpoint import checkpoint  # (PyTorch is imported only where this cell runs)
+
+    return checkpoint(system, d, run)
+
+
 def write_one(system, d: Dataset, run: int) -> Outcome:
     """One writer, one large file in 1 MiB writes (a checkpoint), timed to the end of its close."""
     return _writes(system, [(f"out/{system.name}/run{run}/model.pt", d.write_size)], 1)
@@ -473,5 +479,6 @@ WORKLOADS = {
     "dataloader": ("PyTorch DataLoader, 8 workers, ~110 KB samples (samples/s)", _dataloader),
     "write1": ("one writer, one large file in 1 MiB writes, to the end of its close (MB/s)", write_one),
     "write8": ("eight writers at once, a file each, to the end of their closes (MB/s)", write_eight),
+    "ckpt": ("torch.save of a state dict (write1's size), to the end of its close (MB/s)", _checkpoint),
 }
-WRITE_WORKLOADS = frozenset({"write1", "write8"})
+WRITE_WORKLOADS = frozenset({"write1", "write8", "ckpt"})

@@ -101,3 +101,22 @@ def test_uploads_are_taken_checked_and_then_served(client, store):
     client.delete_object(Bucket="bench", Key="out/small")
     with pytest.raises(client.exceptions.ClientError):
         client.head_object(Bucket="bench", Key="out/small")
+
+
+def test_other_content_is_kept_as_its_digest_in_part_order(client, store):
+    """A checkpoint is not generated content: the store keeps the SHA-256 of the parts in their numbers' order (the
+    checkpoint cell compares it with what torch.save should have sent), whatever order the parts came in."""
+    import hashlib
+
+    key = "out/ckpt.pt"
+    first, second = b"a" * (5 * 1024 * 1024), b"checkpoint tail"
+    upload = client.create_multipart_upload(Bucket="bench", Key=key)["UploadId"]
+    tail = client.upload_part(Bucket="bench", Key=key, UploadId=upload, PartNumber=2, Body=second)["ETag"]
+    head = client.upload_part(Bucket="bench", Key=key, UploadId=upload, PartNumber=1, Body=first)["ETag"]
+    client.complete_multipart_upload(Bucket="bench", Key=key, UploadId=upload, MultipartUpload={"Parts": [
+        {"PartNumber": 1, "ETag": head}, {"PartNumber": 2, "ETag": tail}]})
+    client.put_object(Bucket="bench", Key="out/small.pt", Body=b"one put")
+    written = store.written()
+    assert written[f"bench/{key}"] == {"size": len(first) + len(second), "right": False,
+                                       "sha256": hashlib.sha256(first + second).hexdigest()}
+    assert written["bench/out/small.pt"]["sha256"] == hashlib.sha256(b"one put").hexdigest()
