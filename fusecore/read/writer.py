@@ -22,8 +22,6 @@ from ..store.uploads import Uploads
 
 log = logging.getLogger(__name__)
 
-FREE_PARTS = 4  # part buffers kept for the next parts
-
 
 class Refused(StoreError):
     """A write-side operation S3 cannot do (or this mount may not): `why` names which, for the errno (fuse/errnos.py)
@@ -75,7 +73,9 @@ class Writer:
         self._budget = trio.Semaphore(max(1, budget // part_size))  # parts of the whole mount in memory
         self._nursery: trio.Nursery | None = None
         self._writing: set[Writing] = set()
-        self._free: list[bytearray] = []  # part buffers sent and taken back (filling fresh pages costs a fault each)
+        # Part buffers sent and taken back, kept while files are being written (a fresh buffer costs a page fault per
+        # 4 KiB); those in flight and those kept stay within the budget, and the kept ones go when no file is written.
+        self._free: list[bytearray] = []
         self.stats = WriteStats()
 
     def start(self, nursery: trio.Nursery) -> None:
@@ -153,7 +153,7 @@ class Writer:
             w.sending -= 1
             w.slots.release()
             self._budget.release()
-            if len(part) == self.part_size and len(self._free) < FREE_PARTS:
+            if len(part) == self.part_size and len(self._free) < self._budget.value and self._writing:
                 self._free.append(part)
             if not w.sending:
                 w.drained.set()
@@ -189,7 +189,7 @@ class Writer:
             await self.abandon(w)
             raise
         w.done = info
-        self._writing.discard(w)
+        self._ended(w)
         self.stats.uploads_completed += 1
         return info
 
@@ -200,6 +200,11 @@ class Writer:
         w.part, w.filled = None, 0
         return rest
 
+    def _ended(self, w: Writing) -> None:
+        self._writing.discard(w)
+        if not self._writing:
+            self._free.clear()  # (nothing is being written: the kept buffers go back)
+
     async def delete(self, key: str) -> None:
         await trio.to_thread.run_sync(self.uploads.delete, key)
 
@@ -207,7 +212,7 @@ class Writer:
         """No object: the upload (if one began) is aborted once its parts in flight ended."""
         if w.done is not None or w not in self._writing:
             return
-        self._writing.discard(w)
+        self._ended(w)
         w.part = None
         if w.failed is None:
             w.failed = Unavailable(f"{w.key}: abandoned")

@@ -13,6 +13,7 @@ import logging
 import mmap
 from typing import Iterator
 
+import botocore.auth
 import botocore.config
 import botocore.exceptions
 import botocore.session
@@ -49,6 +50,20 @@ def _session(cfg: StoreConfig) -> tuple[botocore.session.Session, RotatingCreden
     return core, rotating
 
 
+# The signer of a writable mount's uploads: botocore's own S3 SigV4 class, under a name of ours (botocore looks signers
+# up by name in AUTH_TYPE_MAPS). With awscrt installed botocore signs S3 requests through awscrt, which copies each
+# part into a BytesIO and hashes it through Python call-backs; this class hashes the part in place with hashlib (the
+# GIL released). The same signature either way. Measured with --writable, 256 MiB in 1 MiB writes: the mount's CPU
+# 4.3-4.5 -> 2.8-2.9 CPU-s/GiB together with WRITE_CHECKSUMS.
+PART_SIGNER = "stoker-s3v4-parts"
+botocore.auth.AUTH_TYPE_MAPS.setdefault(PART_SIGNER, botocore.auth.S3SigV4Auth)
+# Uploads carry no CRC32 of their own (botocore >= 1.36 adds one to every part by default, in software: ~1 CPU-s/GiB):
+# without one botocore signs the payload's SHA-256 over HTTPS too (hashlib, in hardware where the CPU has it), so S3
+# checks every part's bytes against a digest stronger than a CRC.
+WRITE_CHECKSUMS = {"request_checksum_calculation": "when_required"} \
+    if "request_checksum_calculation" in botocore.config.Config.OPTION_DEFAULTS else {}
+
+
 class S3Store:
     """ObjectStore over botocore; thread-safe (one client, a connection pool sized to concurrency)."""
 
@@ -67,6 +82,19 @@ class S3Store:
         self._client = session.create_client("s3", endpoint_url=cfg.endpoint_url, region_name=cfg.region,
                                              config=config)
         self._gets = PresignedGets(self._client, cfg) if direct_gets_possible() else None
+        self._session, self._config = session, config
+        self._writes_client = None
+
+    @property
+    def writes_client(self):
+        """The botocore client a writable mount uploads with (store/uploads.py): the same session, credentials and
+        retries as `client`, signed by PART_SIGNER, without botocore's default CRC32 (made once, when a writable mount's
+        uploads begin)."""
+        if self._writes_client is None:
+            self._writes_client = self._session.create_client(
+                "s3", endpoint_url=self.cfg.endpoint_url, region_name=self.cfg.region,
+                config=self._config.merge(botocore.config.Config(signature_version=PART_SIGNER, **WRITE_CHECKSUMS)))
+        return self._writes_client
 
     @property
     def client(self):

@@ -31,20 +31,18 @@ class WithClient(Protocol):
     bucket: str
 
     @property
-    def client(self) -> Any: ...
+    def writes_client(self) -> Any: ...
 
 
 class Uploads:
     def __init__(self, store: WithClient, journal: str | None):
         self.store = store
         self.bucket = store.bucket
+        self._client = store.writes_client
         self._journal = journal
         self._open: dict[str, str] = {}  # upload id -> key, as in the journal
         self._lock = threading.Lock()
 
-    @property
-    def _client(self):
-        return self.store.client
 
     def put(self, key: str, data: bytes | bytearray) -> ObjectInfo:
         """A whole object in one PUT (smaller than a part)."""

@@ -66,6 +66,44 @@ def test_files_written_in_order_are_objects_once_closed_and_read_back_at_once(s3
     assert "written" in shown and "3 objects, 0 aborted" in shown, shown
 
 
+def test_writers_at_once_each_get_their_own_bytes(s3, bucket, mounts):
+    """Four writers at once, 1 MiB writes: each WRITE's data is read into a buffer lent to it until it is answered
+    (fuse/session.py), so several are in flight at once; every object must hold its own writer's bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    mp = mounts.mount(f"s3://{bucket}", "--writable", "--part-size", "5MiB", "--no-kernel-cache")
+    files = {f"ranks/rank{i}.pt": os.urandom(7 * MiB + i * 4099) for i in range(4)}
+    os.makedirs(os.path.join(mp, "ranks"))
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda item: _write(os.path.join(mp, item[0]), item[1]), files.items()))
+    for key, data in files.items():
+        assert _object(s3, bucket, key) == data, key
+
+
+def test_parts_are_signed_with_their_sha256_and_carry_no_crc(s3, bucket, moto_server):
+    """The uploads' own client (store/client.py writes_client): each part's SHA-256 is signed (S3 checks the bytes
+    against it), with no software CRC32 beside it; the read client keeps botocore's signer."""
+    from fusecore.config import StoreConfig
+    from fusecore.store.client import PART_SIGNER, S3Store
+    from fusecore.store.uploads import Uploads
+
+    store = S3Store(StoreConfig(bucket=bucket, endpoint_url=moto_server.endpoint, region="us-east-1"))
+    uploads = Uploads(store, None)
+    sent: list[dict] = []
+    store.writes_client.meta.events.register("before-send.s3.UploadPart",
+                                             lambda request, **_: sent.append(dict(request.headers)))
+    first, rest = os.urandom(5 * MiB), os.urandom(1000)
+    upload = uploads.create("signed/model.pt")
+    etags = [uploads.part("signed/model.pt", upload, 1, bytearray(first)),
+             uploads.part("signed/model.pt", upload, 2, bytearray(rest))]
+    uploads.complete("signed/model.pt", upload, etags, len(first) + len(rest))
+    assert _object(s3, bucket, "signed/model.pt") == first + rest
+    assert [h["X-Amz-Content-SHA256"] for h in sent] == [hashlib.sha256(first).hexdigest().encode(),
+                                                         hashlib.sha256(rest).hexdigest().encode()]
+    assert not [k for h in sent for k in h if k.lower().startswith("x-amz-checksum") or k.lower() == "content-md5"]
+    assert store.client.meta.config.signature_version != PART_SIGNER
+
+
 def test_what_s3_cannot_do_is_refused_with_its_errno(s3, bucket, mounts):
     s3.put_object(Bucket=bucket, Key="d/old.txt", Body=b"old bytes")
     s3.put_object(Bucket=bucket, Key="d/sub/x", Body=b"x")
