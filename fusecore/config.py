@@ -290,8 +290,6 @@ class MountConfig:
     def _check_writes(self) -> None:
         if (self.allow_overwrite or self.allow_delete) and not self.writable:
             raise ConfigError("allow-overwrite" if self.allow_overwrite else "allow-delete", "needs --writable")
-        if self.writable and self.workers > 1:
-            raise ConfigError("writable", "a writable mount is served by one process, for now (--workers 1)")
         # S3's bounds: parts of 5 MiB to 5 GiB (the last may be smaller), at most 10,000 of them per object
         _within("part-size", self.part_size, 5 * 1024**2, 5 * 1024**3, "must be between 5MiB and 5GiB")
         _within("upload-concurrency", self.upload_concurrency, 1, 64)

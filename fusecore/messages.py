@@ -133,3 +133,37 @@ class JoinRequest:
         if not handoff.startswith("/"):
             raise ValueError("join: handoff must be an absolute path")
         return cls(name, me, tuple(str(m) for m in members), replicas, key, handoff)
+
+
+@dataclass(frozen=True)
+class PathNews:
+    """What the hub of a writable mount with several workers tells each worker a write-side request changed, before it
+    answers the request (fuse/relay.py): the state of one path now, for the worker's namespace."""
+
+    path: str  # relative to the mount's root
+    kind: str  # "file" (being written, or written), "dir" (made here, empty), or "gone"
+    key: str = ""
+    size: int = 0
+    etag: str = ""
+    mtime: float = 0.0
+    writing: bool = False
+
+    KINDS = ("file", "dir", "gone")
+
+    def to_wire(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, wire: object) -> "PathNews":
+        """Checked field by field: a control request's sender is the hub, but no message is taken blind."""
+        try:
+            assert isinstance(wire, dict)
+            news = cls(path=str(wire["path"]), kind=str(wire["kind"]), key=str(wire.get("key", "")),
+                       size=int(wire.get("size", 0)), etag=str(wire.get("etag", "")),
+                       mtime=float(wire.get("mtime", 0.0)), writing=bool(wire.get("writing", False)))
+        except (AssertionError, KeyError, TypeError, ValueError) as exc:
+            raise MalformedReply(f"path news: {exc!r}") from None
+        if news.kind not in cls.KINDS or news.size < 0 or news.path.startswith("/") \
+                or any(part in ("", ".", "..") for part in news.path.split("/") if news.path):
+            raise MalformedReply(f"path news of {news.path!r} ({news.kind}) is not news")
+        return news

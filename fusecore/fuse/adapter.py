@@ -13,11 +13,12 @@ from typing import Awaitable, Callable, Sequence
 from ..read.namespace import InodeCollision, Namespace, Node
 from ..read.reader import Reader
 from ..read.writer import Refused
-from ..read.writes import Writes
+from ..read.writes import WRITE_HANDLES, Writes
 from ..store.errors import StoreError
 from . import protocol as p
 from .errnos import errno_for
 from .passthrough import Passthrough
+from .relay import Relay
 from .session import Buffer, FuseError
 
 log = logging.getLogger(__name__)
@@ -39,9 +40,13 @@ class StokerFS:
 
     def __init__(self, namespace: Namespace, reader: Reader, *, block_size: int, kernel_cache: bool,
                  uid: int, gid: int, on_open: Callable[[Node], None] = lambda node: None,
-                 passthrough: Passthrough | None = None, writes: Writes | None = None):
+                 passthrough: Passthrough | None = None, writes: Writes | None = None, relay: Relay | None = None):
         self.on_open = on_open
         self.writes = writes  # a writable mount's (read/writes.py says what each write-side operation means)
+        # A worker of a writable mount served by several: what writes goes to the hub, which answers it with this
+        # adapter over its own writes (fuse/relay.py)
+        self.relay = relay
+        self.writable = writes is not None or relay is not None
         self.ns = namespace
         self.reader = reader
         self.block_size = block_size
@@ -61,7 +66,11 @@ class StokerFS:
                 p.Op.SETATTR: self.setattr, p.Op.MKDIR: self.mkdir, p.Op.UNLINK: self.unlink, p.Op.RMDIR: self.rmdir,
                 p.Op.RENAME: self.rename, p.Op.RENAME2: self.rename,
             })
-        self._file_mode, self._dir_mode = (0o644, 0o755) if writes is not None else (0o444, 0o555)
+        if relay is not None:
+            self._ops.update({op: relay for op in (p.Op.CREATE, p.Op.WRITE, p.Op.SETATTR, p.Op.MKDIR, p.Op.UNLINK,
+                                                   p.Op.RMDIR, p.Op.RENAME, p.Op.RENAME2)})
+            self._ops.update({p.Op.FLUSH: self._relay_written, p.Op.FSYNC: self._relay_written})
+        self._file_mode, self._dir_mode = (0o644, 0o755) if self.writable else (0o444, 0o555)
 
     async def __call__(self, request: p.Request) -> Sequence[Buffer]:
         op = self._ops.get(request.opcode)
@@ -105,7 +114,10 @@ class StokerFS:
         return (p.entry_out(self._attr(node), self.timeout),)
 
     async def getattr(self, r: p.Request) -> Sequence[Buffer]:
-        return (p.attr_out(self._attr(await self.ns.resolve(r.nodeid)), self.timeout),)
+        node = await self.ns.resolve(r.nodeid)
+        if node.writing and self.relay is not None:
+            return await self.relay(r)  # (its size grows at the hub)
+        return (p.attr_out(self._attr(node), self.timeout),)
 
     async def opendir(self, r: p.Request) -> Sequence[Buffer]:
         if not (await self.ns.resolve(r.nodeid)).is_dir:
@@ -145,13 +157,16 @@ class StokerFS:
 
     async def open(self, r: p.Request) -> Sequence[Buffer]:
         flags = p.OPEN_IN.unpack_from(r.arg)[0]
-        if flags & _WRITE_FLAGS and self.writes is None:
+        if flags & _WRITE_FLAGS and not self.writable:
             raise FuseError(errno.EROFS)
+        if flags & _WRITE_FLAGS and self.relay is not None:
+            return await self.relay(r)
         node = await self.ns.resolve(r.nodeid)
         if node.is_dir:
             raise FuseError(errno.EISDIR)
-        if self.writes is not None:
+        if self.writable:
             if flags & _WRITE_FLAGS:
+                assert self.writes is not None
                 return (p.open_out(await self.writes.open(node, flags, r.pid)),)
             if node.writing:
                 raise Refused(f"{node.path} is being written: it can be read once closed", "busy")
@@ -175,6 +190,8 @@ class StokerFS:
 
     async def release(self, r: p.Request) -> Sequence[Buffer]:
         fh = p.RELEASE_IN.unpack_from(r.arg)[0]
+        if self.relay is not None and fh >= WRITE_HANDLES:
+            return await self.relay(r)
         if self.writes is not None and self.writes.owns(fh):
             await self.writes.release(fh)
             return NOTHING
@@ -184,10 +201,10 @@ class StokerFS:
         return NOTHING
 
     async def statfs(self, r: p.Request) -> Sequence[Buffer]:
-        return (p.statfs_out(self.block_size, free=WRITABLE_ROOM if self.writes is not None else 0),)
+        return (p.statfs_out(self.block_size, free=WRITABLE_ROOM if self.writable else 0),)
 
     async def access(self, r: p.Request) -> Sequence[Buffer]:
-        if p.ACCESS_IN.unpack_from(r.arg)[0] & os.W_OK and self.writes is None:
+        if p.ACCESS_IN.unpack_from(r.arg)[0] & os.W_OK and not self.writable:
             raise FuseError(errno.EACCES)
         return NOTHING
 
@@ -252,6 +269,13 @@ class StokerFS:
     async def rename(self, r: p.Request) -> Sequence[Buffer]:
         assert self.writes is not None
         self.writes.rename()
+        return NOTHING
+
+    async def _relay_written(self, r: p.Request) -> Sequence[Buffer]:
+        """FLUSH or FSYNC in a worker: of a file being written (its handle is the hub's), the hub's answer."""
+        assert self.relay is not None
+        if p.FLUSH_IN.unpack_from(r.arg)[0] >= WRITE_HANDLES:  # (FSYNC_IN starts with the handle too)
+            return await self.relay(r)
         return NOTHING
 
     async def nothing(self, r: p.Request) -> Sequence[Buffer]:

@@ -20,7 +20,7 @@ from ..failures import StokerError
 from ..config import ConfigError, identity_from_document
 from ..read.datapath import DataPath
 from ..store.errors import StoreError
-from ..messages import JoinRequest, MalformedReply, MountStats, WarmProgress
+from ..messages import JoinRequest, MalformedReply, MountStats, PathNews, WarmProgress
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +234,12 @@ async def _answer(datapath: DataPath, stream: trio.SocketStream, request: dict, 
         if identity is None:
             raise ValueError("credentials: none given")
         await _send(stream, await _result(datapath.rotate(identity)))
+    elif op == "news":  # a worker's, from the hub of a writable mount (fuse/relay.py): what it wrote
+        news = request.get("news")
+        if not isinstance(news, list):
+            raise TypeError("news must be a list")
+        datapath.learn([PathNews.from_wire(n) for n in news])
+        await _send(stream, {"ok": True})
     elif op == "warm":
         paths = request.get("paths", [])
         if not isinstance(paths, list):

@@ -17,11 +17,13 @@ from ..failures import StokerError
 from . import control, workers
 from ..config import ConfigError, MountConfig, auto_cache_size, block_squares
 from ..read.datapath import DataPath
+from ..fuse import relay
 from ..fuse.adapter import StokerFS
 from ..fuse.passthrough import Passthrough
 from ..fuse.protocol import Init, ProtocolError
 from ..fuse.device import MountFailed, MountOptions, mount, unmount
 from ..fuse.session import Connection
+from .hubwrites import HubWrites
 from .mounts import is_mounted
 from ..store.client import S3Store
 from ..store.errors import StoreError
@@ -88,7 +90,7 @@ def run_mount(cfg: MountConfig, ready: ReadyCallback, log_level: str = "INFO") -
         if cfg.cache_size_auto:
             cfg = _sized(cfg, store)
         if cfg.workers > 1:
-            return _run_hub(cfg, ready, log_level)
+            return _run_hub(cfg, store, ready, log_level)
         journal = _control_socket(cfg) + ".uploads"
         datapath = DataPath(cfg, store, journal=journal if cfg.writable else None)
         if datapath.writer is not None:
@@ -143,8 +145,9 @@ async def _serve(cfg: MountConfig, datapath: DataPath, ready: ReadyCallback) -> 
         conn.close()
 
 
-def _run_hub(cfg: MountConfig, ready: ReadyCallback, log_level: str) -> int:
-    """Mount, start the workers on clones of the connection, and keep them (process/workers.py)."""
+def _run_hub(cfg: MountConfig, store: S3Store, ready: ReadyCallback, log_level: str) -> int:
+    """Mount, start the workers on clones of the connection, and keep them (process/workers.py); a writable mount's
+    writes are answered here (process/hubwrites.py)."""
     try:
         conn = _connect(cfg, None)
     except MountError as exc:
@@ -162,6 +165,8 @@ def _run_hub(cfg: MountConfig, ready: ReadyCallback, log_level: str) -> int:
     hub = workers.Hub(cfg, conn.fd, conn.agreed, shared, log_level)
     try:
         try:
+            if cfg.writable:
+                hub.writes = _hub_writes(cfg, store, hub)
             for worker in [hub.start(i) for i in range(1, cfg.workers + 1)]:
                 hub.wait_ready(worker)
         except Exception as exc:  # noqa: BLE001 - any worker that cannot serve: nothing stays mounted
@@ -171,9 +176,11 @@ def _run_hub(cfg: MountConfig, ready: ReadyCallback, log_level: str) -> int:
             ready(exc)
             return 1
         log.info("%d workers serve the mount (shared blocks in %s)", cfg.workers, shared)
-        trio.run(_serve_hub, cfg, hub, ready)
+        trio.run(_serve_hub, cfg, hub, conn, ready)
     finally:
         hub.stop()
+        if hub.writes is not None:
+            hub.writes.close()
         if not hub.ended and cfg.fuse_fd is None:
             unmount(cfg.mountpoint)
         conn.close()
@@ -181,8 +188,24 @@ def _run_hub(cfg: MountConfig, ready: ReadyCallback, log_level: str) -> int:
     return 0
 
 
-async def _serve_hub(cfg: MountConfig, hub: workers.Hub, ready: ReadyCallback) -> None:
+def _hub_writes(cfg: MountConfig, store: S3Store, hub: workers.Hub) -> HubWrites:
+    """The hub's writes: one data path that writes (its open uploads named beside the control socket, as a single
+    process's are, and those a crash left swept now), and the relay socket the workers send write-side requests to,
+    listening before they start."""
+    datapath = DataPath(hub.worker_cfg, store, shared=hub.shared, journal=_control_socket(cfg) + ".uploads",
+                        writes=True)
+    assert datapath.writer is not None
+    swept = datapath.writer.uploads.sweep()
+    if swept:
+        log.info("aborted %d upload(s) a crash of this mount left open", swept)
+    listener = relay.listen(os.path.join(hub.shared, relay.SOCKET))
+    return HubWrites(datapath, _filesystem(hub.worker_cfg, datapath), listener, hub.tell)
+
+
+async def _serve_hub(cfg: MountConfig, hub: workers.Hub, conn: Connection, ready: ReadyCallback) -> None:
     async with trio.open_nursery() as nursery:
+        if hub.writes is not None:
+            await nursery.start(hub.writes.serve, conn)
         await nursery.start(hub.keep_budget)
         hub.rescan()  # what the workers published before the hub listened
         await nursery.start(control.serve, hub, _control_socket(cfg))  # (the hub answers as a DataPath does)
@@ -198,7 +221,7 @@ def run_worker(cfg: MountConfig, role: workers.WorkerRole, ready: ReadyCallback)
     workers.die_with_parent(role.hub)
     tune_malloc()
     try:
-        datapath = DataPath(cfg, S3Store(cfg.store), shared=role.shared, worker=role.spawn)
+        datapath = DataPath(cfg, S3Store(cfg.store), shared=role.shared, worker=role.spawn, writes=False)
     except (StoreError, ConfigError) as exc:
         ready(exc)
         return 1
@@ -211,7 +234,8 @@ def run_worker(cfg: MountConfig, role: workers.WorkerRole, ready: ReadyCallback)
 
 async def _serve_worker(cfg: MountConfig, role: workers.WorkerRole, datapath: DataPath, ready: ReadyCallback) -> bool:
     """True once the connection ended (unmounted); False when stopped by a signal."""
-    fs = _filesystem(cfg, datapath)
+    writes = relay.Relay(os.path.join(role.shared, relay.SOCKET)) if cfg.writable else None
+    fs = _filesystem(cfg, datapath, writes)
     conn = Connection(role.fuse_fd, agreed=role.agreed())
     try:
         async with trio.open_nursery() as nursery:
@@ -223,14 +247,17 @@ async def _serve_worker(cfg: MountConfig, role: workers.WorkerRole, datapath: Da
             nursery.cancel_scope.cancel()
     finally:
         conn.close()
+        if writes is not None:
+            writes.close()
     return conn.ended
 
 
-def _filesystem(cfg: MountConfig, datapath: DataPath) -> StokerFS:
-    """The FUSE adapter over a data path (a mount's own process, or one worker of several)."""
+def _filesystem(cfg: MountConfig, datapath: DataPath, writes: relay.Relay | None = None) -> StokerFS:
+    """The FUSE adapter over a data path (a mount's own process, one worker of several, or their hub's writes);
+    `writes`: a worker's relay of write-side requests to its hub."""
     return StokerFS(datapath.namespace, datapath.reader, block_size=cfg.block_size, kernel_cache=cfg.kernel_cache,
                     uid=os.getuid() if cfg.uid is None else cfg.uid, gid=os.getgid() if cfg.gid is None else cfg.gid,
-                    on_open=datapath.walk.on_open, writes=datapath.writes)
+                    on_open=datapath.walk.on_open, writes=datapath.writes, relay=writes)
 
 
 def _control_socket(cfg: MountConfig) -> str:

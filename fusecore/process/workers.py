@@ -40,6 +40,7 @@ from ..metrics import Summed
 from ..fuse.session import clone
 from ..read.registry import Registry
 from . import control
+from .hubwrites import HubWrites
 from .launch import LaunchFailed, _read_ready, ended
 
 log = logging.getLogger(__name__)
@@ -125,9 +126,11 @@ class Hub:
         self.spawns = 0
         self._delay: dict[int, float] = {}  # a worker that does not start again is tried less and less often
         self._next_try: dict[int, float] = {}
+        self._mourned: set[int] = set()  # spawns whose end was seen (a start tried again is not a second death)
         self.stopping = False
         self.ended = False  # the connection ended (unmounted)
         self._blocks_dir = os.path.join(shared, blocks.BLOCKS)
+        self.writes: HubWrites | None = None  # a writable mount's writes, answered here (hubwrites.py)
 
     # ---- workers ---------------------------------------------------------------------------
     def start(self, index: int) -> Worker:
@@ -185,9 +188,13 @@ class Hub:
                 now = trio.current_time()
                 if now < self._next_try.get(index, 0.0):
                     continue
-                self.restarts += 1
-                log.warning("worker %d (pid %d) ended with status %d: starting it again (the requests it held "
-                            "failed)", index, worker.proc.pid, status)
+                if worker.role.spawn not in self._mourned:
+                    self._mourned.add(worker.role.spawn)
+                    self.restarts += 1
+                    log.warning("worker %d (pid %d) ended with status %d: starting it again (the requests it held "
+                                "failed)", index, worker.proc.pid, status)
+                    if self.writes is not None:
+                        self.writes.worker_died(index)
                 try:
                     replacement = self.start(index)
                     await trio.to_thread.run_sync(self.wait_ready, replacement)
@@ -267,6 +274,13 @@ class Hub:
     def _sockets(self) -> list[str]:
         return [w.role.control_socket for w in self.workers.values() if w.proc.poll() is None]
 
+    async def tell(self, message: dict) -> list[dict]:
+        """A message to every worker serving now, answered (a writable mount's news: hubwrites.py)."""
+        return await self._each(message)
+
+    def learn(self, news: list) -> None:
+        raise ValueError("the hub learns no news: its workers do")
+
     async def _each(self, message: dict) -> list[dict]:
         async def one(path: str, into: list[dict]) -> None:
             try:
@@ -289,6 +303,8 @@ class Hub:
         total["open_files"] = len(os.listdir(os.path.join(self.shared, "fh")))
         total["workers"] = {"count": len(self.workers), "pids": [w.proc.pid for w in self.workers.values()],
                             "restarts": self.restarts}
+        if self.writes is not None:
+            total["writes"] = self.writes.stats()
         total.setdefault("shared", {}).update({"bytes": self.policy.bytes, "budget": self.policy.budget,
                                                "blocks": len(self.policy), "evictions": self.policy.evictions,
                                                "hits": self.policy.hits})

@@ -27,6 +27,7 @@ from .reader import Reader
 from .registry import Registry
 from .writer import Writer
 from .writes import Writes
+from ..messages import PathNews
 from ..store.uploads import Uploads, WithClient
 from ..cache.shared import FLUSH_EVERY, SharedBlocks
 from ..store.objects import ObjectInfo, ObjectStore
@@ -44,10 +45,12 @@ DISK_SETTLE = 10.0  # seconds a warm waits at its end for the disk tier to write
 
 class DataPath:
     def __init__(self, cfg: MountConfig, store: ObjectStore, metrics: MountMetrics | None = None, *,
-                 shared: str | None = None, worker: int = 0, journal: str | None = None):
+                 shared: str | None = None, worker: int = 0, journal: str | None = None, writes: bool | None = None):
         """`shared`: this data path is a worker of a mount served by several processes, which share blocks, inode
         numbers and open files through that folder (cache/shared.py, registry.py); `worker`: its number, unique in
-        the mount for as long as it runs (never reused by a worker started again: it is in its file handles)."""
+        the mount for as long as it runs (never reused by a worker started again: it is in its file handles);
+        `writes`: this data path writes (by default where the mount is writable; a worker of several relays its
+        writes to the hub instead: fuse/relay.py)."""
         self.cfg = cfg
         self.store = store
         self.rotations = 0  # credentials replaced while mounted
@@ -81,7 +84,7 @@ class DataPath:
         # A writable mount (`journal`: where its open uploads are named, for the next start to abort: uploads.py)
         self.writer: Writer | None = None
         self.writes: Writes | None = None
-        if cfg.writable:
+        if cfg.writable if writes is None else writes:
             uploads = Uploads(cast(WithClient, store), journal)  # (an S3Store: its botocore client writes)
             self.writer = Writer(uploads, part_size=cfg.part_size, concurrency=cfg.upload_concurrency,
                                  budget=cfg.part_budget, deadline=cfg.read_deadline)
@@ -234,9 +237,20 @@ class DataPath:
             **({"cluster": self.cluster.stats()} if self.cluster is not None else {}),
             **({"disk": dataclasses.asdict(disk)} if disk is not None else {}),
             **({"shared": dataclasses.asdict(self.shared.stats)} if self.shared is not None else {}),
-            **({"writes": {**dataclasses.asdict(self.writer.stats), "files_open": self.writer.in_flight,
-                           "uploads_open": self.writer.uploads.open_uploads}} if self.writer is not None else {}),
+            **({"writes": self.write_stats()} if self.writer is not None else {}),
         }
+
+    def write_stats(self) -> dict | None:
+        """A writable mount's `writes` (None where this data path does not write)."""
+        if self.writer is None:
+            return None
+        return {**dataclasses.asdict(self.writer.stats), "files_open": self.writer.in_flight,
+                "uploads_open": self.writer.uploads.open_uploads}
+
+    def learn(self, news: list[PathNews]) -> None:
+        """A worker of a writable mount: what the hub wrote (fuse/relay.py)."""
+        for one in news:
+            self.namespace.learn(one)
 
     def resize(self, cache_size: int) -> dict:
         """New cache budget (the operator sizes node caches); in-flight GET bytes follow it as at start."""

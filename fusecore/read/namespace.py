@@ -26,6 +26,7 @@ from typing import Awaitable, Callable, Iterable, Iterator
 
 import trio
 
+from ..messages import PathNews
 from ..metrics import MountMetrics
 from .registry import Registry, derived_inode
 from ..store.objects import Listing, ObjectInfo, ObjectStore
@@ -189,6 +190,8 @@ class Namespace:
     def _droppable(self, node: Node) -> bool:
         if node.is_dir and node.children:
             return False  # its children go first; the directory follows at a later sweep
+        if node.writing:
+            return False  # (not in the bucket yet; with several workers the kernel's references are not counted)
         parent = self.parent_of(node)
         return parent is None or parent.children.get(node.name) != node.inode or not self._fresh(parent.listed_at)
 
@@ -441,6 +444,49 @@ class Namespace:
 
     def remove(self, parent: Node, name: str) -> None:
         parent.set_child(name, None)
+
+    # ---- a writable mount with several workers: the hub writes, and tells every worker (fuse/relay.py) ----------
+    def news_of(self, path: str) -> PathNews:
+        """The state of `path` here (the hub's), for the workers."""
+        inode = self._by_path.get(path)
+        node = self._nodes.get(inode) if inode is not None else None
+        parent = self.parent_of(node) if node is not None else None
+        if node is None or parent is None or parent.children.get(node.name) != node.inode:
+            return PathNews(path, "gone")
+        if node.is_dir:
+            return PathNews(path, "dir")
+        assert node.info is not None
+        return PathNews(path, "file", node.info.key, node.info.size, node.info.etag, node.info.mtime, node.writing)
+
+    def learn(self, news: PathNews) -> None:
+        """What the hub wrote, seen here at once: a file being written (opened here it is busy) or written, one gone, a
+        directory made. The directories on its way are known from then on (they exist: the hub has them)."""
+        if not news.path:
+            return
+        names = news.path.split("/")
+        parent = self._nodes[ROOT_INODE]
+        for depth, name in enumerate(names[:-1], 1):
+            inode = parent.children.get(name)
+            child = self._nodes.get(inode) if inode is not None else None
+            if child is None or not child.is_dir:
+                if news.kind == "gone":
+                    return  # (nothing known here to remove)
+                child = self._upsert("/".join(names[:depth]), True, None, self._clock())
+                child.made = True  # (kept as a directory made here is, until the bucket has it)
+                parent.set_child(name, child.inode)
+            parent = child
+        name = names[-1]
+        if news.kind == "gone":
+            gone = parent.children.get(name)
+            self.remove(parent, name)
+            if gone is not None and gone in self._nodes:
+                self._nodes[gone].writing = False
+        elif news.kind == "dir":
+            if parent.children.get(name) is None:
+                self.add_dir(parent, name)
+        else:
+            node = self.add_file(parent, name, ObjectInfo(news.key, news.size, news.etag, news.mtime))
+            node.writing = news.writing
 
     async def object_at(self, key: str) -> ObjectInfo | None:
         """The object `key` as this mount lists it (each directory on its way looked up as a reader's open would),

@@ -159,6 +159,10 @@ class Writer:
                 w.drained.set()
                 w.drained = trio.Event()
 
+    def fail(self, w: Writing, exc: StoreError) -> None:
+        """End a file being written with this failure (its upload aborted), whatever its state."""
+        self._fail(w, exc)
+
     def _fail(self, w: Writing, exc: StoreError) -> None:
         """The first failure of a file: every later write and its close fail with it, and its upload is aborted now
         (not at the close, which a writer that stopped may never send)."""

@@ -27,7 +27,7 @@ from typing import Callable
 
 import trio
 
-from ..store.errors import NotFound
+from ..store.errors import NotFound, Unavailable
 from ..store.objects import ObjectInfo
 from .namespace import Namespace, Node, valid_name
 from .writer import Refused, Writer, Writing
@@ -73,6 +73,15 @@ class Writes:
         # The kernel must forget a name that no longer exists (a new file whose upload failed): set by the process
         # serving the connection (daemon.py)
         self.on_gone: Callable[[int, str], None] = lambda parent_inode, name: None
+
+    def fail_all(self, why: str) -> int:
+        """Fail every file being written (EIO at its close; no object): how many."""
+        count = 0
+        for o in self._open.values():
+            if o.writing.done is None and o.writing.failed is None:
+                self.writer.fail(o.writing, Unavailable(f"{o.writing.key}: {why}"))
+                count += 1
+        return count
 
     def owns(self, fh: int) -> bool:
         return fh >= WRITE_HANDLES

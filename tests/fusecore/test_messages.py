@@ -44,3 +44,15 @@ def test_a_join_request_round_trips_and_refuses_what_a_peer_path_cannot_carry():
             JoinRequest.from_wire({**request.wire(), **change})
     with pytest.raises(ValueError):
         JoinRequest.from_wire({k: v for k, v in request.wire().items() if k != "key"})
+
+
+def test_path_news_round_trips_and_refuses_what_is_not_news():
+    from fusecore.messages import PathNews
+
+    news = PathNews("run/step-1/model.pt", "file", "data/run/step-1/model.pt", 12, '"e"', 5.0, True)
+    assert PathNews.from_wire(news.to_wire()) == news
+    for broken in ({}, {"path": "a", "kind": "link"}, {"path": "/etc/passwd", "kind": "file"},
+                   {"path": "a/../b", "kind": "gone"}, {"path": "a//b", "kind": "dir"},
+                   {"path": "a", "kind": "file", "size": -1}, {"path": "a", "kind": "file", "size": "big"}, []):
+        with pytest.raises(MalformedReply):
+            PathNews.from_wire(broken)

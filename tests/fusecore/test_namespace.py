@@ -262,3 +262,38 @@ def test_an_entry_gone_from_a_new_listing_is_dropped_when_unreferenced():
     ns.forget(first["b"], 1)
     assert ns.sweep(force=True) == [first["b"]]  # the listing is fresh, but no longer holds it
     assert ns.node(first["a"]).path == "a"
+
+
+def test_a_worker_learns_what_the_hub_wrote_and_a_file_being_written_outlives_its_listing():
+    """A writable mount with several workers (fuse/relay.py): the hub's news of a path is the worker's view at once,
+    with the directories on its way; a file being written is never swept, though no kernel reference is counted."""
+    from fusecore.messages import PathNews
+
+    store = FakeStore()
+    store.put("data/old.bin", b"old")
+    clock = Clock()
+    hub, worker = ns_for(store, prefix="data/", clock=clock), ns_for(store, prefix="data/", clock=clock)
+
+    async def go():
+        await worker.readdir(ROOT_INODE)
+        worker.learn(PathNews("run/step-1/model.pt", "file", "data/run/step-1/model.pt", 0, "", 1.0, True))
+        run = await worker.lookup(ROOT_INODE, "run")
+        step = await worker.lookup(run.inode, "step-1")
+        model = await worker.lookup(step.inode, "model.pt")
+        assert model.writing and run.is_dir and step.is_dir
+        clock.now += 3600  # every listing expired: a sweep keeps the file being written, and the way to it
+        worker.sweep(force=True)
+        await worker.readdir(ROOT_INODE)
+        run = await worker.lookup(ROOT_INODE, "run")
+        assert (await worker.lookup((await worker.lookup(run.inode, "step-1")).inode, "model.pt")).writing
+        worker.learn(PathNews("run/step-1/model.pt", "file", "data/run/step-1/model.pt", 9, '"v2"', 2.0, False))
+        assert (model.writing, model.info.size, model.info.etag) == (False, 9, '"v2"')
+        assert hub.news_of("nothing/here").kind == "gone"
+        old = hub.node(dict(await hub.readdir(ROOT_INODE))["old.bin"])
+        assert hub.news_of("old.bin") == PathNews("old.bin", "file", "data/old.bin", 3, old.info.etag,
+                                                  old.info.mtime, False)
+        del store.objects["data/old.bin"]  # (as the hub's unlink did)
+        worker.learn(PathNews("old.bin", "gone"))
+        assert "old.bin" not in dict(await worker.readdir(ROOT_INODE))
+
+    trio.run(go)

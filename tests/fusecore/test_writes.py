@@ -187,8 +187,54 @@ def test_writes_need_the_flag_and_the_flags_need_writes(s3, bucket, mounts):
     assert caught.value.errno == errno.EROFS
     result = mounts.run(f"s3://{bucket}", "--allow-delete")
     assert result.returncode == 2 and "--writable" in result.stderr
-    result = mounts.run(f"s3://{bucket}", "--writable", "--workers", "2")
-    assert result.returncode == 2 and "workers" in result.stderr
+
+
+def test_two_workers_write_through_their_hub_and_a_worker_killed_mid_write_fails_that_file(s3, bucket, mounts):
+    """--workers 2 --writable: whichever worker gets a file's requests, its writes reach the hub's one upload; a file
+    closed through one worker is listed, stat'ed and read through any at once; a name being written is busy in every
+    worker; a worker killed mid-write fails the file (no object, no upload left) and the next file is whole."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    mp = mounts.mount(f"s3://{bucket}", "--writable", "--allow-delete", "--workers", "2", "--part-size", "5MiB",
+                      "--no-kernel-cache")
+    os.makedirs(os.path.join(mp, "run/step-1"))
+    files = {f"run/step-1/rank{i}.pt": os.urandom(6 * MiB + i * 4099) for i in range(4)}
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda item: _write(os.path.join(mp, item[0]), item[1]), files.items()))
+    for key, data in files.items():
+        assert _object(s3, bucket, key) == data, key
+    for _ in range(3):  # (each listing and open goes to whichever worker reads it first)
+        assert sorted(os.listdir(os.path.join(mp, "run/step-1"))) == sorted(k.rsplit("/", 1)[1] for k in files)
+        for key, data in files.items():
+            assert os.stat(os.path.join(mp, key)).st_size == len(data)
+            with open(os.path.join(mp, key), "rb") as f:
+                assert f.read() == data
+    with open(os.path.join(mp, "run/step-1/open.pt"), "wb", buffering=0) as f:
+        f.write(os.urandom(MiB))
+        for _ in range(4):
+            with pytest.raises(OSError) as caught:
+                open(os.path.join(mp, "run/step-1/open.pt"), "rb")
+            assert caught.value.errno == errno.EBUSY
+    os.unlink(os.path.join(mp, "run/step-1/rank0.pt"))
+    for _ in range(3):
+        assert "rank0.pt" not in os.listdir(os.path.join(mp, "run/step-1"))
+    assert _object(s3, bucket, "run/step-1/rank0.pt") is None
+    stats = mounts.stats(mp)
+    assert stats["writes"]["uploads_completed"] == 5 and stats["writes"]["files_open"] == 0
+
+    victim = stats["workers"]["pids"][0]
+    with pytest.raises(OSError):
+        with open(os.path.join(mp, "run/killed.pt"), "wb", buffering=0) as f:
+            f.write(os.urandom(6 * MiB))
+            os.kill(victim, signal.SIGKILL)
+            assert wait_for(lambda: mounts.stats(mp)["workers"]["restarts"] >= 1, 15)
+            for _ in range(4):
+                f.write(os.urandom(MiB))
+    assert _object(s3, bucket, "run/killed.pt") is None
+    assert wait_for(lambda: _open_uploads(s3, bucket) == [], 10), _open_uploads(s3, bucket)
+    again = os.urandom(7 * MiB)
+    _write(os.path.join(mp, "run/after.pt"), again)
+    assert _object(s3, bucket, "run/after.pt") == again
 
 
 def test_four_seconds_of_503s_during_an_upload_and_the_file_completes_exactly(s3, bucket, mounts, moto_server):

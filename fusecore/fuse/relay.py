@@ -1,0 +1,154 @@
+"""A writable mount served by several workers: what writes is relayed to the hub, which alone writes.
+
+The kernel hands each request to whichever worker reads first, so the WRITEs of one file reach every worker, while a
+file is one multipart upload, in order, within one part budget for the mount. So a worker answers no write-side
+request itself: it sends the request as the kernel sent it (its header and argument) to the hub's relay socket and
+answers the kernel with what the hub answered. The hub answers with the same FUSE adapter (adapter.py) over a data path
+of its own that writes (read/writes.py), and tells every worker what changed before it answers (messages.PathNews: a file
+being written, written, gone, a directory made), so that any worker lists and opens it at once.
+
+The socket is in the mount's private shared folder (0700, the mount's user): only that user reaches it, who can
+write through the mount anyway. One connection carries one request at a time; a worker keeps a few open.
+
+Frames: a request is its length (4 bytes, little-endian) then the request's bytes; an answer is its body's length and
+an errno (0: the body is the reply), then the body.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import struct
+from typing import Awaitable, Callable, Sequence
+
+import trio
+
+from . import protocol as p
+from .session import Buffer, FuseError
+
+log = logging.getLogger(__name__)
+
+FRAME = struct.Struct("<I")
+ANSWER = struct.Struct("<Ii")
+MAX_REQUEST = 16 * 1024 * 1024  # (a WRITE carries at most max_write bytes: 1 MiB)
+IDLE_KEPT = 8  # connections a worker keeps open to the hub
+SOCKET = "relay.sock"  # in the mount's shared folder (process/workers.py)
+
+
+class Relay:
+    """A worker's side: `await relay(request)` is the hub's answer (its reply parts, or FuseError)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._idle: list[trio.socket.SocketType] = []
+
+    async def __call__(self, r: p.Request) -> Sequence[Buffer]:
+        sock = self._idle.pop() if self._idle else await self._connect()
+        try:
+            head = p.IN_HEADER.pack(p.IN_HEADER.size + len(r.arg), r.opcode, r.unique, r.nodeid, r.uid, r.gid, r.pid,
+                                    0, 0)
+            await _send(sock, [FRAME.pack(len(head) + len(r.arg)), head, r.arg])
+            length, error = ANSWER.unpack(await _receive(sock, ANSWER.size))
+            body = await _receive(sock, length)
+        except BaseException as exc:  # (cancelled too: the connection's state is unknown, it is not kept)
+            sock.close()
+            if isinstance(exc, (OSError, EOFError)):
+                log.warning("the hub did not answer a relayed request (opcode %d): %s", r.opcode, exc)
+                raise FuseError(errno.EIO) from None
+            raise
+        if len(self._idle) < IDLE_KEPT:
+            self._idle.append(sock)
+        else:
+            sock.close()
+        if error:
+            raise FuseError(error)
+        return (body,) if body else ()
+
+    async def _connect(self) -> trio.socket.SocketType:
+        sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+        try:
+            await sock.connect(self.path)
+        except OSError as exc:
+            sock.close()
+            log.warning("cannot reach the hub's relay at %s: %s", self.path, exc)
+            raise FuseError(errno.EIO) from None
+        return sock
+
+    def close(self) -> None:
+        for sock in self._idle:
+            sock.close()
+        self._idle.clear()
+
+
+Answerer = Callable[[p.Request], Awaitable[Sequence[Buffer]]]
+
+
+def listen(path: str) -> socket.socket:
+    """The hub's relay socket, listening before any worker starts (a write may come at once); `serve` answers it."""
+    if os.path.exists(path):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+        os.chmod(path, 0o600)
+        listener.listen(64)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
+async def serve(listener: socket.socket, answer: Answerer, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """The hub's side: answer relayed requests with `answer` (the hub's adapter) until cancelled."""
+    sock = trio.socket.from_stdlib_socket(listener)
+    task_status.started()
+    with sock:
+        async with trio.open_nursery() as nursery:
+            while True:
+                conn, _ = await sock.accept()
+                nursery.start_soon(_connection, conn, answer)
+
+
+async def _connection(sock: trio.socket.SocketType, answer: Answerer) -> None:
+    with sock:
+        while True:
+            try:
+                (length,) = FRAME.unpack(await _receive(sock, FRAME.size))
+                if not p.IN_HEADER.size <= length <= MAX_REQUEST:
+                    log.error("a relayed request of %d bytes: the connection is closed", length)
+                    return
+                request = p.parse(await _receive(sock, length))
+            except (EOFError, OSError, p.ProtocolError):
+                return  # the worker closed it (or ended)
+            try:
+                parts: Sequence[Buffer] = await answer(request)
+                error = 0
+            except FuseError as exc:
+                parts, error = (), exc.errno
+            body = b"".join(parts)
+            try:
+                await _send(sock, [ANSWER.pack(len(body), error), body])
+            except OSError:
+                return
+
+
+async def _receive(sock: trio.socket.SocketType, n: int) -> bytearray:
+    """Exactly n bytes (EOFError if the other side closed first)."""
+    buffer = bytearray(n)
+    view = memoryview(buffer)
+    got = 0
+    while got < n:
+        k = await sock.recv_into(view[got:])
+        if not k:
+            raise EOFError
+        got += k
+    return buffer
+
+
+async def _send(sock: trio.socket.SocketType, parts: list) -> None:
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while view:
+            view = view[await sock.send(view):]
