@@ -112,6 +112,7 @@ async def serve(listener: socket.socket, answer: Answerer, *, task_status=trio.T
 
 
 async def _connection(sock: trio.socket.SocketType, answer: Answerer) -> None:
+    buffer = bytearray()  # one request at a time: answered before the next is read into the same buffer
     with sock:
         while True:
             try:
@@ -119,7 +120,11 @@ async def _connection(sock: trio.socket.SocketType, answer: Answerer) -> None:
                 if not p.IN_HEADER.size <= length <= MAX_REQUEST:
                     log.error("a relayed request of %d bytes: the connection is closed", length)
                     return
-                request = p.parse(await _receive(sock, length))
+                if len(buffer) < length:
+                    buffer = bytearray(length)
+                view = memoryview(buffer)[:length]
+                await _receive_into(sock, view)
+                request = p.parse(view)
             except (EOFError, OSError, p.ProtocolError):
                 return  # the worker closed it (or ended)
             try:
@@ -137,14 +142,17 @@ async def _connection(sock: trio.socket.SocketType, answer: Answerer) -> None:
 async def _receive(sock: trio.socket.SocketType, n: int) -> bytearray:
     """Exactly n bytes (EOFError if the other side closed first)."""
     buffer = bytearray(n)
-    view = memoryview(buffer)
+    await _receive_into(sock, memoryview(buffer))
+    return buffer
+
+
+async def _receive_into(sock: trio.socket.SocketType, view: memoryview) -> None:
     got = 0
-    while got < n:
+    while got < len(view):
         k = await sock.recv_into(view[got:])
         if not k:
             raise EOFError
         got += k
-    return buffer
 
 
 async def _send(sock: trio.socket.SocketType, parts: list) -> None:
