@@ -85,6 +85,9 @@ class MountMetrics:
         for event in self.DISK_EVENTS:
             blocks.labels(event=event).set_function(_field_of(stats, event))
 
+    def bind_writes(self, stats: Callable[[], dict | None]) -> None:
+        write_gauges(self.registry, stats)
+
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
 
@@ -125,3 +128,25 @@ class Summed:
                 value = sum(seen) / len(seen) if name in AVERAGED else sum(seen)
                 family.add_sample(sample, dict(labels), value)
         return list(families.values())
+
+
+WRITE_GAUGES = (  # (name, help, field of a writable mount's `writes` stats: DataPath.write_stats)
+    ("stoker_bytes_written", "Bytes written through the mount (total)", "bytes_written"),
+    ("stoker_uploads_completed", "Objects written: uploads completed (total)", "uploads_completed"),
+    ("stoker_uploads_aborted", "Uploads aborted: files that failed and left no object (total)", "uploads_aborted"),
+    ("stoker_parts_sent", "Parts of multipart uploads sent (total)", "parts_sent"),
+    ("stoker_upload_requests_retried", "Upload requests sent again by botocore's retries (total)",
+     "requests_retried"),
+    ("stoker_files_being_written", "Files open for writing now", "files_open"),
+    ("stoker_uploads_open", "Multipart uploads open now", "uploads_open"),
+)
+
+
+def write_gauges(registry: CollectorRegistry, stats: Callable[[], dict | None]) -> None:
+    """A writable mount's gauges, read from `stats()` at scrape time (a mount's own process, or the hub of several
+    workers: its writes are its own)."""
+    def field(key: str) -> Callable[[], float]:
+        return lambda: (stats() or {}).get(key, 0)
+
+    for name, doc, key in WRITE_GAUGES:
+        Gauge(name, doc, registry=registry).set_function(field(key))

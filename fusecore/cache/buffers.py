@@ -75,3 +75,28 @@ def allocate(nbytes: int, huge: bool = False) -> bytearray | mmap.mmap:
         except OSError:
             pass
     return bytearray(nbytes)
+
+
+_from_size = ctypes.pythonapi.PyByteArray_FromStringAndSize
+_from_size.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+_from_size.restype = ctypes.py_object
+
+
+def populated_bytearray(nbytes: int, huge: bool = False) -> bytearray:
+    """A bytearray of `nbytes` whose pages are mapped in one call, for a buffer about to be filled (a part of an
+    upload: botocore sends bytes and bytearrays whole, not mmaps). `bytearray(n)` zeroes its memory in the caller's
+    thread, a page fault per 4 KiB under the GIL; this one is made without zeroing (a buffer of MMAP_MIN or more is a
+    fresh anonymous mapping of malloc's, M_MMAP_THRESHOLD being fixed: daemon.tune_malloc, so the kernel gives it
+    zeroed) and populated by madvise without the GIL, on 2 MiB pages where the mount chose them (pages.py)."""
+    if nbytes < MMAP_MIN or _madvise is None:
+        return bytearray(nbytes)
+    buffer = _from_size(None, nbytes)
+    view = ctypes.c_char.from_buffer(buffer)
+    start = ctypes.addressof(view)
+    del view
+    first = (start + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE  # (malloc's header comes first)
+    length = (start + nbytes - first) // mmap.PAGESIZE * mmap.PAGESIZE
+    if huge and _MADV_HUGEPAGE is not None:
+        _madvise(first, length, _MADV_HUGEPAGE)
+    _madvise(first, length, _MADV_POPULATE_WRITE)
+    return buffer

@@ -369,8 +369,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     writes = stats.get("writes")
     if writes:
         print(f"written      {format_size(writes['bytes_written'])}, {writes['uploads_completed']} objects, "
-              f"{writes['uploads_aborted']} aborted; {writes['files_open']} files and {writes['uploads_open']} "
-              "uploads open")
+              f"{writes['uploads_aborted']} aborted, {writes.get('requests_retried', 0)} requests retried; "
+              f"{writes['files_open']} files and {writes['uploads_open']} uploads open")
     cluster = stats.get("cluster")
     if cluster:
         by = stats["bytes_by_source"]

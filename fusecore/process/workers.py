@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from ..cache import shared as blocks
 from ..config import Identity, MountConfig, identity_document, mount_document
 from ..fuse.protocol import Agreed
-from ..metrics import Summed
+from ..metrics import Summed, write_gauges
 from ..fuse.session import clone
 from ..read.registry import Registry
 from . import control
@@ -342,6 +342,8 @@ class Hub:
                 ("stoker_workers", "Worker processes serving the mount", lambda: len(self._sockets())),
                 ("stoker_worker_restarts", "Workers started again after they died (total)", lambda: self.restarts)):
             Gauge(name, doc, registry=registry).set_function(value)
+        if self.writes is not None:
+            write_gauges(registry, self.writes.stats)
         start_http_server(port, addr=addr, registry=registry)
 
     def _metrics_texts(self) -> list[str]:

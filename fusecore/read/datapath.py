@@ -87,7 +87,8 @@ class DataPath:
         if cfg.writable if writes is None else writes:
             uploads = Uploads(cast(WithClient, store), journal)  # (an S3Store: its botocore client writes)
             self.writer = Writer(uploads, part_size=cfg.part_size, concurrency=cfg.upload_concurrency,
-                                 budget=cfg.part_budget, deadline=cfg.read_deadline)
+                                 budget=cfg.part_budget, deadline=cfg.read_deadline, huge_pages=self.pages.huge)
+            self.metrics.bind_writes(self.write_stats)
             self.writes = Writes(self.namespace, self.writer, allow_overwrite=cfg.allow_overwrite,
                                  allow_delete=cfg.allow_delete, forget_blocks=self.cache.invalidate)
 
@@ -245,7 +246,7 @@ class DataPath:
         if self.writer is None:
             return None
         return {**dataclasses.asdict(self.writer.stats), "files_open": self.writer.in_flight,
-                "uploads_open": self.writer.uploads.open_uploads}
+                "uploads_open": self.writer.uploads.open_uploads, "requests_retried": self.writer.uploads.retried}
 
     def learn(self, news: list[PathNews]) -> None:
         """A worker of a writable mount: what the hub wrote (fuse/relay.py)."""

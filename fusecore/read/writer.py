@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from ..cache.buffers import populated_bytearray
 from ..store.errors import StoreError, Unavailable
 from ..store.objects import ObjectInfo
 from ..store.uploads import Uploads
@@ -65,8 +66,10 @@ class Writing:
 
 
 class Writer:
-    def __init__(self, uploads: Uploads, *, part_size: int, concurrency: int, budget: int, deadline: float):
+    def __init__(self, uploads: Uploads, *, part_size: int, concurrency: int, budget: int, deadline: float,
+                 huge_pages: bool = False):
         self.uploads = uploads
+        self.huge = huge_pages  # part buffers on 2 MiB pages (where the mount chose them: cache/pages.py)
         self.part_size = part_size
         self.concurrency = concurrency
         self.deadline = deadline
@@ -100,7 +103,8 @@ class Writer:
         self.stats.bytes_written += len(view)
         while view:
             if w.part is None:
-                w.part, w.filled = self._free.pop() if self._free else bytearray(self.part_size), 0
+                w.part, w.filled = self._free.pop() if self._free else populated_bytearray(self.part_size,
+                                                                                           self.huge), 0
             n = min(len(view), self.part_size - w.filled)
             w.part[w.filled:w.filled + n] = view[:n]  # the one copy of the bytes in this process
             w.filled += n

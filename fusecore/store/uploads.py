@@ -42,6 +42,15 @@ class Uploads:
         self._journal = journal
         self._open: dict[str, str] = {}  # upload id -> key, as in the journal
         self._lock = threading.Lock()
+        self.retried = 0  # requests botocore sent again (its retries: throttling, 5xx, a dropped connection)
+
+    def _retries(self, answer: Any) -> None:
+        """Count the retries botocore made for one request (its answer's, or its error's, ResponseMetadata)."""
+        meta = answer.get("ResponseMetadata", {}) if isinstance(answer, dict) else {}
+        n = meta.get("RetryAttempts", 0) if isinstance(meta, dict) else 0
+        if n:
+            with self._lock:
+                self.retried += int(n)
 
 
     def put(self, key: str, data: bytes | bytearray) -> ObjectInfo:
@@ -49,7 +58,9 @@ class Uploads:
         try:
             resp = self._client.put_object(Bucket=self.bucket, Key=key, Body=data)
         except Exception as exc:  # noqa: BLE001 - translated, once
+            self._retries(getattr(exc, "response", None))
             raise translate(exc, f"put {key!r}") from exc
+        self._retries(resp)
         return ObjectInfo(key=key, size=len(data), etag=resp["ETag"], mtime=time.time())
 
     def create(self, key: str) -> str:
@@ -72,7 +83,9 @@ class Uploads:
             resp = self._client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload, PartNumber=number,
                                             Body=data)
         except Exception as exc:  # noqa: BLE001
+            self._retries(getattr(exc, "response", None))
             raise translate(exc, f"upload {key!r} part {number}") from exc
+        self._retries(resp)
         return resp["ETag"]
 
     def complete(self, key: str, upload: str, etags: list[str], size: int) -> ObjectInfo:
@@ -82,7 +95,9 @@ class Uploads:
             resp = self._client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload,
                                                           MultipartUpload={"Parts": parts})
         except Exception as exc:  # noqa: BLE001
+            self._retries(getattr(exc, "response", None))
             raise translate(exc, f"complete {key!r}") from exc
+        self._retries(resp)
         self._closed(upload)
         return ObjectInfo(key=key, size=size, etag=resp["ETag"], mtime=time.time())
 

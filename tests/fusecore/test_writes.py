@@ -34,6 +34,16 @@ def _object(s3, bucket: str, key: str) -> bytes | None:
         return None
 
 
+def _metrics(port: int) -> dict[str, float]:
+    """The mount's metrics by name (samples without labels)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples if not s.labels}
+
+
 def _open_uploads(s3, bucket: str) -> list[str]:
     return [u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
 
@@ -195,8 +205,13 @@ def test_two_workers_write_through_their_hub_and_a_worker_killed_mid_write_fails
     worker; a worker killed mid-write fails the file (no object, no upload left) and the next file is whole."""
     from concurrent.futures import ThreadPoolExecutor
 
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     mp = mounts.mount(f"s3://{bucket}", "--writable", "--allow-delete", "--workers", "2", "--part-size", "5MiB",
-                      "--no-kernel-cache")
+                      "--no-kernel-cache", "--metrics-port", str(port))
     os.makedirs(os.path.join(mp, "run/step-1"))
     files = {f"run/step-1/rank{i}.pt": os.urandom(6 * MiB + i * 4099) for i in range(4)}
     with ThreadPoolExecutor(4) as pool:
@@ -221,6 +236,8 @@ def test_two_workers_write_through_their_hub_and_a_worker_killed_mid_write_fails
     assert _object(s3, bucket, "run/step-1/rank0.pt") is None
     stats = mounts.stats(mp)
     assert stats["writes"]["uploads_completed"] == 5 and stats["writes"]["files_open"] == 0
+    metrics = _metrics(port)
+    assert metrics["stoker_uploads_completed"] == 5 and metrics["stoker_workers"] == 2  # (the hub's writes)
 
     victim = stats["workers"]["pids"][0]
     with pytest.raises(OSError):
@@ -242,10 +259,15 @@ def test_four_seconds_of_503s_during_an_upload_and_the_file_completes_exactly(s3
 
     from tests.support.faultproxy import FaultProxy
 
+    import socket
+
     data = os.urandom(17 * MiB + 99)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     with FaultProxy(moto_server.endpoint) as proxy:
         mp = mounts.mount(f"s3://{bucket}", "--writable", "--part-size", "5MiB", "--max-attempts", "12",
-                          endpoint=proxy.endpoint)
+                          "--metrics-port", str(port), endpoint=proxy.endpoint)
         path = os.path.join(mp, "ckpt.bin")
         started = time.monotonic()
         with open(path, "wb", buffering=0) as f:
@@ -254,6 +276,11 @@ def test_four_seconds_of_503s_during_an_upload_and_the_file_completes_exactly(s3
             for i in range(6 * MiB, len(data), MiB):
                 f.write(data[i:i + MiB])
         assert time.monotonic() - started >= 4.0 and proxy.faults_served > 0
+        writes = mounts.stats(mp)["writes"]
+        assert writes["requests_retried"] > 0 and writes["uploads_aborted"] == 0, writes
+        metrics = _metrics(port)
+        assert metrics["stoker_bytes_written"] == len(data), metrics
+        assert metrics["stoker_upload_requests_retried"] == writes["requests_retried"]
     assert _object(s3, bucket, "ckpt.bin") == data
     assert _open_uploads(s3, bucket) == []
 
