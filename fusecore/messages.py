@@ -4,6 +4,7 @@ The wire stays JSON lines; these are built from it in one place, and the server 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from .failures import StokerError
@@ -156,14 +157,15 @@ class PathNews:
     @classmethod
     def from_wire(cls, wire: object) -> "PathNews":
         """Checked field by field: a control request's sender is the hub, but no message is taken blind."""
+        if not isinstance(wire, dict):
+            raise MalformedReply("path news must be an object")
         try:
-            assert isinstance(wire, dict)
             news = cls(path=str(wire["path"]), kind=str(wire["kind"]), key=str(wire.get("key", "")),
                        size=int(wire.get("size", 0)), etag=str(wire.get("etag", "")),
-                       mtime=float(wire.get("mtime", 0.0)), writing=bool(wire.get("writing", False)))
-        except (AssertionError, KeyError, TypeError, ValueError) as exc:
+                       mtime=float(wire.get("mtime", 0.0)), writing=wire.get("writing", False) is True)
+        except (KeyError, TypeError, ValueError) as exc:
             raise MalformedReply(f"path news: {exc!r}") from None
-        if news.kind not in cls.KINDS or news.size < 0 or news.path.startswith("/") \
-                or any(part in ("", ".", "..") for part in news.path.split("/") if news.path):
+        if news.kind not in cls.KINDS or news.size < 0 or not math.isfinite(news.mtime) or "\0" in news.path \
+                or news.path.startswith("/") or any(part in ("", ".", "..") for part in news.path.split("/")):
             raise MalformedReply(f"path news of {news.path!r} ({news.kind}) is not news")
         return news

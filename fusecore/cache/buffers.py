@@ -85,9 +85,10 @@ _from_size.restype = ctypes.py_object
 def populated_bytearray(nbytes: int, huge: bool = False) -> bytearray:
     """A bytearray of `nbytes` whose pages are mapped in one call, for a buffer about to be filled (a part of an
     upload: botocore sends bytes and bytearrays whole, not mmaps). `bytearray(n)` zeroes its memory in the caller's
-    thread, a page fault per 4 KiB under the GIL; this one is made without zeroing (a buffer of MMAP_MIN or more is a
-    fresh anonymous mapping of malloc's, M_MMAP_THRESHOLD being fixed: daemon.tune_malloc, so the kernel gives it
-    zeroed) and populated by madvise without the GIL, on 2 MiB pages where the mount chose them (pages.py)."""
+    thread, a page fault per 4 KiB under the GIL; this one is made without zeroing and populated by one madvise
+    without the GIL, on 2 MiB pages where the mount chose them (pages.py). Its bytes are whatever malloc gave (a
+    fresh mapping, zero, for a buffer over the mount's M_MMAP_THRESHOLD: daemon.tune_malloc): a caller sends only
+    what it wrote into it."""
     if nbytes < MMAP_MIN or _madvise is None:
         return bytearray(nbytes)
     buffer = _from_size(None, nbytes)

@@ -274,7 +274,7 @@ class StokerFS:
     async def _relay_written(self, r: p.Request) -> Sequence[Buffer]:
         """FLUSH or FSYNC in a worker: of a file being written (its handle is the hub's), the hub's answer."""
         assert self.relay is not None
-        if p.FLUSH_IN.unpack_from(r.arg)[0] >= WRITE_HANDLES:  # (FSYNC_IN starts with the handle too)
+        if p.HANDLE.unpack_from(r.arg)[0] >= WRITE_HANDLES:  # (FLUSH_IN and FSYNC_IN both start with the handle)
             return await self.relay(r)
         return NOTHING
 

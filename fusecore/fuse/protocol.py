@@ -33,6 +33,7 @@ NOTIFY_INVAL_ENTRY_OUT = struct.Struct("<QII")  # parent namelen flags (then the
 NOTIFY_INVAL_ENTRY = 3  # a notification's code, sent in the reply head's error field with unique 0
 FLUSH_IN = struct.Struct("<QIIQ")  # fh unused padding lock_owner
 FSYNC_IN = struct.Struct("<QII")  # fh fsync_flags padding
+HANDLE = struct.Struct("<Q")  # the file handle a FLUSH_IN, FSYNC_IN or RELEASE_IN starts with
 SETATTR_IN = struct.Struct("<IIQQQQQQIIIIIIII")  # valid padding fh size lock_owner atime mtime ctime atimensec
 # mtimensec ctimensec mode unused uid gid unused
 INIT_IN = struct.Struct("<IIII")  # major minor max_readahead flags

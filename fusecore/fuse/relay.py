@@ -3,9 +3,10 @@
 The kernel hands each request to whichever worker reads first, so the WRITEs of one file reach every worker, while a
 file is one multipart upload, in order, within one part budget for the mount. So a worker answers no write-side
 request itself: it sends the request as the kernel sent it (its header and argument) to the hub's relay socket and
-answers the kernel with what the hub answered. The hub answers with the same FUSE adapter (adapter.py) over a data path
-of its own that writes (read/writes.py), and tells every worker what changed before it answers (messages.PathNews: a file
-being written, written, gone, a directory made), so that any worker lists and opens it at once.
+answers the kernel with what the hub answered. The hub answers with the same FUSE adapter (adapter.py) over a data
+path of its own that writes (read/writes.py), and tells every worker what changed before it answers
+(messages.PathNews: a file being written, written, gone, a directory made; process/hubwrites.py), so that any worker
+lists and opens it at once.
 
 The socket is in the mount's private shared folder (0700, the mount's user): only that user reaches it, who can
 write through the mount anyway. One connection carries one request at a time; a worker keeps a few open.
@@ -33,7 +34,8 @@ log = logging.getLogger(__name__)
 FRAME = struct.Struct("<I")
 ANSWER = struct.Struct("<Ii")
 MAX_REQUEST = 16 * 1024 * 1024  # (a WRITE carries at most max_write bytes: 1 MiB)
-IDLE_KEPT = 8  # connections a worker keeps open to the hub
+IDLE_KEPT = 32  # connections a worker keeps open to the hub
+CONNECT_TRIES = 5
 SOCKET = "relay.sock"  # in the mount's shared folder (process/workers.py)
 
 
@@ -67,14 +69,23 @@ class Relay:
         return (body,) if body else ()
 
     async def _connect(self) -> trio.socket.SocketType:
-        sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-        try:
-            await sock.connect(self.path)
-        except OSError as exc:
-            sock.close()
-            log.warning("cannot reach the hub's relay at %s: %s", self.path, exc)
-            raise FuseError(errno.EIO) from None
-        return sock
+        """A new connection to the hub. A unix socket's connect to a full backlog fails with EAGAIN, which looks like
+        a connect under way and leaves the socket unconnected: each is checked, and tried again a few times."""
+        last: OSError | None = None
+        for attempt in range(CONNECT_TRIES):
+            sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+            try:
+                await sock.connect(self.path)
+                sock.getpeername()  # (ENOTCONN where the connect never happened)
+                return sock
+            except OSError as exc:
+                sock.close()
+                last = exc
+                if exc.errno not in (errno.EAGAIN, errno.ENOTCONN):
+                    break
+                await trio.sleep(0.01 * (attempt + 1))
+        log.warning("cannot reach the hub's relay at %s: %s", self.path, last)
+        raise FuseError(errno.EIO)
 
     def close(self) -> None:
         for sock in self._idle:
@@ -93,7 +104,7 @@ def listen(path: str) -> socket.socket:
     try:
         listener.bind(path)
         os.chmod(path, 0o600)
-        listener.listen(64)
+        listener.listen(socket.SOMAXCONN)
     except OSError:
         listener.close()
         raise
@@ -107,7 +118,12 @@ async def serve(listener: socket.socket, answer: Answerer, *, task_status=trio.T
     with sock:
         async with trio.open_nursery() as nursery:
             while True:
-                conn, _ = await sock.accept()
+                try:
+                    conn, _ = await sock.accept()
+                except OSError as exc:  # (out of descriptors, a connection aborted before it was taken)
+                    log.warning("the relay could not take a connection: %s", exc)
+                    await trio.sleep(0.1)
+                    continue
                 nursery.start_soon(_connection, conn, answer)
 
 
@@ -132,6 +148,9 @@ async def _connection(sock: trio.socket.SocketType, answer: Answerer) -> None:
                 error = 0
             except FuseError as exc:
                 parts, error = (), exc.errno
+            except Exception:  # noqa: BLE001 - one request's failure never ends the hub's serving
+                log.exception("a relayed request (opcode %d) failed", request.opcode)
+                parts, error = (), errno.EIO
             body = b"".join(parts)
             try:
                 await _send(sock, [ANSWER.pack(len(body), error), body])

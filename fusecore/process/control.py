@@ -238,7 +238,7 @@ async def _answer(datapath: DataPath, stream: trio.SocketStream, request: dict, 
         news = request.get("news")
         if not isinstance(news, list):
             raise TypeError("news must be a list")
-        datapath.learn([PathNews.from_wire(n) for n in news])
+        datapath.learn([PathNews.from_wire(n) for n in news], whole=request.get("whole") is True)
         await _send(stream, {"ok": True})
     elif op == "warm":
         paths = request.get("paths", [])

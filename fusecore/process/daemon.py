@@ -194,12 +194,16 @@ def _hub_writes(cfg: MountConfig, store: S3Store, hub: workers.Hub) -> HubWrites
     listening before they start."""
     datapath = DataPath(hub.worker_cfg, store, shared=hub.shared, journal=_control_socket(cfg) + ".uploads",
                         writes=True)
-    assert datapath.writer is not None
-    swept = datapath.writer.uploads.sweep()
-    if swept:
-        log.info("aborted %d upload(s) a crash of this mount left open", swept)
-    listener = relay.listen(os.path.join(hub.shared, relay.SOCKET))
-    return HubWrites(datapath, _filesystem(hub.worker_cfg, datapath), listener, hub.tell)
+    try:
+        assert datapath.writer is not None
+        swept = datapath.writer.uploads.sweep()
+        if swept:
+            log.info("aborted %d upload(s) a crash of this mount left open", swept)
+        listener = relay.listen(os.path.join(hub.shared, relay.SOCKET))
+    except BaseException:
+        datapath.close()
+        raise
+    return HubWrites(datapath, _filesystem(hub.worker_cfg, datapath), listener, hub.tell, hub.check_workers)
 
 
 async def _serve_hub(cfg: MountConfig, hub: workers.Hub, conn: Connection, ready: ReadyCallback) -> None:

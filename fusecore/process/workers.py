@@ -51,6 +51,8 @@ RESCAN_EVERY = 5.0  # seconds between the hub's looks at the shared folder (news
 ENDED = 0  # a worker's exit status when the connection ended (unmounted): the mount ends
 _HEX = frozenset(b"0123456789abcdef")
 RESTART_FIRST, RESTART_MAX = 0.5, 30.0  # seconds between tries of a worker that does not start again
+PF_EXITING = 0x4  # /proc/<pid>/stat flags: the task is exiting
+TELL_TRIES = 3  # a message to a worker (the hub's news) is sent again this often where it could not be delivered
 LOCAL_BLOCKS = 8  # a worker's own cache: its bytes in flight and this many blocks being read (at most half the budget)
 
 
@@ -108,6 +110,20 @@ class Worker:
 
     def __init__(self, role: WorkerRole, proc: subprocess.Popen, ready_fd: int):
         self.role, self.proc, self.ready_fd = role, proc, ready_fd
+        self.ready = False  # it said it serves (a start that failed served nothing: its end is no death)
+
+    def exiting(self) -> bool:
+        """Has it died, or begun to? The kernel marks a task exiting (PF_EXITING) before it closes its descriptors,
+        which is when the requests the worker held are failed: checked at /proc, it is known before any writer sees
+        such a failure."""
+        if self.proc.poll() is not None:
+            return True
+        try:
+            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            return fields[0] in (b"Z", b"X", b"x") or bool(int(fields[6]) & PF_EXITING)
+        except (OSError, IndexError, ValueError):
+            return True
 
 
 class Hub:
@@ -126,7 +142,7 @@ class Hub:
         self.spawns = 0
         self._delay: dict[int, float] = {}  # a worker that does not start again is tried less and less often
         self._next_try: dict[int, float] = {}
-        self._mourned: set[int] = set()  # spawns whose end was seen (a start tried again is not a second death)
+        self._mourned: set[int] = set()  # spawns whose end was seen
         self.stopping = False
         self.ended = False  # the connection ended (unmounted)
         self._blocks_dir = os.path.join(shared, blocks.BLOCKS)
@@ -164,6 +180,7 @@ class Hub:
         """Block until the worker serves (its ready line), or raise with why it did not."""
         answer = _read_ready(worker.ready_fd, timeout)
         if answer == "OK":
+            worker.ready = True
             return
         worker.proc.kill()
         worker.proc.wait()
@@ -185,16 +202,10 @@ class Hub:
                     self.ended = True
                     done.cancel()
                     return
+                self._mourn(index, worker)
                 now = trio.current_time()
                 if now < self._next_try.get(index, 0.0):
                     continue
-                if worker.role.spawn not in self._mourned:
-                    self._mourned.add(worker.role.spawn)
-                    self.restarts += 1
-                    log.warning("worker %d (pid %d) ended with status %d: starting it again (the requests it held "
-                                "failed)", index, worker.proc.pid, status)
-                    if self.writes is not None:
-                        self.writes.worker_died(index)
                 try:
                     replacement = self.start(index)
                     await trio.to_thread.run_sync(self.wait_ready, replacement)
@@ -203,6 +214,27 @@ class Hub:
                     delay = self._delay[index] = min(RESTART_MAX, self._delay.get(index, RESTART_FIRST) * 2)
                     self._next_try[index] = trio.current_time() + delay
                     log.error("worker %d did not start again (%s): next try in %gs", index, exc, delay)
+
+    def _mourn(self, index: int, worker: Worker) -> None:
+        """A worker that served has died (once per start of it): counted, and a writable mount's files then being
+        written fail (hubwrites.py)."""
+        if worker.role.spawn in self._mourned:
+            return
+        self._mourned.add(worker.role.spawn)
+        if not worker.ready:
+            return
+        self.restarts += 1
+        log.warning("worker %d (pid %d) ended (status %s): starting it again (the requests it held failed)", index,
+                    worker.proc.pid, worker.proc.poll())
+        if self.writes is not None:
+            self.writes.worker_died(index)
+
+    def check_workers(self) -> None:
+        """Before a written file is completed: a worker that died or is dying is mourned first (its end may have
+        failed a WRITE of that file that never reached the hub)."""
+        for index, worker in list(self.workers.items()):
+            if worker.ready and worker.role.spawn not in self._mourned and worker.exiting():
+                self._mourn(index, worker)
 
     def stop(self) -> None:
         """Ask every worker to end, then make sure they did."""
@@ -274,11 +306,24 @@ class Hub:
     def _sockets(self) -> list[str]:
         return [w.role.control_socket for w in self.workers.values() if w.proc.poll() is None]
 
-    async def tell(self, message: dict) -> list[dict]:
-        """A message to every worker serving now, answered (a writable mount's news: hubwrites.py)."""
-        return await self._each(message)
+    async def tell(self, message: dict) -> None:
+        """A message to every worker serving now, each answered before this returns, sent again where it could not
+        be delivered (a writable mount's news: hubwrites.py)."""
+        async def one(path: str) -> None:
+            for attempt in range(TELL_TRIES):
+                try:
+                    await trio.to_thread.run_sync(control.call, path, message, 10.0)
+                    return
+                except (OSError, ValueError, control.ControlError) as exc:
+                    if attempt == TELL_TRIES - 1:
+                        log.warning("worker at %s did not take %s: %s", path, message.get("op"), exc)
+                    await trio.sleep(0.05 * (attempt + 1))
 
-    def learn(self, news: list) -> None:
+        async with trio.open_nursery() as nursery:
+            for path in self._sockets():
+                nursery.start_soon(one, path)
+
+    def learn(self, news: list, whole: bool = False) -> None:
         raise ValueError("the hub learns no news: its workers do")
 
     async def _each(self, message: dict) -> list[dict]:
@@ -327,6 +372,8 @@ class Hub:
 
     async def rotate(self, identity: Identity) -> dict:
         self.cfg = dataclasses.replace(self.cfg, store=dataclasses.replace(self.cfg.store, credentials=identity))
+        if self.writes is not None:  # (the hub's own uploads sign with them too)
+            self.writes.datapath.rotate(identity)
         await self._each({"op": "credentials", "credentials": identity_document(identity)})
         return {"rotated": True}
 

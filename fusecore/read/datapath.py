@@ -20,14 +20,13 @@ from ..cluster.tier import Cluster, check_ask, held, read_key
 from ..config import WARM_FRACTION, ConfigError, Identity, MountConfig
 from ..cache.disk import DiskTier
 from .fetcher import CAUSES, Fetcher
-from ..messages import JoinRequest, WarmProgress
+from ..messages import JoinRequest, PathNews, WarmProgress
 from ..metrics import MountMetrics
 from .namespace import Namespace
 from .reader import Reader
 from .registry import Registry
 from .writer import Writer
 from .writes import Writes
-from ..messages import PathNews
 from ..store.uploads import Uploads, WithClient
 from ..cache.shared import FLUSH_EVERY, SharedBlocks
 from ..store.objects import ObjectInfo, ObjectStore
@@ -248,8 +247,14 @@ class DataPath:
         return {**dataclasses.asdict(self.writer.stats), "files_open": self.writer.in_flight,
                 "uploads_open": self.writer.uploads.open_uploads, "requests_retried": self.writer.uploads.retried}
 
-    def learn(self, news: list[PathNews]) -> None:
-        """A worker of a writable mount: what the hub wrote (fuse/relay.py)."""
+    def learn(self, news: list[PathNews], whole: bool = False) -> None:
+        """A worker of a writable mount: what the hub wrote (fuse/relay.py), or its whole view (`whole`). Refused
+        elsewhere: a mount that writes itself, or reads only, takes no one's news."""
+        if not (self.cfg.writable and self.writes is None and self.shared is not None):
+            raise ValueError("news: only a worker of a writable mount takes the hub's news")
+        if whole:
+            self.namespace.learn_whole(news)
+            return
         for one in news:
             self.namespace.learn(one)
 

@@ -190,7 +190,7 @@ class Namespace:
     def _droppable(self, node: Node) -> bool:
         if node.is_dir and node.children:
             return False  # its children go first; the directory follows at a later sweep
-        if node.writing:
+        if node.writing or (node.made and self.registry is not None):
             return False  # (not in the bucket yet; with several workers the kernel's references are not counted)
         parent = self.parent_of(node)
         return parent is None or parent.children.get(node.name) != node.inode or not self._fresh(parent.listed_at)
@@ -458,12 +458,33 @@ class Namespace:
         assert node.info is not None
         return PathNews(path, "file", node.info.key, node.info.size, node.info.etag, node.info.mtime, node.writing)
 
+    def written_here(self) -> list[PathNews]:
+        """The hub's whole view for its workers: every file being written and every directory made here."""
+        return [self.news_of(node.path) for node in list(self._nodes.values())
+                if node.path and (node.writing or node.made)]
+
+    def learn_whole(self, news: list[PathNews]) -> None:
+        """The hub's whole view: learned, and a file this worker still takes for being written that the view does not
+        name is not (its news was missed): it is looked up again at its next use."""
+        named = {n.path for n in news}
+        for one in news:
+            self.learn(one)
+        for node in list(self._nodes.values()):
+            if node.writing and node.path not in named:
+                node.writing = False
+                node.checked_at = -math.inf
+                parent = self.parent_of(node)
+                if parent is not None:
+                    parent.listed_at = -math.inf
+
     def learn(self, news: PathNews) -> None:
         """What the hub wrote, seen here at once: a file being written (opened here it is busy) or written, one gone, a
         directory made. The directories on its way are known from then on (they exist: the hub has them)."""
-        if not news.path:
-            return
         names = news.path.split("/")
+        if not news.path or not all(map(valid_name, names)) or (news.kind == "file" and news.key != self.prefix
+                                                                     + news.path):
+            log.warning("news of %r (%s, key %r) ignored: not a path of this mount", news.path, news.kind, news.key)
+            return
         parent = self._nodes[ROOT_INODE]
         for depth, name in enumerate(names[:-1], 1):
             inode = parent.children.get(name)

@@ -76,8 +76,9 @@ class Writer:
         self._budget = trio.Semaphore(max(1, budget // part_size))  # parts of the whole mount in memory
         self._nursery: trio.Nursery | None = None
         self._writing: set[Writing] = set()
-        # Part buffers sent and taken back, kept while files are being written (a fresh buffer costs a page fault per
-        # 4 KiB); those in flight and those kept stay within the budget, and the kept ones go when no file is written.
+        # Part buffers sent and taken back, kept while files are being written (a fresh one must be populated); those
+        # in flight and those kept stay within the budget (beside each file's part being filled), and the kept ones go
+        # when no file is written.
         self._free: list[bytearray] = []
         self.stats = WriteStats()
 

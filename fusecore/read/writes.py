@@ -2,7 +2,8 @@
 open for writing, write, close, remove, make or remove a directory. The FUSE adapter maps requests to these.
 
 Decided here (docs/operations.md "Writes"), as Mountpoint for S3 does where S3 cannot do otherwise:
-- a file is written from its start, in order; a write elsewhere is refused (`not_sequential`, EINVAL);
+- a file is written from its start, in order; a write elsewhere is refused (`not_sequential`, EINVAL), a write ahead
+  only after it waited a moment for those before it (one file's concurrent WRITEs may arrive out of order);
 - an existing object is replaced only when opened with O_TRUNC and `--allow-overwrite` (else EPERM); appending to
   one, or opening one for reading and writing, is refused (EPERM);
 - the object exists once the writer closes the file or fsyncs it: the first close (FLUSH) by the process that opened
@@ -35,6 +36,7 @@ from .writer import Refused, Writer, Writing
 log = logging.getLogger(__name__)
 
 WRITE_HANDLES = 1 << 62  # a write's file handles, apart from the reader's
+REORDER_WAIT = 1.0  # seconds a write past the end waits for the writes before it
 
 
 @dataclasses.dataclass(eq=False)
@@ -45,6 +47,7 @@ class _Open:
     parent: Node
     opener: int  # the process (thread group) that opened it: its close completes the object
     turn: trio.Lock = dataclasses.field(default_factory=trio.Lock)  # a write and the completion never interleave
+    advanced: trio.Event = dataclasses.field(default_factory=trio.Event)  # set (and renewed) after each write
 
 
 def process_of(pid: int) -> int:
@@ -80,6 +83,7 @@ class Writes:
         for o in self._open.values():
             if o.writing.done is None and o.writing.failed is None:
                 self.writer.fail(o.writing, Unavailable(f"{o.writing.key}: {why}"))
+                self._failed(o)  # (shown as before now: its handle may never be closed, if its opener never got it)
                 count += 1
         return count
 
@@ -133,13 +137,26 @@ class Writes:
 
     async def write(self, fh: int, offset: int, data: memoryview) -> int:
         o = self._of(fh)
-        async with o.turn:  # (`data` is a view of the request's own bytes: it outlives a wait for the turn)
+        if offset > o.writing.written:  # (`data` is a view of the request's own bytes: it outlives these waits)
+            await self._wait_for(o, offset)
+        async with o.turn:
             await self.writer.write(o.writing, offset, data)
+        o.advanced.set()
+        o.advanced = trio.Event()
         info = o.node.info
         assert info is not None
         if info.size != o.writing.written:
             o.node.info = dataclasses.replace(info, size=o.writing.written)
         return len(data)
+
+    @staticmethod
+    async def _wait_for(o: _Open, offset: int) -> None:
+        """A write past the end written so far waits a moment for the writes before it: concurrent WRITEs of one file
+        (O_DIRECT or AIO writers) may arrive out of order, the more so through several workers (fuse/relay.py). Past
+        REORDER_WAIT it is out of order, and refused."""
+        with trio.move_on_after(REORDER_WAIT):
+            while offset > o.writing.written and o.writing.failed is None and o.writing.done is None:
+                await o.advanced.wait()
 
     async def flush(self, fh: int, pid: int) -> None:
         """A close: the object is complete where it is the opener's close after a write (else nothing happens now),

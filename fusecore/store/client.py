@@ -88,8 +88,8 @@ class S3Store:
     @property
     def writes_client(self):
         """The botocore client a writable mount uploads with (store/uploads.py): the same session, credentials and
-        retries as `client`, signed by PART_SIGNER, without botocore's default CRC32 (made once, when a writable mount's
-        uploads begin)."""
+        retries as `client`, signed by PART_SIGNER, without botocore's default CRC32 (made once, for a writable mount's
+        uploads: store/uploads.py)."""
         if self._writes_client is None:
             self._writes_client = self._session.create_client(
                 "s3", endpoint_url=self.cfg.endpoint_url, region_name=self.cfg.region,

@@ -66,8 +66,9 @@ def test_zero_measurements_make_no_ratio_not_a_crash():
     assert "no ratio" in text
 
 
-# The DataLoader cell needs PyTorch, which neither Stoker nor its tests depend on (tests/bench/test_dataloader.py)
-TESTED = [w for w in WORKLOADS if w != "dataloader" or importlib.util.find_spec("torch") is not None]
+# The DataLoader and checkpoint cells need PyTorch, which neither Stoker nor its tests depend on
+# (tests/bench/test_dataloader.py, test_checkpoint.py)
+TESTED = [w for w in WORKLOADS if w not in ("dataloader", "ckpt") or importlib.util.find_spec("torch") is not None]
 
 
 @requires_fuse

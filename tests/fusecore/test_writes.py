@@ -224,12 +224,19 @@ def test_two_workers_write_through_their_hub_and_a_worker_killed_mid_write_fails
             assert os.stat(os.path.join(mp, key)).st_size == len(data)
             with open(os.path.join(mp, key), "rb") as f:
                 assert f.read() == data
+    synced = os.urandom(MiB)
     with open(os.path.join(mp, "run/step-1/open.pt"), "wb", buffering=0) as f:
-        f.write(os.urandom(MiB))
+        f.write(synced)
         for _ in range(4):
             with pytest.raises(OSError) as caught:
                 open(os.path.join(mp, "run/step-1/open.pt"), "rb")
             assert caught.value.errno == errno.EBUSY
+        os.fsync(f.fileno())  # (relayed: the object exists once it answers)
+        assert _object(s3, bucket, "run/step-1/open.pt") == synced
+    with open(os.path.join(mp, "run/step-1/rank1.pt"), "rb") as f:
+        os.fsync(f.fileno())  # a reader's fsync: nothing to do, through whichever worker
+    with pytest.raises(control.ControlError):  # the hub's news is for its workers: the mount's socket refuses it
+        control.call(control.default_control_socket(mp), {"op": "news", "news": [{"path": "x", "kind": "gone"}]})
     os.unlink(os.path.join(mp, "run/step-1/rank0.pt"))
     for _ in range(3):
         assert "rank0.pt" not in os.listdir(os.path.join(mp, "run/step-1"))
