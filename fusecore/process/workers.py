@@ -143,6 +143,7 @@ class Hub:
         self._delay: dict[int, float] = {}  # a worker that does not start again is tried less and less often
         self._next_try: dict[int, float] = {}
         self._mourned: set[int] = set()  # spawns whose end was seen
+        self._tells = trio.CapacityLimiter(16)  # threads of news to workers (never behind the uploads' threads)
         self.stopping = False
         self.ended = False  # the connection ended (unmounted)
         self._blocks_dir = os.path.join(shared, blocks.BLOCKS)
@@ -312,7 +313,7 @@ class Hub:
         async def one(path: str) -> None:
             for attempt in range(TELL_TRIES):
                 try:
-                    await trio.to_thread.run_sync(control.call, path, message, 10.0)
+                    await trio.to_thread.run_sync(control.call, path, message, 10.0, limiter=self._tells)
                     return
                 except (OSError, ValueError, control.ControlError) as exc:
                     if attempt == TELL_TRIES - 1:
