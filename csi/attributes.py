@@ -81,8 +81,12 @@ KNOBS: dict[str, Knob] = {
     "writable": Knob("writable", _boolean, "writable"),
     "allowOverwrite": Knob("allow_overwrite", _boolean, "allow-overwrite"),
     "allowDelete": Knob("allow_delete", _boolean, "allow-delete"),
+    # Processes serving the volume's mount on a node (fusecore/process/workers.py): the node's cores and memory, an
+    # administrator's choice too
+    "workers": Knob("workers", _positive_int, "workers"),
 }
 WRITE_KNOBS = ("writable", "allowOverwrite", "allowDelete")
+ADMIN_KNOBS = (*WRITE_KNOBS, "workers")  # a PV's or a StorageClass's only (an inline volume's are the pod's)
 STORE_ATTRIBUTES = ("bucket", "prefix", "endpointUrl", "region")
 AUTH_SOURCES = ("secret", "pod", "node")  # csi/auth.py
 AUTH_ATTRIBUTES = ("authenticationSource", "roleArn", "stsEndpointUrl")
@@ -195,10 +199,11 @@ def parse_volume_context(context: dict[str, str]) -> VolumeSpec:
     if role_arn is not None and not role_arn.startswith("arn:"):
         raise AttributeProblem(f"volume attribute 'roleArn': expected an IAM role ARN (arn:...), got {role_arn!r}")
     sts_endpoint = str(values.pop("stsEndpointUrl", "")) or None
-    asked = [k for k in WRITE_KNOBS if values.get(k)]
+    asked = [k for k in ADMIN_KNOBS if values.get(k)]
     if ephemeral and asked:
         raise AttributeProblem(f"volume attribute {asked[0]!r}: an inline volume's attributes are the pod's own, and a "
-                               "pod never makes a volume writable (a PV or a StorageClass may)")
+                               "pod never makes a volume writable or chooses its node's processes (a PV or a "
+                               "StorageClass may)")
     spec = VolumeSpec(
         bucket=bucket,
         prefix=f"{prefix}/" if prefix else "",

@@ -146,6 +146,42 @@ def test_a_container_reads_again_after_its_mount_process_is_killed_mid_read(node
     assert kubelet.refused == [] and stoker_mounts(str(plugin.tmp_path)) == []
 
 
+def test_a_volume_served_by_two_workers_outlives_a_worker_and_its_hub_is_repaired(node, moto_server, bucket,
+                                                                                   dataset):
+    """`workers: "2"` in the PV: the volume's mount is a hub and two workers (fusecore/process/workers.py). A worker
+    killed is started again by its hub, the same mount; the hub killed takes its workers, and the plugin's repair
+    reaches the running container as for a mount of one process."""
+    from csi.state import StateDir
+
+    plugin, kubelet = node
+    pod = kubelet.run_pod("trainer", [pv(bucket, moto_server.endpoint, workers="2", blockSize="1MiB",
+                                         cacheSize="64MiB")])
+    assert pod.container.read("data", "part-0.bin") == sha(dataset["train/part-0.bin"])
+    sock = StateDir(plugin.state_dir).control_socket("pv-imagenet")
+    stats = control.call(sock, {"op": "stats"})
+    hub, workers = stats["pid"], stats["workers"]["pids"]
+    assert len(workers) == 2 and hub not in workers
+    os.kill(workers[0], signal.SIGKILL)
+    assert wait_until(lambda: control.call(sock, {"op": "stats"})["workers"]["restarts"] >= 1, 15)
+    assert pod.container.read("data", "big.bin") == sha(dataset["train/big.bin"])
+    assert mount_pid(plugin, "pv-imagenet") == hub  # the same mount: no repair was needed
+    workers = control.call(sock, {"op": "stats"})["workers"]["pids"]
+    os.kill(hub, signal.SIGKILL)
+
+    def repaired() -> bool:  # (until its workers are gone too, the dead hub's connection may still answer reads)
+        try:
+            return mount_pid(plugin, "pv-imagenet") != hub
+        except control.ControlError:
+            return False
+
+    assert wait_until(repaired, 30, 0.2), plugin.log()
+    assert wait_until(lambda: pod.container.read("data", "part-1.bin") == sha(dataset["train/part-1.bin"]), 30,
+                      0.2), plugin.log()
+    assert wait_until(lambda: all(ended(pid) for pid in workers), 15), "a dead hub's workers outlived it"
+    kubelet.delete_pod(pod)
+    assert kubelet.refused == [] and stoker_mounts(str(plugin.tmp_path)) == []
+
+
 def test_a_mount_that_died_while_the_plugin_was_down_is_repaired_for_the_container(node, moto_server, bucket,
                                                                                     dataset):
     plugin, kubelet = node

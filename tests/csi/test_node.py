@@ -504,5 +504,10 @@ def test_a_pod_never_makes_a_volume_writable(plugin, moto_server, s3, bucket, tm
     code, details = code_of(lambda: publish(plugin, "csi-inline-w", "", plugin.target("pod-i"), inline,
                                             readonly=False, capability=READ_WRITE_MANY, secrets=SECRETS))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "writable" in details
+    # nor the node's processes (workers: a PV's or a StorageClass's choice)
+    inline = volume_context(bucket, moto_server.endpoint, workers="8", **{"csi.storage.k8s.io/ephemeral": "true"})
+    code, details = code_of(lambda: publish(plugin, "csi-inline-n", "", plugin.target("pod-n"), inline,
+                                            readonly=True, capability=READ_WRITE_MANY, secrets=SECRETS))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "workers" in details
     unpublish(plugin, "vol-ro", target)
     unstage(plugin, "vol-ro", staging)

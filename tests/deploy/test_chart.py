@@ -89,6 +89,10 @@ def test_the_node_pod_and_the_mounter_are_arranged_for_restarts_and_accounting()
     assert mounter_container["resources"]["requests"]["memory"] == f"{512 * 1024 + 2 * 1024}Mi"
     assert mounter_container["resources"]["limits"]["memory"] == f"{512 * 1024 + 2 * 1024}Mi"
     assert any(v.get("hostPath", {}).get("path") == "/dev/fuse" for v in mounter["spec"]["template"]["spec"]["volumes"])
+    # the blocks a volume's workers share: a memory-backed /dev/shm as large as the cache memory (not 64 MiB)
+    assert {"name": "shm", "mountPath": "/dev/shm"} in mounter_container["volumeMounts"]
+    assert {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "512Gi"}} in \
+        mounter["spec"]["template"]["spec"]["volumes"]
     # the disk tier: the node plugin makes and removes volumes' folders, the mounts (in the mounter) use them
     assert {"--disk-cache-root=/mnt/nvme/stoker", "--node-disk-cache=6Ti"} <= set(plugin["args"])
     assert "--disk-cache-root=/mnt/nvme/stoker" in mounter_container["args"]
