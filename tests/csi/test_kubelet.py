@@ -171,7 +171,7 @@ def test_a_volume_served_by_two_workers_outlives_a_worker_and_its_hub_is_repaire
     def repaired() -> bool:  # (until its workers are gone too, the dead hub's connection may still answer reads)
         try:
             return mount_pid(plugin, "pv-imagenet") != hub
-        except control.ControlError:
+        except (OSError, control.ControlError):  # (the dead hub's socket: refused, or reset mid-answer)
             return False
 
     assert wait_until(repaired, 30, 0.2), plugin.log()
