@@ -46,6 +46,9 @@ class HubWrites:
         self._tell = tell  # a message to every worker's control socket (Hub.tell)
         self._check_workers = check_workers  # a worker dead or dying is mourned now (Hub.check_workers)
         self._told_whole = False  # the last whole view sent named something (the next one must clear it)
+        # News is worked out and delivered under one lock: what a worker takes last is never older than what it took
+        # before (a whole view worked out before a CREATE never lands after that CREATE's news)
+        self._telling = trio.Lock()
 
     async def serve(self, conn: Connection, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         writes = self.datapath.writes
@@ -68,9 +71,10 @@ class HubWrites:
         try:
             return await self.fs(request)
         finally:
-            changed = [now for now, then in zip(map(ns.news_of, paths), before) if now != then]
-            if changed:
-                await self._tell({"op": "news", "news": [n.to_wire() for n in changed]})
+            async with self._telling:
+                changed = [now for now, then in zip(map(ns.news_of, paths), before) if now != then]
+                if changed:
+                    await self._tell({"op": "news", "news": [n.to_wire() for n in changed]})
 
     async def _paths_of(self, request: p.Request) -> list[str]:
         """The path a request may change (none for a WRITE: a file's growing size is asked of the hub)."""
@@ -90,10 +94,11 @@ class HubWrites:
         started again learns it, and one that missed news (a worker busy past the retries) is put right."""
         while True:
             await trio.sleep(RESYNC_EVERY)
-            news = self.datapath.namespace.written_here()
-            if news or self._told_whole:
-                await self._tell({"op": "news", "news": [n.to_wire() for n in news], "whole": True})
-            self._told_whole = bool(news)
+            async with self._telling:
+                news = self.datapath.namespace.written_here()
+                if news or self._told_whole:
+                    await self._tell({"op": "news", "news": [n.to_wire() for n in news], "whole": True})
+                self._told_whole = bool(news)
 
     def worker_died(self, index: int) -> None:
         writes = self.datapath.writes
