@@ -60,15 +60,15 @@ class StokerFS:
             p.Op.READDIR: self.readdir, p.Op.RELEASEDIR: self.nothing,
             p.Op.STATFS: self.statfs, p.Op.ACCESS: self.access,
         }
+        write_ops: dict[int, Op] = {
+            p.Op.CREATE: self.create, p.Op.WRITE: self.write, p.Op.FLUSH: self.flush, p.Op.FSYNC: self.fsync,
+            p.Op.SETATTR: self.setattr, p.Op.MKDIR: self.mkdir, p.Op.UNLINK: self.unlink, p.Op.RMDIR: self.rmdir,
+            p.Op.RENAME: self.rename, p.Op.RENAME2: self.rename,
+        }
         if writes is not None:
-            self._ops.update({
-                p.Op.CREATE: self.create, p.Op.WRITE: self.write, p.Op.FLUSH: self.flush, p.Op.FSYNC: self.fsync,
-                p.Op.SETATTR: self.setattr, p.Op.MKDIR: self.mkdir, p.Op.UNLINK: self.unlink, p.Op.RMDIR: self.rmdir,
-                p.Op.RENAME: self.rename, p.Op.RENAME2: self.rename,
-            })
-        if relay is not None:
-            self._ops.update({op: relay for op in (p.Op.CREATE, p.Op.WRITE, p.Op.SETATTR, p.Op.MKDIR, p.Op.UNLINK,
-                                                   p.Op.RMDIR, p.Op.RENAME, p.Op.RENAME2)})
+            self._ops.update(write_ops)
+        if relay is not None:  # the same opcodes, answered by the hub (FLUSH and FSYNC only of a file being written)
+            self._ops.update({op: relay for op in write_ops})
             self._ops.update({p.Op.FLUSH: self._relay_written, p.Op.FSYNC: self._relay_written})
         self._file_mode, self._dir_mode = (0o644, 0o755) if self.writable else (0o444, 0o555)
 

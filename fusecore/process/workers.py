@@ -309,30 +309,26 @@ class Hub:
 
     async def tell(self, message: dict) -> None:
         """A message to every worker serving now, each answered before this returns, sent again where it could not
-        be delivered (a writable mount's news: hubwrites.py)."""
-        async def one(path: str) -> None:
-            for attempt in range(TELL_TRIES):
-                try:
-                    await trio.to_thread.run_sync(control.call, path, message, 10.0, limiter=self._tells)
-                    return
-                except (OSError, ValueError, control.ControlError) as exc:
-                    if attempt == TELL_TRIES - 1:
-                        log.warning("worker at %s did not take %s: %s", path, message.get("op"), exc)
-                    await trio.sleep(0.05 * (attempt + 1))
-
-        async with trio.open_nursery() as nursery:
-            for path in self._sockets():
-                nursery.start_soon(one, path)
+        be delivered (a writable mount's news: hubwrites.py), on threads of its own (never behind the uploads')."""
+        await self._each(message, tries=TELL_TRIES, limiter=self._tells)
 
     def learn(self, news: list, whole: bool = False) -> None:
         raise ValueError("the hub learns no news: its workers do")
 
-    async def _each(self, message: dict) -> list[dict]:
+    async def _each(self, message: dict, *, tries: int = 1,
+                    limiter: trio.CapacityLimiter | None = None) -> list[dict]:
+        """The answers of every worker serving now to `message`; one that does not answer (a worker starting again)
+        is asked `tries` times, then left out."""
         async def one(path: str, into: list[dict]) -> None:
-            try:
-                into.append(await trio.to_thread.run_sync(control.call, path, message, 10.0))
-            except (OSError, control.ControlError) as exc:  # a worker starting again: the others answer
-                log.info("worker at %s did not answer %s: %s", path, message.get("op"), exc)
+            for attempt in range(tries):
+                try:
+                    into.append(await trio.to_thread.run_sync(control.call, path, message, 10.0, limiter=limiter))
+                    return
+                except (OSError, ValueError, control.ControlError) as exc:
+                    if attempt == tries - 1:
+                        log.info("worker at %s did not answer %s: %s", path, message.get("op"), exc)
+                    else:
+                        await trio.sleep(0.05 * (attempt + 1))
 
         answers: list[dict] = []
         async with trio.open_nursery() as nursery:

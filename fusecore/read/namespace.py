@@ -109,6 +109,7 @@ class Namespace:
         self._next_inode = ROOT_INODE + 1
         self._listing: dict[int, trio.Event] = {}
         self._unreferenced: set[int] = set()  # every inode with refs == 0 (the root aside): sweep candidates
+        self._learned_writing: set[int] = set()  # a worker's: files the hub's news said are being written
         self._swept_at = clock()
         self.skipped_names = 0
         self.mount_time = time.time()
@@ -469,8 +470,14 @@ class Namespace:
         named = {n.path for n in news}
         for one in news:
             self.learn(one)
-        for node in list(self._nodes.values()):
-            if node.writing and node.path not in named:
+        for inode in list(self._learned_writing):
+            node = self._nodes.get(inode)
+            self._learned_writing.discard(inode)
+            if node is None or not node.writing:
+                continue
+            if node.path in named:
+                self._learned_writing.add(inode)
+            else:
                 node.writing = False
                 node.checked_at = -math.inf
                 parent = self.parent_of(node)
@@ -508,6 +515,8 @@ class Namespace:
         else:
             node = self.add_file(parent, name, ObjectInfo(news.key, news.size, news.etag, news.mtime))
             node.writing = news.writing
+            if node.writing:
+                self._learned_writing.add(node.inode)  # (what a whole view may have to take back)
 
     async def object_at(self, key: str) -> ObjectInfo | None:
         """The object `key` as this mount lists it (each directory on its way looked up as a reader's open would),

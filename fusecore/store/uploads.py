@@ -44,30 +44,31 @@ class Uploads:
         self._lock = threading.Lock()
         self.retried = 0  # requests botocore sent again (its retries: throttling, 5xx, a dropped connection)
 
-    def _retries(self, answer: Any) -> None:
-        """Count the retries botocore made for one request (its answer's, or its error's, ResponseMetadata)."""
+    def _request(self, what: str, call: str, **params: Any) -> dict:
+        """One botocore call on the bucket: its answer, its retries counted (botocore's RetryAttempts, of its answer
+        or of its error), its error translated once."""
+        try:
+            answer = getattr(self._client, call)(Bucket=self.bucket, **params)
+        except Exception as exc:  # noqa: BLE001 - translated, once
+            self._count_retries(getattr(exc, "response", None))
+            raise translate(exc, what) from exc
+        self._count_retries(answer)
+        return answer
+
+    def _count_retries(self, answer: Any) -> None:
         meta = answer.get("ResponseMetadata", {}) if isinstance(answer, dict) else {}
         n = meta.get("RetryAttempts", 0) if isinstance(meta, dict) else 0
         if n:
             with self._lock:
                 self.retried += int(n)
 
-
     def put(self, key: str, data: bytes | bytearray) -> ObjectInfo:
         """A whole object in one PUT (smaller than a part)."""
-        try:
-            resp = self._client.put_object(Bucket=self.bucket, Key=key, Body=data)
-        except Exception as exc:  # noqa: BLE001 - translated, once
-            self._retries(getattr(exc, "response", None))
-            raise translate(exc, f"put {key!r}") from exc
-        self._retries(resp)
-        return ObjectInfo(key=key, size=len(data), etag=resp["ETag"], mtime=time.time())
+        answer = self._request(f"put {key!r}", "put_object", Key=key, Body=data)
+        return ObjectInfo(key=key, size=len(data), etag=answer["ETag"], mtime=time.time())
 
     def create(self, key: str) -> str:
-        try:
-            upload = self._client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
-        except Exception as exc:  # noqa: BLE001
-            raise translate(exc, f"upload {key!r}") from exc
+        upload = self._request(f"upload {key!r}", "create_multipart_upload", Key=key)["UploadId"]
         try:
             with self._lock:
                 self._open[upload] = key
@@ -79,45 +80,30 @@ class Uploads:
 
     def part(self, key: str, upload: str, number: int, data: bytes | bytearray) -> str:
         """Send part `number` (from 1); its ETag."""
-        try:
-            resp = self._client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload, PartNumber=number,
-                                            Body=data)
-        except Exception as exc:  # noqa: BLE001
-            self._retries(getattr(exc, "response", None))
-            raise translate(exc, f"upload {key!r} part {number}") from exc
-        self._retries(resp)
-        return resp["ETag"]
+        return self._request(f"upload {key!r} part {number}", "upload_part", Key=key, UploadId=upload,
+                             PartNumber=number, Body=data)["ETag"]
 
     def complete(self, key: str, upload: str, etags: list[str], size: int) -> ObjectInfo:
         """Only now does the object exist."""
         parts = [{"PartNumber": n, "ETag": etag} for n, etag in enumerate(etags, 1)]
-        try:
-            resp = self._client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload,
-                                                          MultipartUpload={"Parts": parts})
-        except Exception as exc:  # noqa: BLE001
-            self._retries(getattr(exc, "response", None))
-            raise translate(exc, f"complete {key!r}") from exc
-        self._retries(resp)
+        answer = self._request(f"complete {key!r}", "complete_multipart_upload", Key=key, UploadId=upload,
+                               MultipartUpload={"Parts": parts})
         self._closed(upload)
-        return ObjectInfo(key=key, size=size, etag=resp["ETag"], mtime=time.time())
+        return ObjectInfo(key=key, size=size, etag=answer["ETag"], mtime=time.time())
 
     def abort(self, key: str, upload: str) -> None:
         """Drop an upload and its parts (never raises: a failure is logged, the journal keeps it for the next
         start)."""
         try:
-            self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
-        except Exception as exc:  # noqa: BLE001
-            error = translate(exc, f"abort {key!r}")
+            self._request(f"abort {key!r}", "abort_multipart_upload", Key=key, UploadId=upload)
+        except StoreError as error:
             if error.kind != "not_found":  # (already gone: completed or aborted before)
                 log.warning("could not abort the upload of %s: %s (aborted at the next start)", key, error)
                 return
         self._closed(upload)
 
     def delete(self, key: str) -> None:
-        try:
-            self._client.delete_object(Bucket=self.bucket, Key=key)
-        except Exception as exc:  # noqa: BLE001
-            raise translate(exc, f"delete {key!r}") from exc
+        self._request(f"delete {key!r}", "delete_object", Key=key)
 
     def sweep(self) -> int:
         """Abort the uploads a crash of this mount left open (named in its journal); how many."""
