@@ -15,7 +15,10 @@ hold the whole directory (PASS_CACHE_SHARE of its budget), the walk then fetches
 reader, as fast as the prefetch slots and the byte budget allow. Before that, a flat folder read in shuffled order
 rarely opens a file the walk already fetched, so its bound never grew: the store's slots sat idle while readers
 waited. A reader that stops after a few files of a huge folder never reaches the fraction, and a folder the cache
-cannot hold is never fetched whole.
+cannot hold is never fetched whole. The fraction trades the two: until it is reached the readers go one GET each
+(~300 files/s with 8 of them, against the ~2,400 the store's slots allow), and a reader that stops just past it has
+made the walk fetch up to 1/PASS_FRACTION times what it read (issue 44: 1/16 spent a third of a 3,000-file epoch
+before the walk took over; 1/48 makes it 64 opens).
 
 A directory's walk starts at its second open (one open says nothing of the next), or at its first once the
 reader opened TRUST_HITS files the walks of its sibling directories had fetched: a shuffled epoch over class
@@ -49,7 +52,7 @@ WALK_GROWTH = 8  # more files ahead for each opened file the walk had fetched
 TRUST_HITS = 4  # opened files the walks of one directory's subdirectories fetched before those walk at a first open
 TREE_START = 16  # sibling directories walked ahead of the reader once they are trusted
 TREE_GROWTH = 2  # more for each directory walked ahead that the reader then opened
-PASS_FRACTION = 1 / 16  # of a directory's small files, opened in any order: the reader goes through all of it
+PASS_FRACTION = 1 / 48  # of a directory's small files, opened in any order: the reader goes through all of it
 PASS_MIN = 64  # files opened at least before a directory is taken to be read whole
 PASS_CACHE_SHARE = 0.5  # of the cache budget, at most, that a directory fetched whole ahead of its reader may take
 
