@@ -49,6 +49,7 @@ MAGICS = {b"STKDISK2": "crc64nvme", b"STKDISK1": "sha256"}  # a header before th
 MAGIC = b"STKDISK2"  # what this version writes where DIR takes no xattrs
 PLAIN_MAGIC = b"STKDISK3"  # the header in XATTR, the bytes alone in the file (CRC64-NVME)
 XATTR = "user.stoker.block"
+MAX_TRUSTED = 1 << 18  # files remembered as checked (or written) in this process's life; past it the oldest go
 WRITE_QUEUE = 32 * 1024**2  # bytes offered and not written yet (or two blocks); more are skipped (readers never wait)
 STEP_ASIDE = 30.0  # seconds without writes after the disk failed one
 FLOOR_MAX = 1024**3  # writing pauses while the filesystem has less free than min(this, a 20th of its size)
@@ -92,6 +93,7 @@ class DiskTier:
         self._blocks = os.path.join(directory, BLOCKS)
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes on disk, least recent first
+        self._trusted: dict[str, tuple[int, ...]] = {}  # file name -> its stamp when this process wrote or checked it
         self._bytes = 0
         self._queue: deque[tuple[str, Buffer]] = deque()
         self._queued = 0
@@ -242,8 +244,34 @@ class DiskTier:
         if os.preadv(fd, [data], start) != length or _sum(kind, data) != checksum:
             self._corrupt(name, "checksum mismatch")
             return None
-        os.utime(fd)  # its recency survives a restart (the scan orders by it)
+        if start == 0:
+            self._used(name, fd)
+        else:
+            os.utime(fd)  # its recency survives a restart (the scan orders by it)
         return data
+
+    def _used(self, name: str, fd: int) -> None:
+        """Mark a file that holds its block's bytes alone, and checked, as used now (its recency survives a restart:
+        the scan orders by it), and trust it as long as it stays as it is now."""
+        os.utime(fd)
+        self._trust(name, os.fstat(fd))
+
+    def _trust(self, name: str, st: os.stat_result) -> None:
+        """Until the file changes (any write, truncation, xattr change or replacement moves its ctime or inode),
+        `open_whole` hands it out without reading it again: the open of a held file is then an open and an fstat
+        instead of a read of the whole file and its checksum on the event loop's thread (with the page cache
+        dropped, a disk read per file, one after another). Only files this process wrote or checked are trusted."""
+        with self._lock:
+            self._remember(name, _stamp(st))
+
+    def _remember(self, name: str, stamp: tuple[int, ...]) -> None:
+        """(With the lock held.) The newest trusted last, so that the oldest go first past MAX_TRUSTED."""
+        if name not in self._index:
+            return  # dropped meanwhile
+        self._trusted.pop(name, None)
+        self._trusted[name] = stamp
+        if len(self._trusted) > MAX_TRUSTED:
+            del self._trusted[next(iter(self._trusted))]
 
     def _header(self, fd: int, name: str, length: int) -> tuple[str, bytes, int] | None:
         """The checksum's kind, the checksum, and where the bytes start in the file; None: not this block's."""
@@ -282,9 +310,13 @@ class DiskTier:
             log.warning("disk cache: cannot open a block (%s)", exc.strerror)
             return None
         try:
-            where = self._header(fd, name, length)
-            if where is None or where[2] != 0 or self._checked(fd, name, where, length, None) is None:
-                return None  # damaged (dropped), or of an older layout: the header before the bytes
+            st = os.fstat(fd)
+            if self._trusted.get(name) == _stamp(st) and st.st_size == length:
+                self._used(name, fd)
+            else:
+                where = self._header(fd, name, length)
+                if where is None or where[2] != 0 or self._checked(fd, name, where, length, None) is None:
+                    return None  # damaged (dropped), or of an older layout: the header before the bytes
             with self._lock:
                 self.hits += 1
                 self.bytes_read += length
@@ -301,6 +333,7 @@ class DiskTier:
         """Drop a damaged file, counted once: a reader and a passthrough open (or two readers) may find it at once."""
         with self._lock:
             size = self._index.pop(name, None)
+            self._trusted.pop(name, None)
             if size is None:
                 return  # another found it first
             self._bytes -= size
@@ -311,6 +344,7 @@ class DiskTier:
     def _drop(self, name: str) -> None:
         with self._lock:
             size = self._index.pop(name, None)
+            self._trusted.pop(name, None)
             if size is not None:
                 self._bytes -= size
         self._remove(name)
@@ -379,6 +413,7 @@ class DiskTier:
             finally:
                 os.close(fd)
             os.rename(temp, os.path.join(self._blocks, name))
+            stamp = _stamp(os.stat(os.path.join(self._blocks, name)))
         except OSError as exc:
             self._remove(f"{TEMP}{name}")
             with self._lock:
@@ -391,6 +426,8 @@ class DiskTier:
             self._bytes += need - self._index.pop(name, 0)
             self._index[name] = need
             self.written += 1
+            if self.plain:
+                self._remember(name, stamp)
             if self._paused:
                 log.info("disk cache: writing again")
                 self._paused = ""
@@ -410,6 +447,7 @@ class DiskTier:
         """Drop least recently used files until DIR holds at most `target` bytes (with the lock held)."""
         while self._bytes > target and self._index:
             name, size = self._index.popitem(last=False)
+            self._trusted.pop(name, None)
             self._bytes -= size
             self.evicted += 1
             self._remove(name)
@@ -444,6 +482,11 @@ def _takes_xattrs(fd: int) -> bool:
         return os.getxattr(fd, XATTR) == b"probe"
     except OSError:
         return False
+
+
+def _stamp(st: os.stat_result) -> tuple[int, ...]:
+    """What changes when a file's bytes, length or attributes change, or another file takes its name."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:

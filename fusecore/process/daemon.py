@@ -125,6 +125,7 @@ async def _serve(cfg: MountConfig, datapath: DataPath, ready: ReadyCallback) -> 
     if conn.agreed is not None and conn.agreed.passthrough:
         fs.passthrough = Passthrough(conn, datapath.held_file)
         datapath.passthrough_stats = fs.passthrough.stats
+        datapath.passthrough_on = lambda: fs.passthrough is not None and fs.passthrough.enabled
         log.info("FUSE passthrough: files held whole on the disk tier are read by the kernel itself")
     try:
         async with trio.open_nursery() as nursery:

@@ -54,6 +54,7 @@ class DataPath:
         self.store = store
         self.rotations = 0  # credentials replaced while mounted
         self.passthrough_stats: Callable[[], dict] | None = None  # set by the FUSE adapter's process
+        self.passthrough_on: Callable[[], bool] = lambda: False  # (so is this: the kernel takes backing files now)
         self.metrics = metrics or MountMetrics()
         # A worker's own cache holds mostly bytes in flight and blocks until they are published (shared.py): its
         # staging room is most of it (at the usual eighth, a worker's read-ahead would not start)
@@ -79,7 +80,7 @@ class DataPath:
                              prefetch_limit=cfg.prefetch_limit, initial_prefetch=cfg.initial_prefetch,
                              registry=registry, worker=worker)
         self.walk = DirectoryPrefetcher(self.namespace, self.fetcher, self.cache, small_file_max=cfg.block_size,
-                                        budget=cfg.prefetch_limit)
+                                        budget=cfg.prefetch_limit, read_by_kernel=self.read_by_kernel)
         # A writable mount (`journal`: where its open uploads are named, for the next start to abort: uploads.py)
         self.writer: Writer | None = None
         self.writes: Writes | None = None
@@ -169,6 +170,13 @@ class DataPath:
         if fd is not None:
             self.metrics.bytes_served.labels(source="cache").inc(info.size)
         return fd
+
+    def read_by_kernel(self, info: ObjectInfo) -> bool:
+        """Will an open of this file be answered with its disk tier file (FUSE passthrough, `held_file`)? Then nothing
+        fetches it into memory ahead of its reader: memory comes first at open, so a copy there would turn the
+        kernel's own read of the file into READs this process answers."""
+        return (self.disk is not None and 0 < info.size <= self.cfg.block_size and self.passthrough_on()
+                and self.disk.where(BlockKey(info.key, info.etag, 0)) is not None)
 
     def close(self) -> None:
         if self.cluster is not None:

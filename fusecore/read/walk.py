@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Callable, TypeVar
 
 import trio
 
@@ -121,13 +121,15 @@ def _remember(table: OrderedDict[int, T], inode: int, value: T) -> T:
 
 class DirectoryPrefetcher:
     def __init__(self, namespace: Namespace, fetcher: Fetcher, cache: BlockCache, *, small_file_max: int,
-                 budget: int, trigger: int = 2):
+                 budget: int, trigger: int = 2, read_by_kernel: Callable[[ObjectInfo], bool] = lambda info: False):
+        """`read_by_kernel`: a file its reader's kernel will read itself (FUSE passthrough): passed over."""
         self.ns = namespace
         self.fetcher = fetcher
         self.cache = cache
         self.small_file_max = small_file_max
         self.budget = budget
         self.trigger = trigger
+        self.read_by_kernel = read_by_kernel
         self._dirs: OrderedDict[int, _DirState] = OrderedDict()
         self._families: OrderedDict[int, _Family] = OrderedDict()  # by the inode of the subdirectories' parent
         self._nursery: trio.Nursery | None = None
@@ -225,6 +227,9 @@ class DirectoryPrefetcher:
                 state.next += 1
                 continue
             info = state.files[state.next]
+            if self.read_by_kernel(info):  # passed over as if issued: nothing of it reaches this process
+                state.next += 1
+                continue
             if not self.fetcher.prefetch(info, 0):
                 return
             state.next += 1

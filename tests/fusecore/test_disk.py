@@ -345,3 +345,50 @@ def test_a_block_held_whole_opens_for_the_kernel_only_when_it_checks_out(tmp_pat
     assert disk.open_whole(keys[1], BLOCK) is None
     assert disk.stats().dropped == 1 and not os.path.exists(path)
     disk.close()
+
+
+def test_a_file_written_or_checked_in_this_life_opens_for_the_kernel_unread_until_it_changes(tmp_path, monkeypatch):
+    """With the page cache dropped, reading each held file and its checksum at open was a disk read per file on the
+    event loop's thread (issue 45): a file this process wrote, or checked once, is handed out as it is until
+    anything about it changes (bytes, length, xattrs, the file itself); then it is checked again, and dropped if
+    damaged. A new process checks each file once."""
+    disk = tier(tmp_path)
+    if not disk.plain:
+        pytest.skip("the tier's filesystem takes no xattrs: no file holds its bytes alone")
+    key, body = BlockKey("obj", "etag-1", 0), os.urandom(100 * KiB + 3)
+    disk.offer(key, body)
+    assert written(disk, 1)
+    checks: list[str] = []
+
+    def counted(tier_: DiskTier) -> None:
+        real = tier_._checked
+        monkeypatch.setattr(tier_, "_checked", lambda fd, name, *rest: checks.append(name) or real(fd, name, *rest))
+
+    def handed_out() -> bytes | None:
+        fd = disk.open_whole(key, len(body))
+        if fd is None:
+            return None
+        try:
+            return os.pread(fd, 2 * len(body), 0)
+        finally:
+            os.close(fd)
+
+    counted(disk)
+    assert handed_out() == body and handed_out() == body
+    assert checks == [], "written by this process: trusted"
+    path = os.path.join(tmp_path, "blocks", disk.name(key))
+    with open(path, "r+b") as f:
+        f.write(body[:8])  # the same bytes: still a change to anyone looking
+    assert handed_out() == body and len(checks) == 1
+    assert handed_out() == body and len(checks) == 1, "checked again, then trusted again"
+    disk.close()
+
+    disk = tier(tmp_path)  # another life: each file checked once
+    counted(disk)
+    assert handed_out() == body and handed_out() == body and len(checks) == 2
+    with open(path, "r+b") as f:
+        f.seek(50 * KiB)
+        f.write(bytes([body[50 * KiB] ^ 1]))
+    assert handed_out() is None and len(checks) == 3
+    assert disk.stats().dropped == 1 and not os.path.exists(path)
+    disk.close()

@@ -119,3 +119,30 @@ def test_a_file_memory_holds_is_read_from_memory_first(s3, bucket, mounts, tmp_p
     after = mounts.stats(mp)
     assert after["passthrough"]["opens"] == before["passthrough"]["opens"]
     assert after["fuse_reads"]["count"] > before["fuse_reads"]["count"]
+
+
+def test_a_folder_held_on_disk_is_read_by_the_kernel_not_walked_back_into_memory(s3, bucket, mounts, tmp_path):
+    """The directory walk fetches a folder's small files ahead of its reader. Where the disk tier holds them and the
+    kernel takes backing files it passes them over: memory is read first at open, so a copy fetched there from
+    the disk would turn the kernel's own reads back into READs the mount answers (issue 45, page cache dropped)."""
+    dataset = {f"w/f{i:02d}.jpg": os.urandom(60 * KiB + i) for i in range(24)}
+    for name, body in dataset.items():
+        s3.put_object(Bucket=bucket, Key=name, Body=body)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mp = mounts.mount(f"s3://{bucket}", "--cache-size", "32MiB", "--no-kernel-cache", "--disk-cache", str(disk),
+                      "--disk-cache-size", "64MiB")
+    if "passthrough" not in mounts.stats(mp):
+        pytest.skip("this kernel offers no FUSE passthrough (Linux 6.9+)")
+    socket = control.default_control_socket(mp)
+    for _ in control.warm(socket, ["w"]):  # held on disk, and the walk has not been through the folder yet
+        pass
+    assert wait_for(lambda: mounts.stats(mp)["disk"]["written"] >= len(dataset), 30), mounts.stats(mp)["disk"]
+    control.call(socket, {"op": "drop"})
+    before = mounts.stats(mp)
+    for name, body in dataset.items():  # a loader going through the folder: the walk's very case
+        assert _read(os.path.join(mp, name)) == body
+    after = mounts.stats(mp)
+    assert after["passthrough"]["opens"] - before["passthrough"]["opens"] == len(dataset), after["passthrough"]
+    assert after["fuse_reads"]["count"] == before["fuse_reads"]["count"], "held files were read through the mount"
+    assert after["requests"]["get"] == before["requests"]["get"]
