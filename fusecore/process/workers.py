@@ -38,6 +38,7 @@ from ..config import Identity, MountConfig, identity_document, mount_document
 from ..fuse.protocol import Agreed
 from ..metrics import Summed, write_gauges
 from ..fuse.session import clone
+from ..read.reader import MAX_SPAWN
 from ..read.registry import Registry
 from . import control
 from .hubwrites import HubWrites
@@ -87,6 +88,12 @@ def budgets(cfg: MountConfig) -> tuple[MountConfig, int]:
     worker = dataclasses.replace(cfg, worker_cache=local, max_inflight_bytes=inflight, cache_size_auto=False,
                                  metrics_port=None, control_socket=None, fuse_fd=None, workers=1)  # (one of them)
     return worker, max(2 * cfg.block_size, cfg.cache_size - n * local)
+
+
+def next_spawn(spawn: int) -> int:
+    """The spawn number of the next start of a worker: a new one for ~4 million starts, then from 1 again (the file
+    handles of a start that far back are long closed), never past the reader handles' room below a write's."""
+    return spawn % MAX_SPAWN + 1
 
 
 def shared_folder() -> str:
@@ -153,7 +160,8 @@ class Hub:
     def start(self, index: int) -> Worker:
         """Start worker `index` on a new clone of the connection."""
         mine = clone(self.fd)
-        self.spawns += 1
+        self.spawns = next_spawn(self.spawns)
+        self._mourned.discard(self.spawns)
         role = WorkerRole(index, self.spawns, self.shared, mine, self.agreed.minor, self.agreed.flags,
                           self.agreed.max_write, os.getpid())
         read_fd, write_fd = os.pipe()

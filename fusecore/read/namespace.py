@@ -351,7 +351,9 @@ class Namespace:
                     self.skipped_names += 1
         children: dict[str, int] = {}
         for name in dirs:
-            children[name] = self._upsert(_join(node.path, name), True, None, now).inode
+            child = self._upsert(_join(node.path, name), True, None, now)
+            child.made = False  # (if it was made here: the bucket has it now, so it is neither kept nor told of)
+            children[name] = child.inode
         for name, info in files.items():
             if name not in dirs:
                 children[name] = self._upsert(_join(node.path, name), False, info, now).inode

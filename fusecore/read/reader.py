@@ -15,6 +15,7 @@ from .prefetch import ReadAhead
 from ..store.objects import ObjectInfo
 from ..store.errors import NotFound, StoreError
 from .registry import Registry
+from .writes import WRITE_HANDLES
 
 FIRST_BLOCK_PARTS = 8  # a file read from offset 0 with the initial window gets its first block in this many GETs
 # (512 KiB each for 4 MiB blocks: the first 1 MiB read returns after 512 KiB at one connection's rate), while
@@ -38,6 +39,8 @@ class OpenFile:
 
 
 FOREIGN_FILES = 4096  # with several workers: open files this worker keeps read-ahead state for (registry.py)
+SPAWN_SHIFT = 40  # a worker's file handles: its spawn number above this bit, its opens below (2^40 each)
+MAX_SPAWN = (WRITE_HANDLES >> SPAWN_SHIFT) - 1  # the largest spawn number whose handles stay under a write's
 
 
 class Reader:
@@ -53,9 +56,9 @@ class Reader:
         self._files: OrderedDict[int, OpenFile] = OrderedDict()
         self.read_calls = 0
         self.read_bytes = 0
-        if not 0 <= worker < 1 << 15:
+        if not 0 <= worker <= MAX_SPAWN:
             raise ValueError(f"worker {worker} out of range")
-        self._handles = itertools.count((worker << 48) + 1)
+        self._handles = itertools.count((worker << SPAWN_SHIFT) + 1)
         self._served_cache = metrics.bytes_served.labels(source="cache")
         self._served_network = metrics.bytes_served.labels(source="network")
 

@@ -1,6 +1,15 @@
 """The object-store client (`S3Store`): the botocore client, its session and credentials; GETs,
 listings and lookups go through presigned URLs (presigned.py) unless a proxy is configured.
 
+A range GET takes one of four routes, each kept for one job (A/B in docs/operations.md, "The GET routes"):
+- the event loop's own sockets (loop_http.py): every range up to 512 KiB (small files, random reads, first-block
+  parts), the cheapest per request;
+- urllib3 in a worker thread (presigned.py): larger ranges (blocks), read straight into the block's buffer;
+- awscrt's connections (native_http.py): listing pages, and the small ranges where STOKER_LOOP_HTTP=0 (the way back
+  should a store and the loop's own HTTP/1.1 not get on);
+- botocore's own get_object: only through a proxy (HTTP(S)_PROXY, or STOKER_BOTOCORE_GETS=1), which the others
+  do not speak.
+
 Everything above the store modules sees `ObjectInfo`, `Listing` (objects.py) and the `StoreError`
 family (errors.py, where every botocore exception is translated, once). Calls are blocking:
 the fetcher runs them in worker threads.

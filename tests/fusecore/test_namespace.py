@@ -297,3 +297,28 @@ def test_a_worker_learns_what_the_hub_wrote_and_a_file_being_written_outlives_it
         assert "old.bin" not in dict(await worker.readdir(ROOT_INODE))
 
     trio.run(go)
+
+
+def test_a_directory_made_here_is_told_of_until_the_bucket_lists_it():
+    """mkdir makes a directory that lasts until a file is written in it; the hub of several workers sends it in its
+    whole view every 2 s. Once a listing shows the bucket has it, it is a directory like any other: no longer kept
+    past its listing, nor sent for the rest of the mount's life."""
+    store = FakeStore()
+    clock = Clock()
+    ns = ns_for(store, prefix="data/", clock=clock)
+
+    async def go():
+        await ns.readdir(ROOT_INODE)
+        made = ns.add_dir(ns.node(ROOT_INODE), "run")
+        ns.remember(made)  # (the kernel's reference: its mkdir's entry)
+        assert [n.path for n in ns.written_here()] == ["run"]
+        clock.now += 3600
+        await ns.readdir(ROOT_INODE)  # listed again: the bucket has no "run/" yet, and it is kept
+        assert "run" in dict(await ns.readdir(ROOT_INODE)) and [n.path for n in ns.written_here()] == ["run"]
+        store.put("data/run/model.pt", b"weights")  # (a file written in it)
+        clock.now += 3600
+        await ns.readdir(ROOT_INODE)
+        assert "run" in dict(await ns.readdir(ROOT_INODE)) and ns.written_here() == []
+        assert not made.made
+
+    trio.run(go)

@@ -685,3 +685,26 @@ def test_a_block_fetched_while_a_range_inside_it_is_coming_takes_the_range_in_ra
     spans = sorted((s, e) for _, s, e in store.ranges)
     assert spans[0][0] == MiB and spans[-1][1] == 2 * MiB and all(a[1] == b[0] for a, b in zip(spans, spans[1:])), \
         f"each byte of the block fetched once: {spans}"
+
+
+def test_a_workers_file_handles_stay_below_a_writes_through_every_spawn_number():
+    """A reader's handles carry its worker's spawn number in their high bits; a handle at or past WRITE_HANDLES is
+    taken for a write's (and relayed to the hub). The hub's spawn numbers wrap before they could get there: with
+    the number at bit 48 they did after 2^14 starts of workers, and a Reader refused them after 2^15."""
+    from fusecore.process.workers import next_spawn
+    from fusecore.read.reader import MAX_SPAWN, Reader
+    from fusecore.read.writes import WRITE_HANDLES
+    from fusecore.store.objects import ObjectInfo
+
+    dp = datapath(FakeStore())
+    spawns, spawn = [], MAX_SPAWN - 2
+    for _ in range(4):
+        spawn = next_spawn(spawn)
+        spawns.append(spawn)
+        reader = Reader(dp.fetcher, dp.metrics, block_size=256 * KiB, prefetch_limit=MiB, worker=spawn)
+        handles = [reader.open(ObjectInfo("k", 10, "e", 0.0)) for _ in range(2)]
+        assert all(0 < fh < WRITE_HANDLES for fh in handles) and handles[0] != handles[1]
+    assert spawns == [MAX_SPAWN - 1, MAX_SPAWN, 1, 2]
+    assert MAX_SPAWN > 4_000_000  # millions of restarts before a number comes back
+    with pytest.raises(ValueError):
+        Reader(dp.fetcher, dp.metrics, block_size=256 * KiB, prefetch_limit=MiB, worker=MAX_SPAWN + 1)
