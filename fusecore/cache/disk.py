@@ -6,7 +6,8 @@ bytes. A file holds the block's bytes from offset 0, and its header (magic, leng
 the bytes: CRC64-NVME) in an extended attribute, so that the kernel can read a file held whole itself (FUSE
 passthrough, `open_whole`). Where DIR's filesystem takes no user xattrs, and in files of older versions, the header
 is written before the bytes (SHA-256 in the oldest). A read checks all of it and drops the file on any mismatch
-(counted, never served: the block is fetched again).
+(counted, never served: the block is fetched again). A file handed to the kernel (`open_whole`) is checked at its
+first open in this process's life, then trusted while it stays as it was (`_trust`).
 
 Writes go behind the reader: the fetcher offers a block once its readers have it, a queue of bounded bytes
 hands it to one writer thread, which writes a temporary file and renames it (a kill leaves at most a
@@ -49,7 +50,8 @@ MAGICS = {b"STKDISK2": "crc64nvme", b"STKDISK1": "sha256"}  # a header before th
 MAGIC = b"STKDISK2"  # what this version writes where DIR takes no xattrs
 PLAIN_MAGIC = b"STKDISK3"  # the header in XATTR, the bytes alone in the file (CRC64-NVME)
 XATTR = "user.stoker.block"
-MAX_TRUSTED = 1 << 18  # files remembered as checked (or written) in this process's life; past it the oldest go
+MAX_TRUSTED = 1 << 16  # files remembered as checked (or written) in this process's life (~250 B each); past it the oldest go
+RECENCY_EVERY = 60.0  # seconds: a file used again within them keeps the mtime it has (restart order is this coarse)
 WRITE_QUEUE = 32 * 1024**2  # bytes offered and not written yet (or two blocks); more are skipped (readers never wait)
 STEP_ASIDE = 30.0  # seconds without writes after the disk failed one
 FLOOR_MAX = 1024**3  # writing pauses while the filesystem has less free than min(this, a 20th of its size)
@@ -93,7 +95,7 @@ class DiskTier:
         self._blocks = os.path.join(directory, BLOCKS)
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes on disk, least recent first
-        self._trusted: dict[str, tuple[int, ...]] = {}  # file name -> its stamp when this process wrote or checked it
+        self._trusted: dict[str, int] = {}  # file name -> its stamp (hashed) when this process wrote or checked it
         self._bytes = 0
         self._queue: deque[tuple[str, Buffer]] = deque()
         self._queued = 0
@@ -245,26 +247,32 @@ class DiskTier:
             self._corrupt(name, "checksum mismatch")
             return None
         if start == 0:
-            self._used(name, fd)
+            self._used(name, fd, os.fstat(fd))
         else:
             os.utime(fd)  # its recency survives a restart (the scan orders by it)
         return data
 
-    def _used(self, name: str, fd: int) -> None:
-        """Mark a file that holds its block's bytes alone, and checked, as used now (its recency survives a restart:
-        the scan orders by it), and trust it as long as it stays as it is now."""
-        os.utime(fd)
-        self._trust(name, os.fstat(fd))
+    def _used(self, name: str, fd: int, st: os.stat_result) -> None:
+        """A file that holds its block's bytes alone, checked: its recency survives a restart (the scan orders by
+        mtime, set here at most every RECENCY_EVERY seconds: each utime is a metadata write, and moves the stamp),
+        and it is trusted as long as it stays as it is now."""
+        if time.time_ns() - st.st_mtime_ns > RECENCY_EVERY * 1e9:
+            os.utime(fd)
+            st = os.fstat(fd)
+        self._trust(name, st)
 
     def _trust(self, name: str, st: os.stat_result) -> None:
         """Until the file changes (any write, truncation, xattr change or replacement moves its ctime or inode),
         `open_whole` hands it out without reading it again: the open of a held file is then an open and an fstat
         instead of a read of the whole file and its checksum on the event loop's thread (with the page cache
-        dropped, a disk read per file, one after another). Only files this process wrote or checked are trusted."""
+        dropped, a disk read per file, one after another). Only files this process wrote or checked are trusted.
+        Where the kernel keeps ctime to its clock tick (no multigrain timestamps: before Linux 6.13), a change in
+        the same few milliseconds as the stamp goes unseen: the files are this process's alone (0700), and damage
+        that is no write (a disk's silent corruption) moves no stamp at all; a read through the mount checks it."""
         with self._lock:
             self._remember(name, _stamp(st))
 
-    def _remember(self, name: str, stamp: tuple[int, ...]) -> None:
+    def _remember(self, name: str, stamp: int) -> None:
         """(With the lock held.) The newest trusted last, so that the oldest go first past MAX_TRUSTED."""
         if name not in self._index:
             return  # dropped meanwhile
@@ -312,7 +320,7 @@ class DiskTier:
         try:
             st = os.fstat(fd)
             if self._trusted.get(name) == _stamp(st) and st.st_size == length:
-                self._used(name, fd)
+                self._used(name, fd, st)
             else:
                 where = self._header(fd, name, length)
                 if where is None or where[2] != 0 or self._checked(fd, name, where, length, None) is None:
@@ -345,8 +353,9 @@ class DiskTier:
         with self._lock:
             size = self._index.pop(name, None)
             self._trusted.pop(name, None)
-            if size is not None:
-                self._bytes -= size
+            if size is None:
+                return  # dropped already (found damaged): a copy written since under its name is not this one
+            self._bytes -= size
         self._remove(name)
 
     def _remove(self, name: str) -> None:
@@ -413,7 +422,6 @@ class DiskTier:
             finally:
                 os.close(fd)
             os.rename(temp, os.path.join(self._blocks, name))
-            stamp = _stamp(os.stat(os.path.join(self._blocks, name)))
         except OSError as exc:
             self._remove(f"{TEMP}{name}")
             with self._lock:
@@ -427,7 +435,10 @@ class DiskTier:
             self._index[name] = need
             self.written += 1
             if self.plain:
-                self._remember(name, stamp)
+                try:
+                    self._remember(name, _stamp(os.stat(os.path.join(self._blocks, name))))
+                except OSError:
+                    pass  # (dropped meanwhile, or not to be stat'ed: checked at its next open)
             if self._paused:
                 log.info("disk cache: writing again")
                 self._paused = ""
@@ -484,9 +495,10 @@ def _takes_xattrs(fd: int) -> bool:
         return False
 
 
-def _stamp(st: os.stat_result) -> tuple[int, ...]:
-    """What changes when a file's bytes, length or attributes change, or another file takes its name."""
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+def _stamp(st: os.stat_result) -> int:
+    """What changes when a file's bytes, length or attributes change, or another file takes its name (hashed: one
+    int per trusted file)."""
+    return hash((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:

@@ -62,7 +62,7 @@ class WorkerRole:
     """What the hub tells a worker beside the mount's configuration (command-line flags of serve-worker)."""
 
     index: int  # from 1
-    spawn: int  # this start of it, unique in the mount (a started-again worker's file handles are new ones)
+    spawn: int  # this start of it, unique in the mount for ~4 million starts (next_spawn: its file handles are new)
     shared: str  # the shared folder
     fuse_fd: int  # its clone of the connection
     minor: int  # what INIT agreed

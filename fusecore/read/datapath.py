@@ -47,9 +47,9 @@ class DataPath:
                  shared: str | None = None, worker: int = 0, journal: str | None = None, writes: bool | None = None):
         """`shared`: this data path is a worker of a mount served by several processes, which share blocks, inode
         numbers and open files through that folder (cache/shared.py, registry.py); `worker`: its number, unique in
-        the mount for as long as it runs (never reused by a worker started again: it is in its file handles);
-        `writes`: this data path writes (by default where the mount is writable; a worker of several relays its
-        writes to the hub instead: fuse/relay.py)."""
+        the mount for as long as it runs (no worker started again reuses it for ~4 million starts: it is in its file
+        handles, workers.next_spawn); `writes`: this data path writes (by default where the mount is writable; a
+        worker of several relays its writes to the hub instead: fuse/relay.py)."""
         self.cfg = cfg
         self.store = store
         self.rotations = 0  # credentials replaced while mounted

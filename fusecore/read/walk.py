@@ -55,6 +55,7 @@ TREE_GROWTH = 2  # more for each directory walked ahead that the reader then ope
 PASS_FRACTION = 1 / 48  # of a directory's small files, opened in any order: the reader goes through all of it
 PASS_MIN = 64  # files opened at least before a directory is taken to be read whole
 PASS_CACHE_SHARE = 0.5  # of the cache budget, at most, that a directory fetched whole ahead of its reader may take
+PASSED_OVER_AT_ONCE = 256  # files the kernel reads itself passed over in one go (each is a name hashed on the loop)
 
 
 @dataclass
@@ -219,6 +220,7 @@ class DirectoryPrefetcher:
             self._issue(state)
 
     def _issue(self, state: _DirState) -> None:
+        passed_over = 0
         while state.next < len(state.files) and state.room() > 0:
             if self.cache.transient_bytes >= self.budget:
                 return
@@ -229,6 +231,9 @@ class DirectoryPrefetcher:
             info = state.files[state.next]
             if self.read_by_kernel(info):  # passed over as if issued: nothing of it reaches this process
                 state.next += 1
+                passed_over += 1
+                if passed_over >= PASSED_OVER_AT_ONCE:
+                    return  # (the next open goes on: a folder held whole never stalls the loop at once)
                 continue
             if not self.fetcher.prefetch(info, 0):
                 return
