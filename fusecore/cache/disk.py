@@ -430,15 +430,16 @@ class DiskTier:
             self._pause("the disk is full" if full else f"a write failed: {exc.strerror}", STEP_ASIDE)
             self._skip()
             return
+        try:  # (only this thread evicts: the file is there until the lock is let go below)
+            stamp = _stamp(os.stat(os.path.join(self._blocks, name))) if self.plain else None
+        except OSError:
+            stamp = None  # (not to be stat'ed: checked at its next open)
         with self._lock:
             self._bytes += need - self._index.pop(name, 0)
             self._index[name] = need
             self.written += 1
-            if self.plain:
-                try:
-                    self._remember(name, _stamp(os.stat(os.path.join(self._blocks, name))))
-                except OSError:
-                    pass  # (dropped meanwhile, or not to be stat'ed: checked at its next open)
+            if stamp is not None:
+                self._remember(name, stamp)
             if self._paused:
                 log.info("disk cache: writing again")
                 self._paused = ""
