@@ -11,6 +11,14 @@ def _value(cells: list[Cell], workload: str, system: str, run: str, figure: str 
                  and getattr(c, figure) is not None), None)
 
 
+def _against(cells: list[Cell], check, label: str, workload: str, peer: str, factor: float, *,
+             system: str = "stoker", run: str = "cold") -> None:
+    """`system`'s headline figure at least `factor` times `peer`'s in one workload (checked where both ran)."""
+    st, other = _value(cells, workload, system, run), _value(cells, workload, peer, run)
+    if st is not None and other is not None:
+        check(label, st >= factor * other, _times(st, other))
+
+
 def evaluate(cells: list[Cell], info: dict) -> list[str]:
     out = []
 
@@ -18,25 +26,18 @@ def evaluate(cells: list[Cell], info: dict) -> list[str]:
         mark = "n/a" if ok is None else ("met" if ok else "MISSED")
         out.append(f"{label}: {mark} ({detail})")
 
-    st, bo = _value(cells, "seq1", "stoker", "cold"), _value(cells, "seq1", "boto3", "cold")
+    st = _value(cells, "seq1", "stoker", "cold")
     bare = info.get("python_client_ceiling_MBps")
     if st is not None and bare:  # the bare client's figure, not s3fs's: that one depends on its parallel_count
         check("large sequential, 1 reader >= 90% of the bare Python client", st >= 0.9 * bare,
               f"{st / bare:.0%} of {bare:.0f} MB/s")
-    if st is not None and bo is not None:
-        check("large sequential, 1 reader >= 20x boto3 single stream", st >= 20 * bo, _times(st, bo))
+    _against(cells, check, "large sequential, 1 reader >= 20x boto3 single stream", "seq1", "boto3", 20)
     st_cpu, s3_cpu = (_value(cells, "seq1", s, "cold", "cpu_s_per_gib") for s in ("stoker", "s3fs"))
     if st_cpu is not None and s3_cpu is not None:
         check("large sequential CPU-s per GiB <= s3fs", st_cpu <= s3_cpu, f"{st_cpu:.2f} vs {s3_cpu:.2f}")
-    st, s3 = _value(cells, "shards", "stoker", "cold"), _value(cells, "shards", "s3fs", "cold")
-    if st is not None and s3 is not None:
-        check("64 MiB shards, 4 readers >= 3x s3fs", st >= 3 * s3, _times(st, s3))
-    st, s3 = _value(cells, "small", "stoker", "cold"), _value(cells, "small", "s3fs", "cold")
-    if st is not None and s3 is not None:
-        check("small files cold >= 10x s3fs", st >= 10 * s3, _times(st, s3))
-    st, s3t = _value(cells, "dataloader", "stoker", "cold"), _value(cells, "dataloader", "s3torch", "cold")
-    if st is not None and s3t is not None:
-        check("PyTorch DataLoader epoch 1 >= 3x s3torchconnector", st >= 3 * s3t, _times(st, s3t))
+    _against(cells, check, "64 MiB shards, 4 readers >= 3x s3fs", "shards", "s3fs", 3)
+    _against(cells, check, "small files cold >= 10x s3fs", "small", "s3fs", 10)
+    _against(cells, check, "PyTorch DataLoader epoch 1 >= 3x s3torchconnector", "dataloader", "s3torch", 3)
     _random_targets(cells, check)
     _disk_targets(cells, check)
     _write_targets(cells, info, check)
@@ -48,9 +49,7 @@ def evaluate(cells: list[Cell], info: dict) -> list[str]:
     st_ms, s3_ms = (_extra(cells, w, s, "cpu_ms_per_file") for w, s in (("ceiling", "stoker"), ("ceiling", "s3fs")))
     if st_ms is not None and s3_ms is not None:
         check("mount CPU per small file <= s3fs", st_ms <= s3_ms, f"{st_ms:.2f} vs {s3_ms:.2f} ms")
-    st, rc = _value(cells, "small", "stoker", "warm"), _value(cells, "small", "rclone", "warm")
-    if st is not None and rc is not None:
-        check("small files warm >= rclone full cache", st >= rc, _times(st, rc))
+    _against(cells, check, "small files warm >= rclone full cache", "small", "rclone", 1, run="warm")
     st = _value(cells, "seq1", "stoker", "warm")
     if st is not None:
         check("warm large sequential >= 1.5 GB/s", st >= 1500, f"{st:.0f} MB/s")
@@ -78,24 +77,18 @@ def evaluate(cells: list[Cell], info: dict) -> list[str]:
 def _write_targets(cells: list[Cell], info: dict, check) -> None:
     """Issue 46: one writer at the store's pace and above a bare client and s3fs, at no more CPU than s3fs; eight
     writers 2x s3fs; torch.save into the mount 0.9x s3torchconnector's S3Checkpoint."""
-    st, bo, s3 = (_value(cells, "write1", s, "cold") for s in ("stoker", "boto3", "s3fs"))
+    st = _value(cells, "write1", "stoker", "cold")
     ceiling = info.get("store_write_ceiling_MBps")
     if st is not None and ceiling:
         check("one writer >= 80% of the store's ceiling of parallel PUTs", st >= 0.8 * ceiling,
               f"{st / ceiling:.0%} of {ceiling:.0f} MB/s")
-    if st is not None and bo is not None:
-        check("one writer >= a bare multipart client (boto3 upload_fileobj)", st >= bo, _times(st, bo))
-    if st is not None and s3 is not None:
-        check("one writer >= 1.25x s3fs", st >= 1.25 * s3, _times(st, s3))
+    _against(cells, check, "one writer >= a bare multipart client (boto3 upload_fileobj)", "write1", "boto3", 1)
+    _against(cells, check, "one writer >= 1.25x s3fs", "write1", "s3fs", 1.25)
     st_cpu, s3_cpu = (_value(cells, "write1", s, "cold", "cpu_s_per_gib") for s in ("stoker", "s3fs"))
     if st_cpu is not None and s3_cpu is not None:
         check("one writer's CPU-s per GiB written <= s3fs", st_cpu <= s3_cpu, f"{st_cpu:.2f} vs {s3_cpu:.2f}")
-    st, s3 = _value(cells, "write8", "stoker", "cold"), _value(cells, "write8", "s3fs", "cold")
-    if st is not None and s3 is not None:
-        check("eight writers >= 2x s3fs", st >= 2 * s3, _times(st, s3))
-    st, s3t = _value(cells, "ckpt", "stoker", "cold"), _value(cells, "ckpt", "s3torch", "cold")
-    if st is not None and s3t is not None:
-        check("torch.save into the mount >= 0.9x S3Checkpoint", st >= 0.9 * s3t, _times(st, s3t))
+    _against(cells, check, "eight writers >= 2x s3fs", "write8", "s3fs", 2)
+    _against(cells, check, "torch.save into the mount >= 0.9x S3Checkpoint", "ckpt", "s3torch", 0.9)
 
 
 def _random_targets(cells: list[Cell], check) -> None:
@@ -104,9 +97,7 @@ def _random_targets(cells: list[Cell], check) -> None:
         amp = _value(cells, workload, "stoker", "cold", "read_amplification")
         if amp is not None:
             check(f"{workload} store bytes per byte read <= 1.1", amp <= 1.1, f"{amp:.3f}")
-    st, s3 = _value(cells, "rand256k", "stoker", "cold"), _value(cells, "rand256k", "s3fs", "cold")
-    if st is not None and s3 is not None:
-        check("random 256 KiB reads >= 3x s3fs", st >= 3 * s3, _times(st, s3))
+    _against(cells, check, "random 256 KiB reads >= 3x s3fs", "rand256k", "s3fs", 3)
 
 
 def _disk_targets(cells: list[Cell], check) -> None:
@@ -120,12 +111,9 @@ def _disk_targets(cells: list[Cell], check) -> None:
     if share is not None:
         check("disk tier: epoch 2 takes <= 1% of the dataset from the store", share <= 0.01, f"{share:.3f}x")
     for system, factor, label in (("stoker", 2, "2x memory only"), ("s3fs-disk", 1, "s3fs with use_cache")):
-        st, other = _value(cells, "disk", "stoker-disk", "warm"), _value(cells, "disk", system, "warm")
-        if st is not None and other is not None:
-            check(f"disk tier: epoch 2 >= {label}", st >= factor * other, _times(st, other))
-    st, mem = _value(cells, "disk", "stoker-disk", "cold"), _value(cells, "disk", "stoker", "cold")
-    if st is not None and mem is not None:
-        check("disk tier: epoch 1 >= 0.9x memory only", st >= 0.9 * mem, _times(st, mem))
+        _against(cells, check, f"disk tier: epoch 2 >= {label}", "disk", system, factor, system="stoker-disk",
+                 run="warm")
+    _against(cells, check, "disk tier: epoch 1 >= 0.9x memory only", "disk", "stoker", 0.9, system="stoker-disk")
     share = store_share("stoker", "warm")
     if share is not None:
         check("memory only, small files beside a stream: epoch 2 <= 0.8x the dataset from the store", share <= 0.8,
