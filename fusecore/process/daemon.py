@@ -124,8 +124,7 @@ async def _serve(cfg: MountConfig, datapath: DataPath, ready: ReadyCallback) -> 
     conn = _connect(cfg, datapath)
     if conn.agreed is not None and conn.agreed.passthrough:
         fs.passthrough = Passthrough(conn, datapath.held_file)
-        datapath.passthrough_stats = fs.passthrough.stats
-        datapath.passthrough_on = lambda: fs.passthrough is not None and fs.passthrough.enabled
+        datapath.passthrough = fs.passthrough
         log.info("FUSE passthrough: files held whole on the disk tier are read by the kernel itself")
     try:
         async with trio.open_nursery() as nursery:

@@ -10,7 +10,7 @@ import logging
 import os
 import time
 from concurrent.futures import Future
-from typing import Awaitable, Callable, cast
+from typing import Awaitable, Callable, Protocol, cast
 
 import trio
 
@@ -42,6 +42,14 @@ WORKER_STAGED = 0.75  # of a worker's own cache: bytes in flight and read ahead 
 DISK_SETTLE = 10.0  # seconds a warm waits at its end for the disk tier to write what it fetched
 
 
+class KernelReads(Protocol):
+    """FUSE passthrough as the data path sees it (fuse/passthrough.py): whether the kernel takes backing files now."""
+
+    enabled: bool
+
+    def stats(self) -> dict: ...
+
+
 class DataPath:
     def __init__(self, cfg: MountConfig, store: ObjectStore, metrics: MountMetrics | None = None, *,
                  shared: str | None = None, worker: int = 0, journal: str | None = None, writes: bool | None = None):
@@ -53,8 +61,7 @@ class DataPath:
         self.cfg = cfg
         self.store = store
         self.rotations = 0  # credentials replaced while mounted
-        self.passthrough_stats: Callable[[], dict] | None = None  # set by the FUSE adapter's process
-        self.passthrough_on: Callable[[], bool] = lambda: False  # (so is this: the kernel takes backing files now)
+        self.passthrough: KernelReads | None = None  # set by the FUSE adapter's process where the kernel offers it
         self.metrics = metrics or MountMetrics()
         # A worker's own cache holds mostly bytes in flight and blocks until they are published (shared.py): its
         # staging room is most of it (at the usual eighth, a worker's read-ahead would not start)
@@ -175,8 +182,8 @@ class DataPath:
         """Will an open of this file be answered with its disk tier file (FUSE passthrough, `held_file`)? Then nothing
         fetches it into memory ahead of its reader: memory comes first at open, so a copy there would turn the
         kernel's own read of the file into READs this process answers."""
-        return (self.disk is not None and 0 < info.size <= self.cfg.block_size and self.passthrough_on()
-                and self.disk.where(BlockKey(info.key, info.etag, 0)) is not None)
+        return (self.disk is not None and 0 < info.size <= self.cfg.block_size and self.passthrough is not None
+                and self.passthrough.enabled and self.disk.where(BlockKey(info.key, info.etag, 0)) is not None)
 
     def close(self) -> None:
         if self.cluster is not None:
@@ -237,7 +244,7 @@ class DataPath:
             "walk_dirs_whole": self.walk.whole_dirs,
             "fuse_reads": {"count": self.reader.read_calls, "bytes_requested": self.reader.read_bytes},
             # opens the kernel reads itself (FUSE passthrough of files held on the disk tier), when the adapter has it
-            **({"passthrough": self.passthrough_stats()} if self.passthrough_stats is not None else {}),
+            **({"passthrough": self.passthrough.stats()} if self.passthrough is not None else {}),
             "errors": errors,
             "skipped_names": self.namespace.skipped_names,
             "namespace_entries": self.namespace.entries,

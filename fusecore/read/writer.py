@@ -120,7 +120,7 @@ class Writer:
         with trio.move_on_after(self.deadline) as waited:
             await self._budget.acquire()
         if waited.cancelled_caught:
-            self._fail(w, Unavailable(f"{w.key}: no room to send a part within {self.deadline:g}s (the store does "
+            self.fail(w, Unavailable(f"{w.key}: no room to send a part within {self.deadline:g}s (the store does "
                                       "not take the parts as fast as they are written)"))
             raise w.failed  # type: ignore[misc]
         try:
@@ -130,10 +130,10 @@ class Writer:
         except BaseException as exc:
             self._budget.release()
             if isinstance(exc, StoreError):
-                self._fail(w, exc)
+                self.fail(w, exc)
             elif isinstance(exc, Exception):  # any failure ends the file: never a later close of what is left
                 log.exception("starting a part of %s failed", w.key)
-                self._fail(w, Unavailable(f"{w.key}: {type(exc).__name__}"))
+                self.fail(w, Unavailable(f"{w.key}: {type(exc).__name__}"))
                 raise w.failed from exc  # type: ignore[misc]
             raise
         number = len(w.etags) + 1
@@ -150,10 +150,10 @@ class Writer:
                 w.etags[number - 1] = await trio.to_thread.run_sync(self.uploads.part, w.key, upload, number, part)
                 self.stats.parts_sent += 1
         except StoreError as exc:
-            self._fail(w, exc)
+            self.fail(w, exc)
         except Exception as exc:  # noqa: BLE001 - any failure aborts, never a half object
             log.exception("sending part %d of %s failed", number, w.key)
-            self._fail(w, Unavailable(f"{w.key}: part {number}: {type(exc).__name__}"))
+            self.fail(w, Unavailable(f"{w.key}: part {number}: {type(exc).__name__}"))
         finally:
             w.sending -= 1
             w.slots.release()
@@ -165,10 +165,6 @@ class Writer:
                 w.drained = trio.Event()
 
     def fail(self, w: Writing, exc: StoreError) -> None:
-        """End a file being written with this failure (its upload aborted), whatever its state."""
-        self._fail(w, exc)
-
-    def _fail(self, w: Writing, exc: StoreError) -> None:
         """The first failure of a file: every later write and its close fail with it, and its upload is aborted now
         (not at the close, which a writer that stopped may never send)."""
         if w.failed is None:
@@ -194,7 +190,7 @@ class Writer:
                 assert w.upload is not None
                 info = await trio.to_thread.run_sync(self.uploads.complete, w.key, w.upload, w.etags, w.written)
         except StoreError as exc:
-            self._fail(w, exc)
+            self.fail(w, exc)
             await self.abandon(w)
             raise
         w.done = info

@@ -97,8 +97,7 @@ class S3Store:
     @property
     def writes_client(self):
         """The botocore client a writable mount uploads with (store/uploads.py): the same session, credentials and
-        retries as `client`, signed by PART_SIGNER, without botocore's default CRC32 (made once, for a writable mount's
-        uploads: store/uploads.py)."""
+        retries as `client`, signed by PART_SIGNER, without botocore's default CRC32 (made once, where a mount writes)."""
         if self._writes_client is None:
             self._writes_client = self._session.create_client(
                 "s3", endpoint_url=self.cfg.endpoint_url, region_name=self.cfg.region,
