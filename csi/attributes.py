@@ -85,8 +85,8 @@ KNOBS: dict[str, Knob] = {
     # administrator's choice too
     "workers": Knob("workers", _positive_int, "workers"),
 }
-WRITE_KNOBS = ("writable", "allowOverwrite", "allowDelete")
-ADMIN_KNOBS = (*WRITE_KNOBS, "workers")  # a PV's or a StorageClass's only (an inline volume's are the pod's)
+# a PV's or a StorageClass's only (an inline volume's attributes are the pod's)
+ADMIN_KNOBS = ("writable", "allowOverwrite", "allowDelete", "workers")
 STORE_ATTRIBUTES = ("bucket", "prefix", "endpointUrl", "region")
 AUTH_SOURCES = ("secret", "pod", "node")  # csi/auth.py
 AUTH_ATTRIBUTES = ("authenticationSource", "roleArn", "stsEndpointUrl")
