@@ -344,6 +344,31 @@ def test_a_shuffled_pass_over_one_flat_folder_is_fetched_whole_ahead_where_the_c
         assert issued_at[0] <= WALK_START + WALK_GROWTH * 120, issued_at
 
 
+
+def test_a_flat_folder_of_3000_files_is_taken_whole_at_its_64th_open_not_its_188th():
+    """Issue 44: while the reader had opened less than a 16th of a 3,000-file folder (188 files), it went one GET per
+    file, a third of a cold epoch; a 48th is reached at PASS_MIN, 64 opens. Before then the walk keeps to its bound
+    (a reader that stops early fetches little it never reads)."""
+    store = FakeStore()
+    names = [f"coco/{i:05d}.jpg" for i in range(3000)]
+    for name in names:
+        store.put(name, b"j" * 1024)
+    dp = datapath(store, cache=256 * MiB, block=1 * MiB, prefetch=64 * MiB)
+    order = random.Random(44).sample(range(len(names)), 70)
+    whole_at: list[int] = []
+
+    async def go():
+        coco = await dp.namespace.lookup(1, "coco")
+        children = await dp.namespace.readdir(coco.inode)
+        for n, i in enumerate(order, 1):
+            dp.walk.on_open(dp.namespace.node(children[i][1]))
+            if dp.walk.whole_dirs and not whole_at:
+                whole_at.append(n)
+        await settled(dp)
+
+    run(dp, go)
+    assert whole_at == [64], whole_at
+
 def test_a_loader_going_through_a_directory_keeps_the_walk_ahead():
     store = FakeStore()
     store.faults.latency = 0.01
