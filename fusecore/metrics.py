@@ -68,22 +68,8 @@ class MountMetrics:
         self.cache_evictions.set_function(lambda: stats().evictions)
         self.cache_hit_ratio.set_function(lambda: stats().hit_ratio)
 
-    DISK_EVENTS = ("hits", "misses", "written", "skipped", "dropped", "evicted", "errors")
-
     def bind_disk(self, stats: Callable) -> None:
-        """Gauges of the disk tier (fusecore/cache/disk.py), read from `stats()` at scrape time."""
-        r = self.registry
-        Gauge("stoker_disk_bytes", "Bytes held by the disk tier", registry=r).set_function(_field_of(stats, "bytes"))
-        Gauge("stoker_disk_budget_bytes", "Configured disk tier budget", registry=r).set_function(
-            _field_of(stats, "budget"))
-        Gauge("stoker_disk_read_bytes", "Bytes read back from the disk tier (total)", registry=r).set_function(
-            _field_of(stats, "bytes_read"))
-        Gauge("stoker_disk_paused", "1 while the disk tier does not write (free space under its floor, a failed "
-              "write)", registry=r).set_function(lambda: 1 if stats().paused else 0)
-        blocks = Gauge("stoker_disk_blocks", "Blocks of the disk tier by event (total): hits, misses, written, "
-                       "skipped (not written), dropped (failed their check), evicted, errors", ["event"], registry=r)
-        for event in self.DISK_EVENTS:
-            blocks.labels(event=event).set_function(_field_of(stats, event))
+        disk_gauges(self.registry, stats)
 
     def bind_writes(self, stats: Callable[[], dict | None]) -> None:
         write_gauges(self.registry, stats)
@@ -100,6 +86,25 @@ class MountMetrics:
         family = next(iter(metric.describe()))
         sample = family.name + ("_total" if family.type == "counter" else "")
         return self.registry.get_sample_value(sample, labels) or 0.0
+
+
+DISK_EVENTS = ("hits", "misses", "written", "skipped", "dropped", "evicted", "errors")
+
+
+def disk_gauges(r: CollectorRegistry, stats: Callable) -> None:
+    """Gauges of the disk tier (fusecore/cache/disk.py), read from `stats()` at scrape time (a mount's own process;
+    the hub of several workers and each worker its part: their sum is the mount's)."""
+    Gauge("stoker_disk_bytes", "Bytes held by the disk tier", registry=r).set_function(_field_of(stats, "bytes"))
+    Gauge("stoker_disk_budget_bytes", "Configured disk tier budget", registry=r).set_function(
+        _field_of(stats, "budget"))
+    Gauge("stoker_disk_read_bytes", "Bytes read back from the disk tier (total)", registry=r).set_function(
+        _field_of(stats, "bytes_read"))
+    Gauge("stoker_disk_paused", "1 while the disk tier does not write (free space under its floor, a failed "
+          "write)", registry=r).set_function(lambda: 1 if stats().paused else 0)
+    blocks = Gauge("stoker_disk_blocks", "Blocks of the disk tier by event (total): hits, misses, written, "
+                   "skipped (not written), dropped (failed their check), evicted, errors", ["event"], registry=r)
+    for event in DISK_EVENTS:
+        blocks.labels(event=event).set_function(_field_of(stats, event))
 
 
 AVERAGED = frozenset({"stoker_cache_hit_ratio", "stoker_cluster_owned_share"})  # ratios: the workers' mean

@@ -18,6 +18,9 @@ Budgets: the files never take more than `budget` bytes together (the least recen
 start when a smaller budget is asked than DIR holds); writing pauses while the filesystem's free space is
 under a floor; an error of the disk makes the tier stop writing for a while. None of it fails a read.
 One mount per DIR: an exclusive lock on DIR/lock, refused with the holder's pid and mount point.
+
+HeldFiles is the reading side (find, check, read, hand out whole); DiskTier keeps DIR (its lock, index, budget and
+writes). A mount of several workers has one DiskTier, its hub's, and a DiskView (diskview.py) in each worker.
 """
 
 from __future__ import annotations
@@ -82,20 +85,236 @@ class DiskStats:
     opened_seconds: float  # the start's scan of DIR (and any shrinking)
 
 
-class DiskTier:
+class HeldFiles:
+    """The reading side of a disk tier: a block's file found, checked and read (or handed out whole), in any process
+    of the mount. What DIR holds, and its budget, are the keeper's (DiskTier); `_holds`, `_forget` and the counters
+    say how a subclass learns and tells of it."""
+
+    def __init__(self, directory: str, *, bucket: str, block_size: int, huge_pages: bool = False):
+        self.directory = directory
+        self._bucket, self._block_size, self._huge = bucket, block_size, huge_pages
+        self.queue_limit = max(WRITE_QUEUE, 2 * block_size)
+        self._blocks = os.path.join(directory, BLOCKS)
+        self._lock = threading.Lock()
+        self._trusted: dict[str, int] = {}  # file name -> its stamp (hashed) when this process wrote or checked it
+        self.hits = self.misses = self.bytes_read = self.dropped = self.errors = 0
+        self.plain = False  # files hold the bytes alone (the header in an xattr)
+
+    budget: int
+
+    def offer(self, key: BlockKey, data: Buffer) -> None:
+        """Keep a block a reader got from the store or a peer; never waits."""
+        raise NotImplementedError
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes offered and not written yet (a warm keeps this plus what it fetches under queue_limit)."""
+        raise NotImplementedError
+
+    def stats(self) -> DiskStats:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _holds(self, name: str) -> bool:
+        """Is the file held (a use of it: its recency renewed)?"""
+        raise NotImplementedError
+
+    def _forget(self, name: str) -> bool:
+        """(With the lock held.) The file is no longer held (gone, damaged); False where it was forgotten already."""
+        raise NotImplementedError
+
+    def _held(self, name: str) -> bool:
+        """(With the lock held.) Is the file still held (not dropped since it was found)?"""
+        raise NotImplementedError
+
+    # ---- names -----------------------------------------------------------------------------
+    def name(self, key: BlockKey) -> str:
+        what = repr((self._bucket, key.key, key.etag, key.index, self._block_size))
+        return hashlib.sha256(what.encode("utf-8", "surrogatepass")).hexdigest()
+
+    def where(self, key: BlockKey) -> str | None:
+        """The block's file name if DIR holds it (for `read`, which then need not hash it again), else None."""
+        name = self.name(key)
+        return name if self.known(name) else None
+
+    def known(self, name: str) -> bool:
+        """Is a file of this name held? (No use of it: a lookup.)"""
+        raise NotImplementedError
+
+    # ---- reads -----------------------------------------------------------------------------
+    def read(self, key: BlockKey, length: int, into: Buffer | None = None, name: str | None = None) -> Buffer | None:
+        """The block's bytes (`length` of them, in `into` if given) if DIR holds them whole and right, else None
+        (a miss); `name`: the key's file name, from `where`."""
+        name = name or self.name(key)
+        if not self._holds(name):
+            with self._lock:
+                self.misses += 1
+            return None
+        try:
+            data = self._read_file(name, length, into)
+        except OSError as exc:
+            with self._lock:
+                self.errors += 1
+            log.warning("disk cache: cannot read a block (%s); it is fetched again", exc.strerror)
+            data = None
+        if data is None:
+            self._drop(name)
+            return None
+        with self._lock:
+            self.hits += 1
+            self.bytes_read += length
+        return data
+
+    def _read_file(self, name: str, length: int, into: Buffer | None) -> Buffer | None:
+        try:
+            fd = os.open(os.path.join(self._blocks, name), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            where = self._header(fd, name, length)
+            return None if where is None else self._checked(fd, name, where, length, into)
+        finally:
+            os.close(fd)
+
+    def _checked(self, fd: int, name: str, where: tuple[str, bytes, int], length: int,
+                 into: Buffer | None) -> Buffer | None:
+        """The block's bytes if their checksum is the header's (the file is dropped, counted, if not)."""
+        kind, checksum, start = where
+        data = into if into is not None else allocate(length, self._huge)
+        if os.preadv(fd, [data], start) != length or _sum(kind, data) != checksum:
+            self._corrupt(name, "checksum mismatch")
+            return None
+        if start == 0:
+            self._used(name, fd, os.fstat(fd))
+        else:
+            os.utime(fd)  # its recency survives a restart (the scan orders by it)
+        return data
+
+    def _used(self, name: str, fd: int, st: os.stat_result) -> None:
+        """A file that holds its block's bytes alone, checked: its recency survives a restart (the scan orders by
+        mtime, set here at most every RECENCY_EVERY seconds: each utime is a metadata write, and moves the stamp),
+        and it is trusted as long as it stays as it is now."""
+        if time.time_ns() - st.st_mtime_ns > RECENCY_EVERY * 1e9:
+            os.utime(fd)
+            st = os.fstat(fd)
+        self._trust(name, st)
+
+    def _trust(self, name: str, st: os.stat_result) -> None:
+        """Until the file changes (any write, truncation, xattr change or replacement moves its ctime or inode),
+        `open_whole` hands it out without reading it again: the open of a held file is then an open and an fstat
+        instead of a read of the whole file and its checksum on the event loop's thread (with the page cache
+        dropped, a disk read per file, one after another). Only files this process wrote or checked are trusted.
+        Where the kernel keeps ctime to its clock tick (no multigrain timestamps: before Linux 6.13), a change in
+        the same few milliseconds as the stamp goes unseen: the files are this process's alone (0700), and damage
+        that is no write (a disk's silent corruption) moves no stamp at all; a read through the mount checks it."""
+        with self._lock:
+            self._remember(name, _stamp(st))
+
+    def _remember(self, name: str, stamp: int) -> None:
+        """(With the lock held.) The newest trusted last, so that the oldest go first past MAX_TRUSTED."""
+        if not self._held(name):
+            return  # dropped meanwhile
+        self._trusted.pop(name, None)
+        self._trusted[name] = stamp
+        if len(self._trusted) > MAX_TRUSTED:
+            del self._trusted[next(iter(self._trusted))]
+
+    def _header(self, fd: int, name: str, length: int) -> tuple[str, bytes, int] | None:
+        """The checksum's kind, the checksum, and where the bytes start in the file; None: not this block's."""
+        try:
+            header = os.getxattr(fd, XATTR)
+            start = 0
+        except OSError as exc:
+            if exc.errno not in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+            header = os.pread(fd, HEADER.size, 0)
+            start = HEADER.size
+        if len(header) != HEADER.size:
+            self._corrupt(name, "short header")
+            return None
+        magic, size, digest, checksum = HEADER.unpack(header)
+        kind = "crc64nvme" if start == 0 and magic == PLAIN_MAGIC else MAGICS.get(magic) if start else None
+        if kind is None or digest != bytes.fromhex(name) or size != length \
+                or os.fstat(fd).st_size != start + length:
+            self._corrupt(name, "header does not name this block")
+            return None
+        return kind, checksum, start
+
+    def open_whole(self, key: BlockKey, length: int) -> int | None:
+        """A descriptor of the block's file, checked, if it holds exactly the block's bytes from offset 0 (for the
+        kernel to read itself), else None. Counted as a hit of `length` bytes; the caller closes it."""
+        name = self.name(key)
+        if not self._holds(name):
+            return None
+        try:
+            fd = os.open(os.path.join(self._blocks, name), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("disk cache: cannot open a block (%s)", exc.strerror)
+            return None
+        try:
+            st = os.fstat(fd)
+            if self._trusted.get(name) == _stamp(st) and st.st_size == length:
+                self._used(name, fd, st)
+            else:
+                where = self._header(fd, name, length)
+                if where is None or where[2] != 0 or self._checked(fd, name, where, length, None) is None:
+                    return None  # damaged (dropped), or of an older layout: the header before the bytes
+            with self._lock:
+                self.hits += 1
+                self.bytes_read += length
+            fd, kept = -1, fd
+            return kept
+        except OSError as exc:
+            log.warning("disk cache: cannot read a block (%s); it is fetched again", exc.strerror)
+            return None
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def _corrupt(self, name: str, why: str) -> None:
+        """Drop a damaged file, counted once: a reader and a passthrough open (or two readers) may find it at once."""
+        with self._lock:
+            self._trusted.pop(name, None)
+            if not self._forget(name):
+                return  # another found it first
+            self.dropped += 1
+        log.warning("disk cache: block %s dropped (%s); it is fetched again", name[:16], why)
+        self._remove(name)
+
+    def _drop(self, name: str) -> None:
+        """A file found gone or not to be read: no longer held."""
+        with self._lock:
+            self._trusted.pop(name, None)
+            if not self._forget(name):
+                return  # dropped already (found damaged): a copy written since under its name is not this one
+        self._remove(name)
+
+    def _remove(self, name: str) -> None:
+        try:
+            os.unlink(os.path.join(self._blocks, name))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("disk cache: cannot remove %s: %s", name[:16], exc.strerror)
+
+
+class DiskTier(HeldFiles):
     """See the module docstring. `read` and `where` may be called from any thread; `offer` from the event loop."""
 
     def __init__(self, directory: str, budget: int, *, bucket: str, block_size: int, mountpoint: str = "",
-                 huge_pages: bool = False, clock: Callable[[], float] = time.monotonic):
-        self.directory = directory
+                 huge_pages: bool = False, clock: Callable[[], float] = time.monotonic,
+                 queue_mirror: Callable[[int], None] | None = None):
+        """`queue_mirror`: told the bytes queued for writing whenever they change (a mount of several workers shows
+        them to the worker that warms: process/workers.py)."""
+        super().__init__(directory, bucket=bucket, block_size=block_size, huge_pages=huge_pages)
         self.budget = budget
-        self._bucket, self._block_size, self._huge = bucket, block_size, huge_pages
-        self.queue_limit = max(WRITE_QUEUE, 2 * block_size)
         self._clock = clock
-        self._blocks = os.path.join(directory, BLOCKS)
-        self._lock = threading.Lock()
+        self._mirror = queue_mirror
         self._index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes on disk, least recent first
-        self._trusted: dict[str, int] = {}  # file name -> its stamp (hashed) when this process wrote or checked it
         self._bytes = 0
         self._queue: deque[tuple[str, Buffer]] = deque()
         self._queued = 0
@@ -103,9 +322,7 @@ class DiskTier:
         self._closing = False
         self._paused_until = 0.0
         self._paused = ""
-        self.hits = self.misses = self.bytes_read = self.written = self.skipped = 0
-        self.dropped = self.evicted = self.errors = 0
-        self.plain = False  # files hold the bytes alone (the header in an xattr): decided by _prepare
+        self.written = self.skipped = self.evicted = 0
         began = time.monotonic()
         self._holder = self._take_lock(mountpoint)
         try:
@@ -119,6 +336,37 @@ class DiskTier:
         self.opened_seconds = time.monotonic() - began
         self._writer = threading.Thread(target=self._write_loop, name="stoker-disk-writer", daemon=True)
         self._writer.start()
+
+    # ---- what DIR holds (HeldFiles' hooks) ---------------------------------------------------
+    def known(self, name: str) -> bool:
+        return name in self._index
+
+    def _holds(self, name: str) -> bool:
+        with self._lock:
+            if name not in self._index:
+                return False
+            self._index.move_to_end(name)
+            return True
+
+    def _held(self, name: str) -> bool:
+        return name in self._index
+
+    def _forget(self, name: str) -> bool:
+        size = self._index.pop(name, None)
+        if size is None:
+            return False
+        self._bytes -= size
+        return True
+
+    def touch(self, name: str) -> None:
+        """Another process of the mount used the file (a worker's read: diskview.py)."""
+        self._holds(name)
+
+    def forgotten(self, name: str) -> None:
+        """Another process of the mount found the file damaged and removed it (diskview.py)."""
+        with self._lock:
+            self._trusted.pop(name, None)
+            self._forget(name)
 
     # ---- opening ---------------------------------------------------------------------------
     def _take_lock(self, mountpoint: str) -> int:
@@ -192,184 +440,13 @@ class DiskTier:
         st = os.statvfs(self._blocks)
         return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
-    # ---- names -----------------------------------------------------------------------------
-    def name(self, key: BlockKey) -> str:
-        what = repr((self._bucket, key.key, key.etag, key.index, self._block_size))
-        return hashlib.sha256(what.encode("utf-8", "surrogatepass")).hexdigest()
-
-    def where(self, key: BlockKey) -> str | None:
-        """The block's file name if DIR holds it (for `read`, which then need not hash it again), else None."""
-        name = self.name(key)
-        return name if name in self._index else None
-
-    # ---- reads -----------------------------------------------------------------------------
-    def read(self, key: BlockKey, length: int, into: Buffer | None = None, name: str | None = None) -> Buffer | None:
-        """The block's bytes (`length` of them, in `into` if given) if DIR holds them whole and right, else None
-        (a miss); `name`: the key's file name, from `where`."""
-        name = name or self.name(key)
-        with self._lock:
-            if name not in self._index:
-                self.misses += 1
-                return None
-            self._index.move_to_end(name)
-        try:
-            data = self._read_file(name, length, into)
-        except OSError as exc:
-            with self._lock:
-                self.errors += 1
-            log.warning("disk cache: cannot read a block (%s); it is fetched again", exc.strerror)
-            data = None
-        if data is None:
-            self._drop(name)
-            return None
-        with self._lock:
-            self.hits += 1
-            self.bytes_read += length
-        return data
-
-    def _read_file(self, name: str, length: int, into: Buffer | None) -> Buffer | None:
-        try:
-            fd = os.open(os.path.join(self._blocks, name), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        try:
-            where = self._header(fd, name, length)
-            return None if where is None else self._checked(fd, name, where, length, into)
-        finally:
-            os.close(fd)
-
-    def _checked(self, fd: int, name: str, where: tuple[str, bytes, int], length: int,
-                 into: Buffer | None) -> Buffer | None:
-        """The block's bytes if their checksum is the header's (the file is dropped, counted, if not)."""
-        kind, checksum, start = where
-        data = into if into is not None else allocate(length, self._huge)
-        if os.preadv(fd, [data], start) != length or _sum(kind, data) != checksum:
-            self._corrupt(name, "checksum mismatch")
-            return None
-        if start == 0:
-            self._used(name, fd, os.fstat(fd))
-        else:
-            os.utime(fd)  # its recency survives a restart (the scan orders by it)
-        return data
-
-    def _used(self, name: str, fd: int, st: os.stat_result) -> None:
-        """A file that holds its block's bytes alone, checked: its recency survives a restart (the scan orders by
-        mtime, set here at most every RECENCY_EVERY seconds: each utime is a metadata write, and moves the stamp),
-        and it is trusted as long as it stays as it is now."""
-        if time.time_ns() - st.st_mtime_ns > RECENCY_EVERY * 1e9:
-            os.utime(fd)
-            st = os.fstat(fd)
-        self._trust(name, st)
-
-    def _trust(self, name: str, st: os.stat_result) -> None:
-        """Until the file changes (any write, truncation, xattr change or replacement moves its ctime or inode),
-        `open_whole` hands it out without reading it again: the open of a held file is then an open and an fstat
-        instead of a read of the whole file and its checksum on the event loop's thread (with the page cache
-        dropped, a disk read per file, one after another). Only files this process wrote or checked are trusted.
-        Where the kernel keeps ctime to its clock tick (no multigrain timestamps: before Linux 6.13), a change in
-        the same few milliseconds as the stamp goes unseen: the files are this process's alone (0700), and damage
-        that is no write (a disk's silent corruption) moves no stamp at all; a read through the mount checks it."""
-        with self._lock:
-            self._remember(name, _stamp(st))
-
-    def _remember(self, name: str, stamp: int) -> None:
-        """(With the lock held.) The newest trusted last, so that the oldest go first past MAX_TRUSTED."""
-        if name not in self._index:
-            return  # dropped meanwhile
-        self._trusted.pop(name, None)
-        self._trusted[name] = stamp
-        if len(self._trusted) > MAX_TRUSTED:
-            del self._trusted[next(iter(self._trusted))]
-
-    def _header(self, fd: int, name: str, length: int) -> tuple[str, bytes, int] | None:
-        """The checksum's kind, the checksum, and where the bytes start in the file; None: not this block's."""
-        try:
-            header = os.getxattr(fd, XATTR)
-            start = 0
-        except OSError as exc:
-            if exc.errno not in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
-                raise
-            header = os.pread(fd, HEADER.size, 0)
-            start = HEADER.size
-        if len(header) != HEADER.size:
-            self._corrupt(name, "short header")
-            return None
-        magic, size, digest, checksum = HEADER.unpack(header)
-        kind = "crc64nvme" if start == 0 and magic == PLAIN_MAGIC else MAGICS.get(magic) if start else None
-        if kind is None or digest != bytes.fromhex(name) or size != length \
-                or os.fstat(fd).st_size != start + length:
-            self._corrupt(name, "header does not name this block")
-            return None
-        return kind, checksum, start
-
-    def open_whole(self, key: BlockKey, length: int) -> int | None:
-        """A descriptor of the block's file, checked, if it holds exactly the block's bytes from offset 0 (for the
-        kernel to read itself), else None. Counted as a hit of `length` bytes; the caller closes it."""
-        name = self.name(key)
-        with self._lock:
-            if name not in self._index:
-                return None
-            self._index.move_to_end(name)
-        try:
-            fd = os.open(os.path.join(self._blocks, name), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            log.warning("disk cache: cannot open a block (%s)", exc.strerror)
-            return None
-        try:
-            st = os.fstat(fd)
-            if self._trusted.get(name) == _stamp(st) and st.st_size == length:
-                self._used(name, fd, st)
-            else:
-                where = self._header(fd, name, length)
-                if where is None or where[2] != 0 or self._checked(fd, name, where, length, None) is None:
-                    return None  # damaged (dropped), or of an older layout: the header before the bytes
-            with self._lock:
-                self.hits += 1
-                self.bytes_read += length
-            fd, kept = -1, fd
-            return kept
-        except OSError as exc:
-            log.warning("disk cache: cannot read a block (%s); it is fetched again", exc.strerror)
-            return None
-        finally:
-            if fd >= 0:
-                os.close(fd)
-
-    def _corrupt(self, name: str, why: str) -> None:
-        """Drop a damaged file, counted once: a reader and a passthrough open (or two readers) may find it at once."""
-        with self._lock:
-            size = self._index.pop(name, None)
-            self._trusted.pop(name, None)
-            if size is None:
-                return  # another found it first
-            self._bytes -= size
-            self.dropped += 1
-        log.warning("disk cache: block %s dropped (%s); it is fetched again", name[:16], why)
-        self._remove(name)
-
-    def _drop(self, name: str) -> None:
-        with self._lock:
-            size = self._index.pop(name, None)
-            self._trusted.pop(name, None)
-            if size is None:
-                return  # dropped already (found damaged): a copy written since under its name is not this one
-            self._bytes -= size
-        self._remove(name)
-
-    def _remove(self, name: str) -> None:
-        try:
-            os.unlink(os.path.join(self._blocks, name))
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("disk cache: cannot remove %s: %s", name[:16], exc.strerror)
-
     # ---- writes ----------------------------------------------------------------------------
     def offer(self, key: BlockKey, data: Buffer) -> None:
         """Keep a block a reader got from the store or a peer; never waits (the writer thread writes it)."""
-        name = self.name(key)
+        self.keep(self.name(key), data)
+
+    def keep(self, name: str, data: Buffer) -> None:
+        """Keep bytes as the file `name` (a block a worker of the mount published: workers.py); never waits."""
         with self._lock:
             if name in self._index:
                 return
@@ -379,6 +456,8 @@ class DiskTier:
             self._queue.append((name, data))
             self._queued += len(data)
             self._wake.notify()
+            if self._mirror is not None:
+                self._mirror(self._queued)
 
     def _write_loop(self) -> None:
         while True:
@@ -393,6 +472,8 @@ class DiskTier:
             finally:
                 with self._lock:
                     self._queued -= len(data)
+                    if self._mirror is not None:
+                        self._mirror(self._queued)
 
     def _write(self, name: str, data: Buffer) -> None:
         need = len(data) if self.plain else HEADER.size + len(data)
@@ -466,7 +547,6 @@ class DiskTier:
 
     @property
     def queued_bytes(self) -> int:
-        """Bytes offered and not written yet (a warm keeps this plus what it fetches under queue_limit)."""
         return self._queued
 
     # ---- the rest --------------------------------------------------------------------------

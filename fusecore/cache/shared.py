@@ -20,15 +20,18 @@ import logging
 import os
 import mmap
 import socket
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .blocks import BlockKey
 
 log = logging.getLogger(__name__)
 
 BLOCKS, CLAIMS, HUB_SOCKET = "blocks", "claims", "hub.sock"
+DISK_QUEUE = "disk-queue"  # the bytes the hub's disk tier has queued for writing (a little-endian u64)
+_QUEUED = struct.Struct("<Q")
 NEWS_BATCH = 8192  # bytes of news a worker gathers before it sends them to the hub (and at least every FLUSH_EVERY s)
 FLUSH_EVERY = 0.05
 PROTECTED_FRACTION = 0.8  # of the budget, for blocks read again (SharedPolicy)
@@ -45,6 +48,27 @@ def prepare(root: str) -> None:
     os.makedirs(root, mode=0o700, exist_ok=True)
     for sub in (BLOCKS, CLAIMS):
         os.makedirs(os.path.join(root, sub), mode=0o700, exist_ok=True)
+    with open(os.path.join(root, DISK_QUEUE), "wb") as f:
+        f.write(_QUEUED.pack(0))
+
+
+def disk_queue_mirror(root: str) -> Callable[[int], None]:
+    """What the hub's disk tier calls with its queued bytes (DiskTier's queue_mirror): written where every worker
+    reads them (`SharedBlocks.disk_queued`)."""
+    table = _mapped(os.path.join(root, DISK_QUEUE))
+
+    def mirror(queued: int) -> None:
+        _QUEUED.pack_into(table, 0, queued)
+
+    return mirror
+
+
+def _mapped(path: str) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        return mmap.mmap(fd, _QUEUED.size)
+    finally:
+        os.close(fd)
 
 
 class Claim:
@@ -89,6 +113,8 @@ class SharedBlocks:
         self._events = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
         self._news: list[bytes] = []
         self._news_bytes = 0
+        self._kept_unsent = 0  # bytes of blocks given to the hub's disk tier in news not sent yet
+        self._disk_queue: mmap.mmap | None = None
         self.stats = SharedStats()
 
     def path(self, key: BlockKey) -> str:
@@ -175,9 +201,10 @@ class SharedBlocks:
             os.close(fd)  # a claim file its worker removed between our open and our lock: open the current one
         return None
 
-    def publish(self, key: BlockKey, data: bytes | bytearray | memoryview | mmap.mmap) -> bool:
+    def publish(self, key: BlockKey, data: bytes | bytearray | memoryview | mmap.mmap, keep: str = "") -> bool:
         """Make a fetched block readable by every worker: written aside, renamed into place. False where the folder
-        had no room (the block stays this worker's own)."""
+        had no room (the block stays this worker's own). `keep`: the name the hub's disk tier keeps it under (the
+        hub writes it from this file: diskview.py)."""
         name = block_name(key)
         final = os.path.join(self._blocks, name)
         aside = os.path.join(self._claims, f"{name}.{os.getpid()}.part")
@@ -198,8 +225,26 @@ class SharedBlocks:
             log.debug("shared block %s not published: %s", name, exc.strerror)
             return False
         self.stats.published += 1
-        self._tell(b"add %s %d" % (name.encode(), len(data)))
+        if keep:
+            self._kept_unsent += len(data)
+            self._tell(b"add %s %d %s" % (name.encode(), len(data), keep.encode()))
+        else:
+            self._tell(b"add %s %d" % (name.encode(), len(data)))
         return True
+
+    def tell(self, message: bytes) -> None:
+        """News for the hub from another part of this worker (its disk tier's: diskview.py)."""
+        self._tell(message)
+
+    def disk_queued(self) -> int:
+        """Bytes the hub's disk tier has still to write: what it queued, and what this worker's news not yet sent
+        give it."""
+        if self._disk_queue is None:
+            try:
+                self._disk_queue = _mapped(os.path.join(self.root, DISK_QUEUE))
+            except OSError:
+                return self._kept_unsent
+        return _QUEUED.unpack_from(self._disk_queue, 0)[0] + self._kept_unsent
 
     def _tell(self, message: bytes) -> None:
         """News for the hub, sent in batches (`flush`): a unix datagram socket queues few datagrams."""
@@ -215,6 +260,7 @@ class SharedBlocks:
         count = len(self._news)
         self._news.clear()
         self._news_bytes = 0
+        self._kept_unsent = 0
         try:
             self._events.sendto(batch, self._hub)
         except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):

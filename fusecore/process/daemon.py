@@ -165,6 +165,7 @@ def _run_hub(cfg: MountConfig, store: S3Store, ready: ReadyCallback, log_level: 
     hub = workers.Hub(cfg, conn.fd, conn.agreed, shared, log_level)
     try:
         try:
+            hub.open_disk()
             if cfg.writable:
                 hub.writes = _hub_writes(cfg, store, hub)
             for worker in [hub.start(i) for i in range(1, cfg.workers + 1)]:
@@ -181,6 +182,8 @@ def _run_hub(cfg: MountConfig, store: S3Store, ready: ReadyCallback, log_level: 
         hub.stop()
         if hub.writes is not None:
             hub.writes.close()
+        if hub.disk is not None:
+            hub.disk.close()
         if not hub.ended and cfg.fuse_fd is None:
             unmount(cfg.mountpoint)
         conn.close()

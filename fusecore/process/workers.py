@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import mmap
 import os
 import shutil
 import signal
@@ -31,12 +32,14 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import trio
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, generate_latest, start_http_server
 
 from ..cache import shared as blocks
+from ..cache.disk import DiskTier
+from ..cache.pages import choose as choose_pages
 from ..config import Identity, MountConfig, identity_document, mount_document
 from ..fuse.protocol import Agreed
-from ..metrics import Summed, write_gauges
+from ..metrics import Summed, disk_gauges, write_gauges
 from ..fuse.session import clone
 from ..read.reader import MAX_SPAWN
 from ..read.registry import Registry
@@ -155,6 +158,20 @@ class Hub:
         self.ended = False  # the connection ended (unmounted)
         self._blocks_dir = os.path.join(shared, blocks.BLOCKS)
         self.writes: HubWrites | None = None  # a writable mount's writes, answered here (hubwrites.py)
+        self.disk: DiskTier | None = None  # the mount's disk tier: kept here, read by every worker (diskview.py)
+        self._disk_registry: CollectorRegistry | None = None
+
+    def open_disk(self) -> None:
+        """The disk tier (--disk-cache), before any worker starts: DIR's lock is the hub's, and so are its index,
+        its budget and its writes."""
+        cfg = self.cfg
+        if cfg.disk_cache:
+            self.disk = DiskTier(cfg.disk_cache, cfg.disk_cache_size, bucket=cfg.store.bucket,
+                                 block_size=cfg.block_size, mountpoint=cfg.mountpoint,
+                                 huge_pages=choose_pages(cfg.huge_pages, cfg.block_size).huge,
+                                 queue_mirror=blocks.disk_queue_mirror(self.shared))
+            self._disk_registry = CollectorRegistry()
+            disk_gauges(self._disk_registry, self.disk.stats)
 
     # ---- workers ---------------------------------------------------------------------------
     def start(self, index: int) -> Worker:
@@ -274,15 +291,44 @@ class Hub:
                         self._news(message)
 
     def _news(self, message: bytes) -> None:
-        """"hit NAME" or "add NAME SIZE"; anything else (a block name is 32 hex digits) is ignored."""
+        """"hit NAME", "add NAME SIZE [KEEP]" (a block published, and the name the disk tier keeps it under), "dhit
+        KEEP" or "ddrop KEEP" (a worker used, or removed as damaged, a file of the disk tier); anything else (a block
+        name is 32 hex digits, a disk tier's file 64) is ignored."""
         verb, _, rest = message.partition(b" ")
-        name, _, size = rest.partition(b" ")
-        if len(name) != 32 or not _HEX.issuperset(name):
+        name, _, rest = rest.partition(b" ")
+        if verb in (b"dhit", b"ddrop"):
+            if self.disk is not None and _named(name, 64):
+                (self.disk.touch if verb == b"dhit" else self.disk.forgotten)(name.decode())
+            return
+        if not _named(name, 32):
             return
         if verb == b"hit":
             self.policy.hit(name.decode())
-        elif verb == b"add" and size.isdigit():
+            return
+        size, _, keep = rest.partition(b" ")
+        if verb == b"add" and size.isdigit():
             self._evict(self.policy.admit(name.decode(), int(size)))
+            if keep and _named(keep, 64):
+                self._keep(name.decode(), keep.decode())
+
+    def _keep(self, name: str, keep: str) -> None:
+        """The disk tier writes a published block from its file (mapped: its bytes are already in memory, counted
+        in the shared blocks' budget); one evicted meanwhile is not written."""
+        if self.disk is None or self.disk.known(keep):
+            return
+        try:
+            fd = os.open(os.path.join(self._blocks_dir, name), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            size = os.fstat(fd).st_size
+            data = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+        except OSError:
+            return
+        finally:
+            os.close(fd)
+        if data is not None:
+            self.disk.keep(keep, data)
 
     def _evict(self, names: list[str]) -> None:
         for name in names:
@@ -358,7 +404,17 @@ class Hub:
         total.setdefault("shared", {}).update({"bytes": self.policy.bytes, "budget": self.policy.budget,
                                                "blocks": len(self.policy), "evictions": self.policy.evictions,
                                                "hits": self.policy.hits})
+        if self.disk is not None:
+            total["disk"] = self._disk_stats(total.get("disk", {}))
         return total
+
+    def _disk_stats(self, read: dict) -> dict:
+        """The disk tier as one: what it holds, its budget and writes (the hub's), and the workers' reads of it."""
+        assert self.disk is not None
+        kept = dataclasses.asdict(self.disk.stats())
+        for name in ("hits", "misses", "bytes_read", "dropped", "errors"):
+            kept[name] += read.get(name, 0)
+        return kept
 
     async def drop(self) -> dict:
         before = self.policy.bytes
@@ -399,7 +455,9 @@ class Hub:
         start_http_server(port, addr=addr, registry=registry)
 
     def _metrics_texts(self) -> list[str]:
-        texts = []
+        """The workers' expositions, and the hub's own disk tier's: the workers' gauges of it count their reads of
+        it, the hub's what it holds and writes; summed, they are the mount's."""
+        texts = [generate_latest(self._disk_registry).decode()] if self._disk_registry is not None else []
         for path in self._sockets():
             try:
                 texts.append(str(control.call(path, {"op": "metrics"}, 5.0).get("text", "")))
@@ -435,6 +493,10 @@ class Hub:
                         await report(last)
                     last = answer
         return last
+
+
+def _named(name: bytes, length: int) -> bool:
+    return len(name) == length and _HEX.issuperset(name)
 
 
 def _sum(answers: list[dict]) -> dict:

@@ -18,7 +18,8 @@ from ..cache.blocks import BlockKey, block_count, block_extent
 from ..cache.memory import BlockCache, Buffer
 from ..cluster.tier import Cluster, check_ask, held, read_key
 from ..config import WARM_FRACTION, ConfigError, Identity, MountConfig
-from ..cache.disk import DiskTier
+from ..cache.disk import DiskTier, HeldFiles
+from ..cache.diskview import DiskView
 from .fetcher import CAUSES, Fetcher
 from ..messages import JoinRequest, PathNews, WarmProgress
 from ..metrics import MountMetrics
@@ -71,15 +72,14 @@ class DataPath:
         self.cluster = Cluster.from_config(cfg, read_key(cfg.peer_key_file), self.metrics) if cfg.peers else None
         self.cache.lends = self.cluster is None
         self.pages = choose_pages(cfg.huge_pages, cfg.block_size)
-        self.disk = DiskTier(cfg.disk_cache, cfg.disk_cache_size, bucket=cfg.store.bucket, block_size=cfg.block_size,
-                             mountpoint=cfg.mountpoint, huge_pages=self.pages.huge) if cfg.disk_cache else None
+        self.shared = SharedBlocks(shared) if shared is not None else None
+        self.disk = self._disk_tier(cfg, self.shared) if cfg.disk_cache else None
         if self.disk is not None:
             self.metrics.bind_disk(self.disk.stats)
         self.fetcher = Fetcher(store, self.cache, self.metrics, block_size=cfg.block_size,
                                max_concurrency=cfg.store.max_concurrency, inflight_limit=cfg.inflight_limit,
                                read_deadline=cfg.read_deadline, cluster=self.cluster, huge_pages=self.pages.huge,
                                disk=self.disk)
-        self.shared = SharedBlocks(shared) if shared is not None else None
         self.fetcher.shared = self.shared
         registry = Registry(shared) if shared is not None else None
         self.namespace = Namespace(store, cfg.store.prefix, cfg.metadata_ttl, self.metrics, registry=registry)
@@ -98,6 +98,14 @@ class DataPath:
             self.metrics.bind_writes(self.write_stats)
             self.writes = Writes(self.namespace, self.writer, allow_overwrite=cfg.allow_overwrite,
                                  allow_delete=cfg.allow_delete, forget_blocks=self.cache.invalidate)
+
+    def _disk_tier(self, cfg: MountConfig, shared: SharedBlocks | None) -> HeldFiles:
+        """The disk tier itself, or a worker's view of its hub's (cache/diskview.py)."""
+        if shared is not None:
+            return DiskView(cfg.disk_cache, cfg.disk_cache_size, bucket=cfg.store.bucket, block_size=cfg.block_size,
+                            shared=shared, huge_pages=self.pages.huge)
+        return DiskTier(cfg.disk_cache, cfg.disk_cache_size, bucket=cfg.store.bucket, block_size=cfg.block_size,
+                        mountpoint=cfg.mountpoint, huge_pages=self.pages.huge)
 
     def start(self, nursery: trio.Nursery) -> None:
         if self.writer is not None:

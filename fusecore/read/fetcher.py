@@ -15,7 +15,7 @@ from .admission import ByteBudget
 from ..cache.blocks import BlockKey, CacheKey, RangeKey, block_extent, extent
 from ..cache.memory import BlockCache, Buffer
 from ..cluster.tier import Cluster
-from ..cache.disk import DiskTier
+from ..cache.disk import HeldFiles
 from ..failures import StokerError
 from ..cache.shared import Claim, SharedBlocks
 from ..metrics import MountMetrics
@@ -121,7 +121,7 @@ class Fetcher:
     def __init__(self, store: ObjectStore, cache: BlockCache, metrics: MountMetrics, *, block_size: int,
                  max_concurrency: int, inflight_limit: int, read_deadline: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], Awaitable[None]] = trio.sleep,
-                 cluster: Cluster | None = None, huge_pages: bool = False, disk: DiskTier | None = None):
+                 cluster: Cluster | None = None, huge_pages: bool = False, disk: HeldFiles | None = None):
         self.store = store
         # ranges up to this many bytes are read from the event loop, where the store can (LoopRangeReads)
         self._loop_limit: int = getattr(store, "loop_range_limit", 0)
@@ -323,12 +323,14 @@ class Fetcher:
                 return  # (no reader waits for it: a reader that comes reads the other worker's file)
             keep = self._keeps(key, obj)
             self.cache.put(key, pending.data, prefetched=not pending.demanded, visit=pending.visit, keep=keep)
-            if self.disk is not None and keep and pending.source != "disk" and isinstance(key, BlockKey):
-                self.disk.offer(key, pending.data)  # behind the reader: it has the bytes already
+            to_disk = self.disk is not None and keep and pending.source != "disk" and isinstance(key, BlockKey)
             if pending.claim is not None and isinstance(key, BlockKey):
                 assert self._nursery is not None
-                self._nursery.start_soon(self._publish, key, pending.data, pending.claim)  # behind the reader too
+                keep_as = self.disk.name(key) if to_disk and self.disk is not None else ""  # (the hub writes it)
+                self._nursery.start_soon(self._publish, key, pending.data, pending.claim, keep_as)  # behind the reader
                 pending.claim = None
+            elif to_disk and self.disk is not None and isinstance(key, BlockKey):
+                self.disk.offer(key, pending.data)  # behind the reader: it has the bytes already
         except Exception as exc:  # noqa: BLE001 - one request never ends the mount: its readers get EIO
             if not isinstance(exc, StoreError):
                 log.exception("unexpected error fetching %s block %d", obj.key, key.index)
@@ -353,17 +355,19 @@ class Fetcher:
                 self._prefetching -= 1
             self._admit()
 
-    async def _publish(self, key: BlockKey, data: Buffer, claim: Claim) -> None:
+    async def _publish(self, key: BlockKey, data: Buffer, claim: Claim, keep_as: str) -> None:
         """Make a block this worker fetched readable by every worker (its file), then let go of its claim: the
         workers that waited for it read it. A small block is written here, a large one in a thread (the cache
-        recycles no buffer that this task still references)."""
+        recycles no buffer that this task still references). `keep_as`: its name on the disk tier, where the hub
+        writes it from that file (cache/diskview.py)."""
         shared = self.shared
         assert shared is not None
         try:
             if len(data) < MMAP_MIN:
-                published = shared.publish(key, data)
+                published = shared.publish(key, data, keep_as)
             else:
-                published = await trio.to_thread.run_sync(shared.publish, key, data, limiter=self._disk_readers)
+                published = await trio.to_thread.run_sync(shared.publish, key, data, keep_as,
+                                                          limiter=self._disk_readers)
         except OSError as exc:
             log.warning("block %d of %s not shared with the other workers: %s", key.index, key.key, exc)
         else:

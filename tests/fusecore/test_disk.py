@@ -218,9 +218,11 @@ def test_a_mount_killed_and_started_again_on_its_disk_reads_nothing_from_the_sto
 
 @pytest.mark.integration
 @requires_fuse
-def test_a_warm_fills_the_disk_tier_past_memory_and_reads_then_skip_the_store(s3, bucket, mounts, tmp_path):
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_warm_fills_the_disk_tier_past_memory_and_reads_then_skip_the_store(s3, bucket, mounts, tmp_path, workers):
     """`stoker warm` plans up to the disk tier's budget where it is larger than memory (here 16 MiB of memory, a
-    dataset three times that), fetching no faster than the disk writes; the next pass reads only the disk."""
+    dataset three times that), fetching no faster than the disk writes; the next pass reads only the disk. With two
+    workers, one warms and the hub writes: the warm paces itself by the hub's queue."""
     from fusecore.process import control
 
     dataset = {f"d/f{i:02d}": os.urandom(3 * MiB + 4099 * i) for i in range(16)}
@@ -229,7 +231,7 @@ def test_a_warm_fills_the_disk_tier_past_memory_and_reads_then_skip_the_store(s3
     disk_dir = tmp_path / "disk"
     disk_dir.mkdir()
     mp = mounts.mount(f"s3://{bucket}", "--block-size", "1MiB", "--cache-size", "16MiB", "--no-kernel-cache",
-                      "--disk-cache", str(disk_dir), "--disk-cache-size", "128MiB")
+                      "--disk-cache", str(disk_dir), "--disk-cache-size", "128MiB", "--workers", workers)
     last = None
     for last in control.warm(control.default_control_socket(mp), []):
         pass

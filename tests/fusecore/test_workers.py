@@ -136,10 +136,56 @@ def test_a_worker_killed_mid_epoch_costs_only_the_reads_it_held(s3, bucket, moun
     assert _epoch(mp, dataset, seed=3) == []  # the mount goes on, whole
 
 
-def test_workers_refuse_a_disk_tier_for_now(s3, bucket, mounts, tmp_path):
-    result = mounts.run(f"s3://{bucket}", "--workers", "2", "--disk-cache", str(tmp_path), "--disk-cache-size",
-                        "64MiB")
-    assert result.returncode == 2 and "workers" in result.stderr
+def _disk_files(folder) -> dict[str, bytes]:
+    blocks = os.path.join(folder, "blocks")
+    return {name: open(os.path.join(blocks, name), "rb").read() for name in os.listdir(blocks)}
+
+
+def test_a_disk_tier_under_two_workers_is_kept_by_the_hub_and_read_by_any_worker(s3, bucket, mounts, tmp_path):
+    """The hub writes what the workers publish (one index, one budget); the next mount's workers read every block
+    from disk without a GET; a file damaged meanwhile is never served: dropped, fetched again, written again."""
+    dataset = {f"d/f{i:02d}": os.urandom(100 * KiB + 313 * i) for i in range(40)}
+    dataset["d/shard"] = os.urandom(3 * MiB + 5)
+    _put(s3, bucket, dataset)
+    blocks = len(dataset) - 1 + 4
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    args = ("--workers", "2", "--block-size", "1MiB", "--no-kernel-cache", "--disk-cache", str(folder),
+            "--disk-cache-size", "64MiB")
+    mp = mounts.mount(f"s3://{bucket}", *args)
+    assert _epoch(mp, dataset) == []
+    assert wait_for(lambda: mounts.stats(mp)["disk"]["blocks"] == blocks, 20), mounts.stats(mp)["disk"]
+    disk = mounts.stats(mp)["disk"]
+    assert disk["written"] == blocks and disk["bytes"] <= disk["budget"] == 64 * MiB, disk
+    mounts.unmount(mp)
+
+    files = _disk_files(folder)
+    assert len(files) == blocks
+    damaged = next(name for name, body in files.items() if len(body) == 100 * KiB + 313 * 7)  # d/f07
+    with open(os.path.join(folder, "blocks", damaged), "r+b") as f:
+        f.seek(1000)
+        f.write(bytes([files[damaged][1000] ^ 0xFF]))
+
+    mp = mounts.mount(f"s3://{bucket}", *args)
+    assert _epoch(mp, dataset, seed=4) == []
+    stats = mounts.stats(mp)
+    assert stats["requests"]["get"] == 1, stats["requests"]  # only the damaged block, from the store
+    assert stats["disk"]["dropped"] == 1 and stats["disk"]["hits"] >= blocks - 1, stats["disk"]
+    assert wait_for(lambda: _disk_files(folder).get(damaged) == files[damaged], 20), "written again, whole"
+
+
+def test_the_disk_budget_holds_under_workers(s3, bucket, mounts, tmp_path):
+    dataset = {f"b/f{i:02d}": os.urandom(MiB - 17 * i) for i in range(24)}
+    _put(s3, bucket, dataset)
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    mp = mounts.mount(f"s3://{bucket}", "--workers", "2", "--block-size", "1MiB", "--cache-size", "16MiB",
+                      "--no-kernel-cache", "--disk-cache", str(folder), "--disk-cache-size", "8MiB")
+    assert _epoch(mp, dataset, threads=4) == []
+    assert wait_for(lambda: mounts.stats(mp)["disk"]["evicted"] > 0, 20)
+    disk = mounts.stats(mp)["disk"]
+    on_disk = sum(len(b) for b in _disk_files(folder).values())
+    assert on_disk <= 8 * MiB and disk["bytes"] <= 8 * MiB, (on_disk, disk)
 
 
 def test_stats_and_metrics_count_every_worker(s3, bucket, mounts):
