@@ -306,14 +306,13 @@ class DiskTier(HeldFiles):
     """See the module docstring. `read` and `where` may be called from any thread; `offer` from the event loop."""
 
     def __init__(self, directory: str, budget: int, *, bucket: str, block_size: int, mountpoint: str = "",
-                 huge_pages: bool = False, clock: Callable[[], float] = time.monotonic,
-                 queue_mirror: Callable[[int], None] | None = None):
-        """`queue_mirror`: told the bytes queued for writing whenever they change (a mount of several workers shows
-        them to the worker that warms: process/workers.py)."""
+                 huge_pages: bool = False, clock: Callable[[], float] = time.monotonic):
         super().__init__(directory, bucket=bucket, block_size=block_size, huge_pages=huge_pages)
         self.budget = budget
         self._clock = clock
-        self._mirror = queue_mirror
+        # told the bytes queued for writing whenever they change (a mount of several workers shows them to the
+        # worker that warms: process/workers.py)
+        self.queue_mirror: Callable[[int], None] | None = None
         self._index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes on disk, least recent first
         self._bytes = 0
         self._queue: deque[tuple[str, Buffer]] = deque()
@@ -363,7 +362,22 @@ class DiskTier(HeldFiles):
         self._holds(name)
 
     def forgotten(self, name: str) -> None:
-        """Another process of the mount found the file damaged and removed it (diskview.py)."""
+        """Another process of the mount found the file damaged and removed it (diskview.py): forgotten, unless a
+        copy was written since (its news and the worker's that fetched the block again may come in either order)."""
+        if not os.path.exists(os.path.join(self._blocks, name)):
+            self._forget_now(name)
+
+    def still_holds(self, name: str) -> bool:
+        """Does DIR hold the file `name`? One its index holds but another process removed (damaged: its news may
+        come after the news of the block fetched again) is forgotten now, so that the new copy is written."""
+        if not self.known(name):
+            return False
+        if os.path.exists(os.path.join(self._blocks, name)):
+            return True
+        self._forget_now(name)
+        return False
+
+    def _forget_now(self, name: str) -> None:
         with self._lock:
             self._trusted.pop(name, None)
             self._forget(name)
@@ -456,8 +470,8 @@ class DiskTier(HeldFiles):
             self._queue.append((name, data))
             self._queued += len(data)
             self._wake.notify()
-            if self._mirror is not None:
-                self._mirror(self._queued)
+            if self.queue_mirror is not None:
+                self.queue_mirror(self._queued)
 
     def _write_loop(self) -> None:
         while True:
@@ -472,8 +486,8 @@ class DiskTier(HeldFiles):
             finally:
                 with self._lock:
                     self._queued -= len(data)
-                    if self._mirror is not None:
-                        self._mirror(self._queued)
+                    if self.queue_mirror is not None:
+                        self.queue_mirror(self._queued)
 
     def _write(self, name: str, data: Buffer) -> None:
         need = len(data) if self.plain else HEADER.size + len(data)

@@ -17,7 +17,7 @@ from ..read.writes import WRITE_HANDLES, Writes
 from ..store.errors import StoreError
 from . import protocol as p
 from .errnos import errno_for
-from .passthrough import Passthrough
+from .passthrough import Passthrough, backed_handle, plain_handle
 from .relay import Relay
 from .session import Buffer, FuseError
 
@@ -181,7 +181,7 @@ class StokerFS:
             self.reader.release(fh)
             raise
         if backing:
-            return (p.open_out(fh, p.OpenFlag.PASSTHROUGH, backing),)
+            return (p.open_out(backed_handle(fh), p.OpenFlag.PASSTHROUGH, backing),)
         return (p.open_out(fh, p.OpenFlag.KEEP_CACHE if self.kernel_cache and same_version else 0),)
 
     async def read(self, r: p.Request) -> Sequence[Buffer]:
@@ -195,9 +195,9 @@ class StokerFS:
         if self.writes is not None and self.writes.owns(fh):
             await self.writes.release(fh)
             return NOTHING
-        self.reader.release(fh)
+        self.reader.release(plain_handle(fh))
         if self.passthrough is not None:
-            self.passthrough.release(fh)
+            self.passthrough.release(fh, r.nodeid)
         return NOTHING
 
     async def statfs(self, r: p.Request) -> Sequence[Buffer]:

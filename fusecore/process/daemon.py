@@ -16,10 +16,11 @@ import trio
 from ..failures import StokerError
 from . import control, workers
 from ..config import ConfigError, MountConfig, auto_cache_size, block_squares
+from ..cache.disk import HeldFiles
 from ..read.datapath import DataPath
 from ..fuse import relay
 from ..fuse.adapter import StokerFS
-from ..fuse.passthrough import Passthrough
+from ..fuse.passthrough import Passthrough, SharedModes
 from ..fuse.protocol import Init, ProtocolError
 from ..fuse.device import MountFailed, MountOptions, mount, unmount
 from ..fuse.session import Connection
@@ -121,7 +122,7 @@ MAX_TASKS = 128  # requests answered at once; past that the kernel queues them
 
 async def _serve(cfg: MountConfig, datapath: DataPath, ready: ReadyCallback) -> None:
     fs = _filesystem(cfg, datapath)
-    conn = _connect(cfg, datapath)
+    conn = _connect(cfg, datapath.disk)
     if conn.agreed is not None and conn.agreed.passthrough:
         fs.passthrough = Passthrough(conn, datapath.held_file)
         datapath.passthrough = fs.passthrough
@@ -149,8 +150,15 @@ def _run_hub(cfg: MountConfig, store: S3Store, ready: ReadyCallback, log_level: 
     """Mount, start the workers on clones of the connection, and keep them (process/workers.py); a writable mount's
     writes are answered here (process/hubwrites.py)."""
     try:
-        conn = _connect(cfg, None)
+        disk = workers.open_disk(cfg)  # (before INIT: whether the kernel may read its files itself)
+    except ConfigError as exc:
+        ready(exc)
+        return 1
+    try:
+        conn = _connect(cfg, disk)
     except MountError as exc:
+        if disk is not None:
+            disk.close()
         ready(exc)
         return 1
     assert conn.agreed is not None
@@ -158,14 +166,16 @@ def _run_hub(cfg: MountConfig, store: S3Store, ready: ReadyCallback, log_level: 
         shared = workers.shared_folder()
     except OSError as exc:
         conn.close()
+        if disk is not None:
+            disk.close()
         if cfg.fuse_fd is None:
             unmount(cfg.mountpoint)
         ready(MountError(f"cannot make the workers' shared folder: {exc.strerror or exc}"))
         return 1
     hub = workers.Hub(cfg, conn.fd, conn.agreed, shared, log_level)
+    hub.keep_disk(disk)
     try:
         try:
-            hub.open_disk()
             if cfg.writable:
                 hub.writes = _hub_writes(cfg, store, hub)
             for worker in [hub.start(i) for i in range(1, cfg.workers + 1)]:
@@ -244,6 +254,10 @@ async def _serve_worker(cfg: MountConfig, role: workers.WorkerRole, datapath: Da
     writes = relay.Relay(os.path.join(role.shared, relay.SOCKET)) if cfg.writable else None
     fs = _filesystem(cfg, datapath, writes)
     conn = Connection(role.fuse_fd, agreed=role.agreed())
+    if conn.agreed is not None and conn.agreed.passthrough and datapath.disk is not None:
+        # (the modes of an inode's opens are the mount's, kept where every worker sees them)
+        fs.passthrough = Passthrough(conn, datapath.held_file, SharedModes(role.shared))
+        datapath.passthrough = fs.passthrough
     try:
         async with trio.open_nursery() as nursery:
             datapath.start(nursery)
@@ -271,7 +285,7 @@ def _control_socket(cfg: MountConfig) -> str:
     return cfg.control_socket or control.default_control_socket(cfg.mountpoint)
 
 
-def _connect(cfg: MountConfig, datapath: DataPath | None) -> Connection:
+def _connect(cfg: MountConfig, disk: HeldFiles | None) -> Connection:
     """The mount's FUSE connection, INIT answered: mounted here, or the descriptor a caller mounted (CSI)."""
     if cfg.fuse_fd is None:
         options = MountOptions(fsname=f"stoker:{cfg.store.bucket}", subtype="stoker", allow_other=cfg.allow_other,
@@ -286,7 +300,7 @@ def _connect(cfg: MountConfig, datapath: DataPath | None) -> Connection:
         fd = cfg.fuse_fd
     conn = Connection(fd)
     try:
-        conn.negotiate(want=_wants(cfg, datapath), max_background=MAX_BACKGROUND)
+        conn.negotiate(want=_wants(cfg, disk), max_background=MAX_BACKGROUND)
     except (ProtocolError, OSError) as exc:
         conn.close()
         if cfg.fuse_fd is None:
@@ -295,9 +309,9 @@ def _connect(cfg: MountConfig, datapath: DataPath | None) -> Connection:
     return conn
 
 
-def _wants(cfg: MountConfig, datapath: DataPath | None) -> int:
+def _wants(cfg: MountConfig, disk: HeldFiles | None) -> int:
     """Passthrough needs a disk tier to hold files and CAP_SYS_ADMIN to register them (root, the CSI mounter)."""
-    held = cfg.passthrough and datapath is not None and datapath.disk is not None and datapath.disk.plain
+    held = cfg.passthrough and disk is not None and disk.plain
     # a writable mount: an open with O_TRUNC comes as one OPEN (not an OPEN and a SETATTR to size 0), and a write
     # of up to max_write as one WRITE (without BIG_WRITES the kernel sends one per page: 4 KiB)
     return int(WANT | (Init.PASSTHROUGH if held and os.geteuid() == 0 else 0)

@@ -38,6 +38,7 @@ from ..cache import shared as blocks
 from ..cache.disk import DiskTier
 from ..cache.pages import choose as choose_pages
 from ..config import Identity, MountConfig, identity_document, mount_document
+from ..fuse.passthrough import SharedModes
 from ..fuse.protocol import Agreed
 from ..metrics import Summed, disk_gauges, write_gauges
 from ..fuse.session import clone
@@ -93,6 +94,15 @@ def budgets(cfg: MountConfig) -> tuple[MountConfig, int]:
     return worker, max(2 * cfg.block_size, cfg.cache_size - n * local)
 
 
+def open_disk(cfg: MountConfig) -> DiskTier | None:
+    """The disk tier of a mount of several workers (--disk-cache), opened by the hub before any worker starts: DIR's
+    lock is the hub's, and so are its index, its budget and its writes (the workers read it: cache/diskview.py)."""
+    if not cfg.disk_cache:
+        return None
+    return DiskTier(cfg.disk_cache, cfg.disk_cache_size, bucket=cfg.store.bucket, block_size=cfg.block_size,
+                    mountpoint=cfg.mountpoint, huge_pages=choose_pages(cfg.huge_pages, cfg.block_size).huge)
+
+
 def next_spawn(spawn: int) -> int:
     """The spawn number of the next start of a worker: a new one for ~4 million starts, then from 1 again (the file
     handles of a start that far back are long closed), never past the reader handles' room below a write's."""
@@ -112,6 +122,7 @@ def shared_folder() -> str:
     os.mkdir(path, 0o700)
     blocks.prepare(path)
     Registry.prepare(path)
+    SharedModes.prepare(path)
     return path
 
 
@@ -161,17 +172,13 @@ class Hub:
         self.disk: DiskTier | None = None  # the mount's disk tier: kept here, read by every worker (diskview.py)
         self._disk_registry: CollectorRegistry | None = None
 
-    def open_disk(self) -> None:
-        """The disk tier (--disk-cache), before any worker starts: DIR's lock is the hub's, and so are its index,
-        its budget and its writes."""
-        cfg = self.cfg
-        if cfg.disk_cache:
-            self.disk = DiskTier(cfg.disk_cache, cfg.disk_cache_size, bucket=cfg.store.bucket,
-                                 block_size=cfg.block_size, mountpoint=cfg.mountpoint,
-                                 huge_pages=choose_pages(cfg.huge_pages, cfg.block_size).huge,
-                                 queue_mirror=blocks.disk_queue_mirror(self.shared))
+    def keep_disk(self, disk: DiskTier | None) -> None:
+        """The mount's disk tier (open_disk), kept here: its queue shown to the workers, its gauges served here."""
+        self.disk = disk
+        if disk is not None:
+            disk.queue_mirror = blocks.disk_queue_mirror(self.shared)
             self._disk_registry = CollectorRegistry()
-            disk_gauges(self._disk_registry, self.disk.stats)
+            disk_gauges(self._disk_registry, disk.stats)
 
     # ---- workers ---------------------------------------------------------------------------
     def start(self, index: int) -> Worker:
@@ -314,7 +321,7 @@ class Hub:
     def _keep(self, name: str, keep: str) -> None:
         """The disk tier writes a published block from its file (mapped: its bytes are already in memory, counted
         in the shared blocks' budget); one evicted meanwhile is not written."""
-        if self.disk is None or self.disk.known(keep):
+        if self.disk is None or self.disk.still_holds(keep):
             return
         try:
             fd = os.open(os.path.join(self._blocks_dir, name), os.O_RDONLY | os.O_CLOEXEC)

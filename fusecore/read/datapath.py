@@ -179,7 +179,7 @@ class DataPath:
         if self.disk is None or not 0 < info.size <= self.cfg.block_size:
             return None
         key = BlockKey(info.key, info.etag, 0)
-        if key in self.cache:
+        if key in self.cache or (self.shared is not None and self.shared.holds(key)):  # (the workers' memory)
             return None
         fd = self.disk.open_whole(key, info.size)
         if fd is not None:

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from fusecore.fuse.passthrough import Passthrough
+from fusecore.fuse.passthrough import BACKED, Passthrough, SharedModes
 from fusecore.fuse.session import FuseError
 from fusecore.store.objects import ObjectInfo
 
@@ -59,9 +59,9 @@ def test_a_held_file_opens_in_passthrough_and_shares_its_backing(held):
     first = pt.open(1, 5, _info())
     second = pt.open(2, 5, _info())
     assert first and first == second and kernel.open == {first}
-    pt.release(1)
+    pt.release(1 | BACKED, 5)
     assert kernel.open == {first}  # one handle still reads it
-    pt.release(2)
+    pt.release(2 | BACKED, 5)
     assert kernel.open == set() and kernel.closed == [first]
 
 
@@ -72,8 +72,8 @@ def test_no_passthrough_beside_a_cached_open(held):
     assert pt.open(1, 5, _info()) == 0  # not held yet: the page-cache mode
     holds["on"] = True
     assert pt.open(2, 5, _info()) == 0  # held now, but the kernel has the inode in the cached mode
-    pt.release(1)
-    pt.release(2)
+    pt.release(1, 5)
+    pt.release(2, 5)
     assert pt.open(3, 5, _info()) > 0  # every cached open closed: passthrough
 
 
@@ -85,7 +85,7 @@ def test_an_object_changed_under_a_passthrough_open_is_refused_until_it_closes(h
     with pytest.raises(FuseError) as refused:
         pt.open(2, 5, _info("new"))
     assert refused.value.errno == errno.EBUSY and pt.refused == 1
-    pt.release(1)
+    pt.release(1 | BACKED, 5)
     assert pt.open(3, 5, _info("new")) and pt.live == 1
 
 
@@ -102,5 +102,34 @@ def test_a_kernel_that_refuses_backing_files_turns_passthrough_off(held):
 def test_release_of_unknown_handle_is_harmless(held):
     _, held_file = held
     pt = Passthrough(KernelRules(), held_file)
-    pt.release(99)
+    pt.release(99, 7)
+    pt.release(98 | BACKED, 7)
     assert pt.live == 0
+
+
+def test_workers_share_each_inodes_mode_and_backing(held, tmp_path):
+    """Two workers of one mount (one shared folder): the kernel may hand an inode's opens and releases to either, and
+    its rule is per inode, whoever answered: one backing while passthrough opens live, none beside a cached open."""
+    holds, held_file = held
+    SharedModes.prepare(str(tmp_path))
+    kernel = KernelRules()  # backing ids are the connection's: one table for both
+    one = Passthrough(kernel, held_file, SharedModes(str(tmp_path)))
+    two = Passthrough(kernel, held_file, SharedModes(str(tmp_path)))
+    first = one.open(1, 5, _info())
+    assert first and two.open(2, 5, _info()) == first  # the same backing, registered once
+    with pytest.raises(FuseError) as refused:
+        two.open(3, 5, _info("new"))  # changed while the old version is open in passthrough, in either worker
+    assert refused.value.errno == errno.EBUSY
+    two.release(1 | BACKED, 5)  # released by the worker that did not open it
+    assert kernel.open == {first}
+    one.release(2 | BACKED, 5)
+    assert kernel.open == set() and kernel.closed == [first]
+    assert one.live + two.live == 0
+    holds["on"] = False
+    assert one.open(4, 6, _info()) == 0  # not held: cached
+    holds["on"] = True
+    assert two.open(5, 6, _info()) == 0  # held now, but another worker's cached open is live
+    two.release(4, 6)
+    one.release(5, 6)
+    assert two.open(6, 6, _info()) > 0
+    assert os.listdir(tmp_path / "modes") == [f"{6:016x}"]  # a file per inode open now, no more
