@@ -487,9 +487,11 @@ class Hub:
         token = trio.lowlevel.current_trio_token()
 
         def relay() -> None:
-            with send:
+            try:
                 for answer in control.request(sockets[0], {"op": "warm", "paths": paths}, None):
                     trio.from_thread.run(send.send, answer, trio_token=token)
+            finally:  # on the loop's thread: closed from this one, a channel's waiting receiver broke trio itself
+                trio.from_thread.run_sync(send.close, trio_token=token)
 
         last: dict = {}
         async with trio.open_nursery() as nursery:
