@@ -1,7 +1,7 @@
 """Files held on the disk tier, read with the page cache dropped (a dataset larger than the node's RAM), against the
 same files in a local folder read the same way (issue 45's passthrough target: at least half the folder's speed).
 
-    cd bench && python3 -m stoker_bench.dropped [--files 2000] [--passes 2]      (root: it drops the page cache)
+    cd bench && python3 -m stoker_bench.dropped [--files 2000] [--passes 2] [--workers N]   (root: drops the page cache)
 
 Small files (100-120 KB, in folders of 100) are warmed onto a Stoker mount's disk tier (`stoker warm`), its memory
 cache is emptied (`stoker drop`), then each pass drops the page cache and reads every file whole once, shuffled, by
@@ -28,6 +28,7 @@ from fusecore.process import control
 
 from .fixture import StoreProcess, scratch_dir
 from .objectstore import expected_bytes
+from .runner import _proc_cpu
 from .systems import StokerDisk
 
 READERS = 8
@@ -53,11 +54,8 @@ def dataset(files: int) -> list[tuple[str, int]]:
 
 
 def cpu_seconds(pid: int | None) -> float:
-    if pid is None:
-        return 0.0
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """The mount's CPU seconds: its process and its workers' (--workers)."""
+    return _proc_cpu(pid) if pid is not None else 0.0
 
 
 def read_pass(root: str, items: list[tuple[str, int]], seed: int, pid: int | None = None) -> Pass:
@@ -95,7 +93,7 @@ def _stoker(*args: str, env: dict) -> None:
     subprocess.run([sys.executable, "-m", "stoker", *args], env=env, check=True, capture_output=True)
 
 
-def measure(files: int, passes: int, workdir: str, log=print) -> dict:
+def measure(files: int, passes: int, workdir: str, log=print, workers: int = 1) -> dict:
     items = dataset(files)
     folder = os.path.join(workdir, "folder")
     for key, size in items:
@@ -107,6 +105,7 @@ def measure(files: int, passes: int, workdir: str, log=print) -> dict:
         mounts: dict[str, StokerDisk] = {}
         try:
             for label, extra in (("passthrough", ()), ("no-passthrough", ("--no-passthrough",))):
+                extra = (*extra, "--workers", str(workers))
                 home = os.path.join(workdir, label)  # (a disk tier's folder is its mount's alone)
                 os.makedirs(home)
                 mounts[label] = system = StokerDisk(store.endpoint, "bench", home, MEMORY, extra_args=extra)
@@ -142,6 +141,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--files", type=int, default=2000)
     p.add_argument("--passes", type=int, default=2)
+    p.add_argument("--workers", type=int, default=1, help="processes serving each mount (stoker mount --workers)")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args()
     if os.geteuid() != 0:
@@ -149,7 +149,7 @@ def main() -> int:
         return 2
     workdir = scratch_dir("stoker-dropped-")
     try:
-        results = measure(args.files, args.passes, workdir)
+        results = measure(args.files, args.passes, workdir, workers=args.workers)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if args.json:

@@ -108,9 +108,13 @@ class StokerDisk(Stoker):
     name = "stoker-disk"
 
     def start(self) -> None:
-        self.extra_args = (*self.extra_args, "--disk-cache", self.cache_folder(),
-                           "--disk-cache-size", str(16 * self.cache_bytes))
+        _add_disk(self)
         super().start()
+
+
+def _add_disk(system: Stoker) -> None:
+    system.extra_args = (*system.extra_args, "--disk-cache", system.cache_folder(),
+                         "--disk-cache-size", str(16 * system.cache_bytes))
 
 
 class S3fs(MountedSystem):
@@ -285,5 +289,17 @@ def kind_of(name: str) -> type | None:
 
 
 def disk_variants(name: str) -> tuple[type, ...]:
+    """The systems the `disk` workload runs for one asked for: Stoker (with workers or not) without and with its disk
+    tier (`stoker-wN-disk`)."""
+    if name in DISK_VARIANTS:
+        return DISK_VARIANTS[name]
     kind = kind_of(name)
-    return DISK_VARIANTS.get(name, (kind,) if kind is not None else ())
+    if kind is None or not issubclass(kind, Stoker):
+        return (kind,) if kind is not None else ()
+    stoker = kind
+
+    def start(self) -> None:
+        _add_disk(self)
+        stoker.start(self)
+
+    return kind, type(f"{kind.__name__}Disk", (kind,), {"name": f"{name}-disk", "start": start})

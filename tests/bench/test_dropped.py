@@ -12,9 +12,10 @@ pytestmark = [pytest.mark.integration, requires_fuse,
               pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")]
 
 
-def test_held_files_read_after_the_page_cache_is_dropped_are_right_and_passed_through(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_held_files_read_after_the_page_cache_is_dropped_are_right_and_passed_through(tmp_path, workers):
     lines: list[str] = []
-    results = measure(120, 1, str(tmp_path), log=lines.append)
+    results = measure(120, 1, str(tmp_path), log=lines.append, workers=workers)
     (row,) = results["passes"]
     assert {"folder", "passthrough", "no-passthrough"} <= set(row), row
     assert all(row[label]["wrong"] == 0 and row[label]["files_s"] > 0 for label in row), row

@@ -103,3 +103,24 @@ def test_engine_comparison_fetches_and_checks_the_same_ranges(tmp_path):
     assert [(r.shape, r.requests) for r in rows] == [("4 MiB ranges", 2), ("small objects", 6)]
     assert all(not r.note and r.wrong == 0 and r.mb_per_s > 0 and r.cpu_ms_per_get >= 0 for r in rows)
     assert "| small objects | stoker | 8 | 6 |" in engines.table(rows)
+
+
+def test_the_disk_cell_runs_a_mount_of_workers_without_and_with_its_disk_tier():
+    from stoker_bench.systems import disk_variants
+
+    plain, with_disk = disk_variants("stoker-w2")
+    assert (plain.name, with_disk.name) == ("stoker-w2", "stoker-w2-disk")
+    started: list[tuple[str, ...]] = []
+    system = with_disk.__new__(with_disk)
+    system.extra_args, system.cache_bytes = (), 64 * 1024 * 1024
+    system.cache_folder = lambda: "/tmp/disk"
+    import stoker_bench.systems as systems
+
+    original = systems.Stoker.start
+    systems.Stoker.start = lambda self: started.append(self.extra_args)
+    try:
+        system.start()
+    finally:
+        systems.Stoker.start = original
+    (args,) = started
+    assert args[args.index("--workers") + 1] == "2" and args[args.index("--disk-cache-size") + 1] == str(1024**3)
