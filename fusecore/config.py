@@ -283,9 +283,6 @@ class MountConfig:
         if self.workers > 1 and self.cache_size // (2 * self.workers) < 2 * self.block_size:
             raise ConfigError("workers", f"{self.workers} workers need a --cache-size of at least "
                                          f"{4 * self.workers} blocks (each keeps two of its own)")
-        if self.workers > 1 and self.peers:
-            raise ConfigError("workers", "several workers serve no distributed cache, for now: not with --peers "
-                                         "(use --workers 1 there)")
 
     def _check_writes(self) -> None:
         if (self.allow_overwrite or self.allow_delete) and not self.writable:

@@ -198,7 +198,7 @@ class PeerRouter:
                 break
             self._forget(first)
             self.expired += 1
-            _answer(first.conn, 400)
+            answer_status(first.conn, 400)
         while self._parked:
             conn, when = next(iter(self._parked.items()))
             if when > now:
@@ -243,7 +243,7 @@ class PeerRouter:
             self._shed(next(iter(self._waiting.values())))
         if self._held() >= self.max_waiting:  # all held are routed, waiting for their mounts: no silent one to shed
             self.busy += 1
-            return _answer(new.conn, 503)
+            return answer_status(new.conn, 503)
         self._waiting[new.conn] = new
         self._sources.add(new.source, new.conn)
         self._watch(new)  # (a first look finds something new or nothing: it never parks)
@@ -274,14 +274,14 @@ class PeerRouter:
         match = REQUEST_LINE.match(data)
         if match is None:
             self.malformed += 1
-            _answer(conn, 400)
+            answer_status(conn, 400)
             return True
         cache = match.group(1).decode()
         with self._lock:
             handoff = self._routes.get(cache)
         if handoff is None:
             self.unknown += 1
-            _answer(conn, 404)
+            answer_status(conn, 404)
             return True
         try:  # the mount gets the descriptor as accepted: blocking, reading from the first byte, no low mark
             if waiting.seen:
@@ -289,14 +289,14 @@ class PeerRouter:
             conn.setblocking(True)
         except OSError:
             self.malformed += 1
-            _answer(conn, 400)
+            answer_status(conn, 400)
             return True
         if self._hand(conn, cache, handoff) is None:  # its mount's socket is full: held, and tried again
             if self._held() >= self.max_waiting and self._waiting:
                 self._shed(next(iter(self._waiting.values())))
             if self._held() >= self.max_waiting:
                 self.busy += 1
-                _answer(conn, 503)
+                answer_status(conn, 503)
             else:
                 self._stalled[conn] = _Stalled(cache, handoff, time.monotonic() + HANDOFF_WAIT)
         return True
@@ -314,7 +314,7 @@ class PeerRouter:
             self.handed -= 1
             log.info("peer request for cache %s: its mount does not take it (%s)", cache, exc.strerror)
             self.unreachable += 1
-            _answer(conn, 503)
+            answer_status(conn, 503)
             return True
         conn.close()  # the mount holds its own copy of the connection now
         return True
@@ -330,7 +330,7 @@ class PeerRouter:
                     continue
                 log.info("peer request for cache %s: its mount takes no connection (%gs)", stalled.cache, HANDOFF_WAIT)
                 self.busy += 1
-                _answer(conn, 503)
+                answer_status(conn, 503)
             del self._stalled[conn]
 
     def _shed(self, waiting: _Waiting) -> None:
@@ -341,7 +341,7 @@ class PeerRouter:
             self._shed_logged = now
             log.warning("peer router: shedding connections that send no request line (the oldest of %s; %d others "
                         "waiting, %d shed so far)", waiting.source, len(self._waiting), self.shed)
-        _answer(waiting.conn, 503)
+        answer_status(waiting.conn, 503)
 
     def _held(self) -> int:
         return len(self._waiting) + len(self._stalled)
@@ -393,8 +393,8 @@ def _descriptor_share() -> int:
     return 1 << 30 if soft == resource.RLIM_INFINITY else soft // 2
 
 
-def _answer(conn: socket.socket, status: int) -> None:
-    """Answer and close without ever blocking the router (the answer fits an accepted connection's empty buffer)."""
+def answer_status(conn: socket.socket, status: int) -> None:
+    """Answer and close without ever blocking the router (or a mount's hub: process/peerfanout.py) (the answer fits an accepted connection's empty buffer)."""
     reason = {400: "Bad Request", 404: "Not Found", 503: "Service Unavailable"}[status]
     try:
         conn.recv(65536, socket.MSG_DONTWAIT)  # what the asker sent: closed unread, it would reset the answer

@@ -89,7 +89,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         f"(default {_default('peer_timeout'):g})")
     m.add_argument("--workers", type=int, default=_default("workers"),
                    help="processes serving the mount, each on its own clone of the FUSE connection, sharing one "
-                        "cache (default 1; not with --peers for now)")
+                        "cache (default 1)")
     m.add_argument("--writable", action="store_true",
                    help="let new files be written (in order, from their start): each streams into a multipart "
                         "upload and exists in the bucket once closed")

@@ -25,6 +25,7 @@ from ..fuse.protocol import Init, ProtocolError
 from ..fuse.device import MountFailed, MountOptions, mount, unmount
 from ..fuse.session import Connection
 from .hubwrites import HubWrites
+from .peerfanout import worker_handoff
 from .mounts import is_mounted
 from ..store.client import S3Store
 from ..store.errors import StoreError
@@ -176,6 +177,7 @@ def _run_hub(cfg: MountConfig, store: S3Store, ready: ReadyCallback, log_level: 
     hub.keep_disk(disk)
     try:
         try:
+            hub.open_peers()
             if cfg.writable:
                 hub.writes = _hub_writes(cfg, store, hub)
             for worker in [hub.start(i) for i in range(1, cfg.workers + 1)]:
@@ -194,6 +196,7 @@ def _run_hub(cfg: MountConfig, store: S3Store, ready: ReadyCallback, log_level: 
             hub.writes.close()
         if hub.disk is not None:
             hub.disk.close()
+        hub.fanout.close()
         if not hub.ended and cfg.fuse_fd is None:
             unmount(cfg.mountpoint)
         conn.close()
@@ -224,6 +227,7 @@ async def _serve_hub(cfg: MountConfig, hub: workers.Hub, conn: Connection, ready
         if hub.writes is not None:
             await nursery.start(hub.writes.serve, conn)
         await nursery.start(hub.keep_budget)
+        hub.serve_peers(nursery)
         hub.rescan()  # what the workers published before the hub listened
         await nursery.start(control.serve, hub, _control_socket(cfg))  # (the hub answers as a DataPath does)
         if cfg.metrics_port is not None:
@@ -238,7 +242,8 @@ def run_worker(cfg: MountConfig, role: workers.WorkerRole, ready: ReadyCallback)
     workers.die_with_parent(role.hub)
     tune_malloc()
     try:
-        datapath = DataPath(cfg, S3Store(cfg.store), shared=role.shared, worker=role.spawn, writes=False)
+        datapath = DataPath(cfg, S3Store(cfg.store), shared=role.shared, worker=role.spawn, writes=False,
+                            peer_handoff=worker_handoff(role.shared, role.index))
     except (StoreError, ConfigError) as exc:
         ready(exc)
         return 1

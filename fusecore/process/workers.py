@@ -25,11 +25,12 @@ import mmap
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 import trio
 from prometheus_client import CollectorRegistry, Gauge, generate_latest, start_http_server
@@ -37,9 +38,10 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest, start_h
 from ..cache import shared as blocks
 from ..cache.disk import DiskTier
 from ..cache.pages import choose as choose_pages
-from ..config import Identity, MountConfig, identity_document, mount_document
+from ..config import ConfigError, Identity, MountConfig, identity_document, mount_document
 from ..fuse.passthrough import SharedModes
 from ..fuse.protocol import Agreed
+from ..messages import JoinRequest
 from ..metrics import Summed, disk_gauges, write_gauges
 from ..fuse.session import clone
 from ..read.reader import MAX_SPAWN
@@ -47,6 +49,7 @@ from ..read.registry import Registry
 from . import control
 from .hubwrites import HubWrites
 from .launch import LaunchFailed, _read_ready, ended
+from .peerfanout import PeerFanout, worker_handoff
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +173,27 @@ class Hub:
         self._blocks_dir = os.path.join(shared, blocks.BLOCKS)
         self.writes: HubWrites | None = None  # a writable mount's writes, answered here (hubwrites.py)
         self.disk: DiskTier | None = None  # the mount's disk tier: kept here, read by every worker (diskview.py)
+        self.fanout = PeerFanout(shared, cfg.workers)  # a distributed cache's connections, handed to the workers
+        self._listener: socket.socket | None = None
+        self._joined: JoinRequest | None = None  # the last join (a worker started again is told it)
+        self._membership: dict | None = None  # the last change of members (likewise)
+        self.nursery: trio.Nursery | None = None  # the hub's (set while it serves)
         self._disk_registry: CollectorRegistry | None = None
+
+    def open_peers(self) -> None:
+        """--peers: the member's address, bound here before any worker starts (the workers serve what it accepts)."""
+        if not self.cfg.peers:
+            return
+        try:
+            self._listener = self.fanout.listen(self.cfg.peer_listen)
+        except OSError as exc:
+            raise ConfigError("peer-listen", f"cannot serve peers on {self.cfg.peer_listen}: {exc.strerror}") \
+                from None
+
+    def serve_peers(self, nursery: trio.Nursery) -> None:
+        self.nursery = nursery
+        if self._listener is not None:
+            nursery.start_soon(self.fanout.accept, self._listener)
 
     def keep_disk(self, disk: DiskTier | None) -> None:
         """The mount's disk tier (open_disk), kept here: its queue shown to the workers, its gauges served here."""
@@ -243,10 +266,31 @@ class Hub:
                     replacement = self.start(index)
                     await trio.to_thread.run_sync(self.wait_ready, replacement)
                     self._delay.pop(index, None)
+                    await self._tell_cluster(replacement)
                 except Exception as exc:  # noqa: BLE001 - tried again later, less and less often
                     delay = self._delay[index] = min(RESTART_MAX, self._delay.get(index, RESTART_FIRST) * 2)
                     self._next_try[index] = trio.current_time() + delay
                     log.error("worker %d did not start again (%s): next try in %gs", index, exc, delay)
+
+    async def _tell_cluster(self, worker: Worker) -> None:
+        """A worker started again is told the distributed cache it serves as it is now (a join, new members)."""
+        messages = []
+        if self._joined is not None:
+            messages.append(self._joined_by(worker.role.index))
+        if self._membership is not None:
+            messages.append(self._membership)
+        for message in messages:
+            try:
+                await trio.to_thread.run_sync(control.call, worker.role.control_socket, message, 10.0)
+            except (OSError, ValueError, control.ControlError) as exc:
+                log.warning("worker %d was not told the distributed cache (%s): it asks the store", worker.role.index,
+                            exc)
+
+    def _joined_by(self, index: int) -> dict:
+        """The last join as worker `index` serves it: on its own hand-off socket, which the hub hands connections
+        to (process/peerfanout.py)."""
+        assert self._joined is not None
+        return dataclasses.replace(self._joined, handoff=worker_handoff(self.shared, index)).wire()
 
     def _mourn(self, index: int, worker: Worker) -> None:
         """A worker that served has died (once per start of it): counted, and a writable mount's files then being
@@ -376,25 +420,27 @@ class Hub:
     def learn(self, news: list, whole: bool = False) -> None:
         raise ValueError("the hub learns no news: its workers do")
 
-    async def _each(self, message: dict, *, tries: int = 1,
+    async def _each(self, message: dict | Callable[[int], dict], *, tries: int = 1,
                     limiter: trio.CapacityLimiter | None = None) -> list[dict]:
-        """The answers of every worker serving now to `message`; one that does not answer (a worker starting again)
-        is asked `tries` times, then left out."""
-        async def one(path: str, into: list[dict]) -> None:
+        """The answers of every worker serving now to `message` (or to `message(index)`, worker `index`'s own);
+        one that does not answer (a worker starting again) is asked `tries` times, then left out."""
+        async def one(index: int, path: str, into: list[dict]) -> None:
+            sent = message(index) if callable(message) else message
             for attempt in range(tries):
                 try:
-                    into.append(await trio.to_thread.run_sync(control.call, path, message, 10.0, limiter=limiter))
+                    into.append(await trio.to_thread.run_sync(control.call, path, sent, 10.0, limiter=limiter))
                     return
                 except (OSError, ValueError, control.ControlError) as exc:
                     if attempt == tries - 1:
-                        log.info("worker at %s did not answer %s: %s", path, message.get("op"), exc)
+                        log.info("worker at %s did not answer %s: %s", path, sent.get("op"), exc)
                     else:
                         await trio.sleep(0.05 * (attempt + 1))
 
         answers: list[dict] = []
         async with trio.open_nursery() as nursery:
-            for path in self._sockets():
-                nursery.start_soon(one, path, answers)
+            for w in self.workers.values():
+                if w.proc.poll() is None:
+                    nursery.start_soon(one, w.role.index, w.role.control_socket, answers)
         return answers
 
     async def stats(self) -> dict:
@@ -413,6 +459,9 @@ class Hub:
                                                "hits": self.policy.hits})
         if self.disk is not None:
             total["disk"] = self._disk_stats(total.get("disk", {}))
+        if "cluster" in total:  # one member, whichever worker answered: its membership is each worker's
+            total["cluster"].update({k: v for k, v in answers[0]["cluster"].items() if k in MEMBERSHIP},
+                                    connections_handed=self.fanout.handed, connections_refused=self.fanout.refused)
         return total
 
     def _disk_stats(self, read: dict) -> dict:
@@ -473,10 +522,25 @@ class Hub:
         return texts
 
     async def set_peers(self, members: list[str], replicas: int | None = None) -> dict:
-        raise ValueError("a mount served by several workers has no distributed cache (for now)")
+        message = {"op": "peers", "members": list(members), "replicas": replicas}
+        answers = await self._each(message)
+        if not answers:
+            raise ValueError("no worker took the new members (see the mount's log)")
+        self._membership = message
+        return answers[0]
 
-    async def join(self, request: Any) -> dict:
-        raise ValueError("a mount served by several workers cannot join a distributed cache (for now)")
+    async def join(self, request: JoinRequest) -> dict:
+        """Each worker joins (on its own hand-off socket); then the hub takes the connections the node's peer
+        router hands to the join's socket, and hands them to the workers."""
+        previous, self._joined = self._joined, request  # (before: a worker started again meanwhile is told it)
+        answers = await self._each(self._joined_by)
+        if not answers:
+            self._joined = previous
+            raise ValueError("no worker joined the distributed cache (see the mount's log)")
+        if not self.fanout.receiving(request.handoff):
+            assert self.nursery is not None
+            self.nursery.start_soon(self.fanout.take_handed, self.fanout.receive(request.handoff))
+        return answers[0]
 
     async def warm(self, paths: list[str], report: Callable[[dict], Awaitable[None]]) -> dict:
         """One worker warms: the blocks it fetches are published for all of them."""
@@ -502,6 +566,9 @@ class Hub:
                         await report(last)
                     last = answer
         return last
+
+
+MEMBERSHIP = ("members", "replicas", "share", "membership_changes")  # a member's, not summed over its workers
 
 
 def _named(name: bytes, length: int) -> bool:

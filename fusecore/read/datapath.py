@@ -53,15 +53,18 @@ class KernelReads(Protocol):
 
 class DataPath:
     def __init__(self, cfg: MountConfig, store: ObjectStore, metrics: MountMetrics | None = None, *,
-                 shared: str | None = None, worker: int = 0, journal: str | None = None, writes: bool | None = None):
+                 shared: str | None = None, worker: int = 0, journal: str | None = None, writes: bool | None = None,
+                 peer_handoff: str | None = None):
         """`shared`: this data path is a worker of a mount served by several processes, which share blocks, inode
         numbers and open files through that folder (cache/shared.py, registry.py); `worker`: its number, unique in
         the mount for as long as it runs (no worker started again reuses it for ~4 million starts: it is in its file
         handles, workers.next_spawn); `writes`: this data path writes (by default where the mount is writable; a
-        worker of several relays its writes to the hub instead: fuse/relay.py)."""
+        worker of several relays its writes to the hub instead: fuse/relay.py); `peer_handoff`: a worker serves the
+        distributed cache's connections its hub hands to this unix socket (process/peerfanout.py), not an address."""
         self.cfg = cfg
         self.store = store
         self.rotations = 0  # credentials replaced while mounted
+        self.peer_handoff = peer_handoff
         self.passthrough: KernelReads | None = None  # set by the FUSE adapter's process where the kernel offers it
         self.metrics = metrics or MountMetrics()
         # A worker's own cache holds mostly bytes in flight and blocks until they are published (shared.py): its
@@ -117,7 +120,7 @@ class DataPath:
         self._nursery = nursery
         if self.cluster is not None:
             try:
-                self.cluster.serve(self._for_peer, nursery)
+                self.cluster.serve(self._for_peer, nursery, handoff=self.peer_handoff)
             except OSError as exc:
                 raise ConfigError("peer-listen", f"cannot serve peers on {self.cfg.peer_listen}: {exc.strerror}") \
                     from None
@@ -134,6 +137,10 @@ class DataPath:
         through (its own block), or None; ValueError for an ask outside this node's dataset or blocks."""
         check_ask(want, self.cfg.block_size, self.cfg.store.prefix)
         found = held(self.cache, want, self.cfg.block_size)
+        if found is None and self.shared is not None:  # (a worker: the blocks any worker of the mount published)
+            lo, hi = block_extent(want.index, want.size, self.cfg.block_size)
+            found = self.shared.read(BlockKey(want.key, want.etag, want.index), hi - lo, want.start - lo,
+                                     want.stop - lo)
         cluster = self.cluster
         if found is not None or not want.through or cluster is None \
                 or not cluster.owns(want.key, want.etag, want.index):

@@ -76,9 +76,12 @@ def start_cluster(mounts, bucket, tmp_path, key: bytes = b"a shared cache key, 3
     return mps, members
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
 def test_the_store_sends_the_dataset_once_and_nodes_read_the_rest_from_their_owners(mounts, s3, bucket, dataset,
-                                                                                    tmp_path):
-    mps, members = start_cluster(mounts, bucket, tmp_path)
+                                                                                    tmp_path, workers):
+    """With "2", the first member is served by two workers: its hub takes the connections on its address and hands
+    them to the workers, which answer from the blocks any of them holds."""
+    mps, members = start_cluster(mounts, bucket, tmp_path, each=lambda i: ("--workers", workers) if i == 0 else ())
     total = sum(len(b) for b in dataset.values())
     for mp in mps:
         for _ in control.warm(control.default_control_socket(mp), []):
@@ -97,6 +100,9 @@ def test_the_store_sends_the_dataset_once_and_nodes_read_the_rest_from_their_own
     assert all(s["cluster"]["served_to_peers"] > 0 and not s["cluster"]["peer_failures"] for s in after)
     # kept-alive connections: an owner accepted fewer connections than it answered asks
     assert all(0 < s["cluster"]["connections_from_peers"] < s["cluster"]["served_to_peers"] for s in after), after
+    if workers == "2":
+        assert after[0]["cluster"]["members"] == 3  # one member, not one per worker
+        assert after[0]["cluster"]["connections_handed"] == after[0]["cluster"]["connections_from_peers"]
 
 
 def test_a_share_larger_than_memory_lives_on_its_owners_disk_and_is_served_from_there(mounts, bucket, dataset,
@@ -334,3 +340,52 @@ def test_an_owner_whose_store_fails_sends_the_asker_to_the_store_without_a_failu
     assert s["bytes_fetched"] == sum(len(v) for v in small.values()) and not s["errors"]
     assert not s["cluster"]["peer_failures"] and s["cluster"]["peers"][members[0]]["miss"] >= 1, s["cluster"]
     assert stats(owner)["cluster"]["read_through_failed"] >= 1
+
+
+def test_a_mount_of_two_workers_joins_through_its_node_s_peer_router(mounts, s3, bucket, dataset, tmp_path):
+    """As a node agent makes a mount a member (`join`, the node's peer router handing it the cache's connections):
+    the member served by two workers is joined in each of them, its hub takes what the router hands over and gives
+    it to the workers. Each member warms what it owns; reading everything costs the store nothing more."""
+    from fusecore.cluster.router import PeerRouter
+    from fusecore.messages import JoinRequest
+
+    port = free_port()
+    members = [f"127.0.0.{i}:{port}" for i in (2, 3)]
+    routers = [PeerRouter(("127.0.0.2", port)).start(), PeerRouter(("127.0.0.3", port)).start()]
+    try:
+        mps = [mounts.mount(f"s3://{bucket}", "--block-size", "1MiB", "--metadata-ttl", "3600", "--peer-timeout", "10",
+                            *extra) for extra in (("--workers", "2"), ())]
+        name, key = "c0ffee00", b"a shared cache key, 32 bytes...."
+        for mp, me, router in zip(mps, members, routers):
+            handoff = str(tmp_path / f"{me.replace(':', '-')}.peer")
+            router.route(name, handoff)
+            control.join(control.default_control_socket(mp), JoinRequest(name, me, tuple(members), 1, key, handoff))
+        for mp in mps:
+            for _ in control.warm(control.default_control_socket(mp), []):
+                pass
+        total = sum(len(b) for b in dataset.values())
+        assert sum(stats(mp)["bytes_fetched"] for mp in mps) == total, "each block from the store once, to its owner"
+        for mp in mps:
+            read_all(mp, dataset)
+        after = [stats(mp) for mp in mps]
+        assert sum(s["bytes_fetched"] for s in after) == total, "every read after the warm was answered by the cluster"
+        assert after[0]["cluster"]["members"] == 2 and after[0]["cluster"]["served_to_peers"] > 0, after[0]["cluster"]
+        assert after[0]["cluster"]["connections_handed"] > 0 and after[1]["cluster"]["bytes_from_peers"] > 0
+        # a worker killed is started again and told the cache it serves (it is a member as its sibling is)
+        os.kill(after[0]["workers"]["pids"][0], signal.SIGKILL)
+        assert wait_for(lambda: stats(mps[0])["workers"]["restarts"] == 1, 30)
+        worker = f"/dev/shm/stoker-{os.geteuid()}-{after[0]['pid']}/w1.sock"
+
+        def joined() -> dict | None:
+            try:
+                return control.call(worker, {"op": "stats"}).get("cluster")
+            except control.ControlError:  # (starting again)
+                return None
+
+        assert wait_for(lambda: joined() is not None, 20), "the worker started again was not told the join"
+        cluster = joined()
+        assert cluster is not None
+        assert (cluster["members"], cluster["name"], cluster["me"]) == (2, name, members[0]), cluster
+    finally:
+        for router in routers:
+            router.close()

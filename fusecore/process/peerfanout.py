@@ -1,0 +1,109 @@
+"""A distributed cache's connections, spread over a mount's workers (`--workers N` with `--peers`, or a `join`).
+
+A node is one member of the cache, on one address; its mount's workers each hold a share of what the node serves
+(any worker reads any block: the shared blocks and the disk tier are the mount's). The hub takes the connections
+other members open, on the member's address (`--peer-listen`, bound by the hub before any worker starts: the port is
+the mount's alone) or as the node's peer router hands them over (the join's unix socket, bound by the hub), and hands
+each to a worker's own hand-off socket in turn (SCM_RIGHTS, as the router does; cluster/router.py). The worker reads
+the request and answers as if it had accepted the connection; no byte of a block goes through the hub. A worker that
+does not take it (starting again, its socket full) is passed over; where none does, the asker is told 503 (a miss:
+it reads the store).
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import os
+import socket
+
+import trio
+
+from ..cluster.router import answer_status
+
+log = logging.getLogger(__name__)
+
+
+def worker_handoff(shared: str, index: int) -> str:
+    """Worker `index`'s hand-off socket (its PeerServer receives there)."""
+    return os.path.join(shared, f"w{index}.peer")
+
+
+class PeerFanout:
+    def __init__(self, shared: str, workers: int):
+        self._targets = [worker_handoff(shared, i) for i in range(1, workers + 1)]
+        self._next = 0
+        self._out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        self.handed = self.refused = 0
+        self._handoffs: set[str] = set()
+
+    def listen(self, address: str) -> socket.socket:
+        """The member's own address (HOST:PORT), bound now (an address in use fails the mount before it starts)."""
+        host, _, port = address.rpartition(":")
+        listener = socket.create_server((host.strip("[]"), int(port)), backlog=256)
+        listener.setblocking(False)
+        return listener
+
+    def receiving(self, path: str) -> bool:
+        return path in self._handoffs
+
+    def receive(self, path: str) -> socket.socket:
+        """The unix socket a node's peer router hands this cache's connections to."""
+        if os.path.exists(path):
+            os.unlink(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        sock.bind(path)
+        os.chmod(path, 0o600)
+        sock.setblocking(False)
+        self._handoffs.add(path)
+        return sock
+
+    async def accept(self, listener: socket.socket) -> None:
+        with listener:
+            while True:
+                await trio.lowlevel.wait_readable(listener)
+                while True:
+                    try:
+                        conn, _ = listener.accept()
+                    except BlockingIOError:
+                        break
+                    except OSError as exc:  # out of descriptors, say: the connections wait in the backlog
+                        log.warning("peers: cannot accept a connection: %s", exc)
+                        await trio.sleep(0.1)
+                        break
+                    self.hand(conn)
+
+    async def take_handed(self, sock: socket.socket) -> None:
+        with sock:
+            while True:
+                await trio.lowlevel.wait_readable(sock)
+                try:
+                    _, fds, _, _ = socket.recv_fds(sock, 16, 4)
+                except BlockingIOError:
+                    continue
+                for fd in fds:
+                    self.hand(socket.socket(fileno=fd))
+
+    def hand(self, conn: socket.socket) -> None:
+        """To the next worker that takes it; 503 if none does. Never blocks."""
+        fd = array.array("i", [conn.fileno()])
+        for _ in range(len(self._targets)):
+            target = self._targets[self._next]
+            self._next = (self._next + 1) % len(self._targets)
+            try:
+                self._out.sendmsg([b"c"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fd)], 0, target)
+            except OSError:  # not bound yet (starting again), gone, or its socket full
+                continue
+            self.handed += 1
+            conn.close()  # the worker holds its own copy now
+            return
+        self.refused += 1
+        answer_status(conn, 503)
+
+    def close(self) -> None:
+        self._out.close()
+        for path in self._handoffs:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
