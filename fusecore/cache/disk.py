@@ -41,6 +41,7 @@ from .blocks import BlockKey
 from .buffers import allocate
 from .memory import Buffer
 from ..config import ConfigError, format_size
+from .shared import TrustTable
 from .sums import CHECKSUMS
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ class HeldFiles:
         self._blocks = os.path.join(directory, BLOCKS)
         self._lock = threading.Lock()
         self._trusted: dict[str, int] = {}  # file name -> its stamp (hashed) when this process wrote or checked it
+        # where the other processes of a mount of several workers learn what this one wrote or checked (shared.py)
+        self.trust_table: TrustTable | None = None
         self.hits = self.misses = self.bytes_read = self.dropped = self.errors = 0
         self.plain = False  # files hold the bytes alone (the header in an xattr)
 
@@ -220,6 +223,14 @@ class HeldFiles:
         self._trusted[name] = stamp
         if len(self._trusted) > MAX_TRUSTED:
             del self._trusted[next(iter(self._trusted))]
+        if self.trust_table is not None:
+            self.trust_table.note(name, stamp)
+
+    def _trusts(self, name: str, stamp: int) -> bool:
+        """Was the file, as it is now, written or checked by this process (or another of its mount's)?"""
+        if self._trusted.get(name) == stamp:
+            return True
+        return self.trust_table is not None and self.trust_table.holds(name, stamp)
 
     def _header(self, fd: int, name: str, length: int) -> tuple[str, bytes, int] | None:
         """The checksum's kind, the checksum, and where the bytes start in the file; None: not this block's."""
@@ -257,7 +268,7 @@ class HeldFiles:
             return None
         try:
             st = os.fstat(fd)
-            if self._trusted.get(name) == _stamp(st) and st.st_size == length:
+            if st.st_size == length and self._trusts(name, _stamp(st)):
                 self._used(name, fd, st)
             else:
                 where = self._header(fd, name, length)

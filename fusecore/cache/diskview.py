@@ -15,7 +15,7 @@ import os
 from .disk import WRITE_QUEUE, DiskStats, HeldFiles
 from .memory import Buffer
 from .blocks import BlockKey
-from .shared import SharedBlocks
+from .shared import SharedBlocks, TrustTable
 
 
 class DiskView(HeldFiles):
@@ -27,6 +27,7 @@ class DiskView(HeldFiles):
         # under the hub's limit, so that what it fetched meanwhile is not skipped
         self.queue_limit = max(block_size, max(WRITE_QUEUE, 2 * block_size) - 2 * block_size)
         self._shared = shared
+        self.trust_table = TrustTable(shared.root)
         self.opened_seconds = 0.0
 
     def known(self, name: str) -> bool:

@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 BLOCKS, CLAIMS, HUB_SOCKET = "blocks", "claims", "hub.sock"
 DISK_QUEUE = "disk-queue"  # the bytes the hub's disk tier has queued for writing (a little-endian u64)
 _QUEUED = struct.Struct("<Q")
+TRUSTED = "trusted"  # the disk tier's files some process of the mount wrote or checked (TrustTable)
+TRUST_SLOTS = 1 << 16
+_TRUST = struct.Struct("<QQ")  # a file name's tag, its stamp
 NEWS_BATCH = 8192  # bytes of news a worker gathers before it sends them to the hub (and at least every FLUSH_EVERY s)
 FLUSH_EVERY = 0.05
 PROTECTED_FRACTION = 0.8  # of the budget, for blocks read again (SharedPolicy)
@@ -50,6 +53,36 @@ def prepare(root: str) -> None:
         os.makedirs(os.path.join(root, sub), mode=0o700, exist_ok=True)
     with open(os.path.join(root, DISK_QUEUE), "wb") as f:
         f.write(_QUEUED.pack(0))
+    with open(os.path.join(root, TRUSTED), "wb") as f:
+        f.truncate(TRUST_SLOTS * _TRUST.size)
+
+
+class TrustTable:
+    """The disk tier's files that a process of the mount wrote or checked, and their stamps then (disk.py's
+    `_trust`), seen by every worker: a file one worker checked, or the hub wrote, is handed to the kernel by any
+    other without reading it again. A slot per file name's hash (1 MiB for 65,536): a name that lands on another's
+    slot pushes it out (that file is checked again at its next open), and a stamp read half-written matches no file
+    (checked again too). A stamp moves with any change of the file (disk.py's `_stamp`), so an entry never vouches
+    for other bytes."""
+
+    def __init__(self, root: str):
+        fd = os.open(os.path.join(root, TRUSTED), os.O_RDWR | os.O_CLOEXEC)
+        try:
+            self._table = mmap.mmap(fd, TRUST_SLOTS * _TRUST.size)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _slot(name: str) -> tuple[int, int]:
+        return (int(name[:8], 16) % TRUST_SLOTS) * _TRUST.size, int(name[8:24], 16)
+
+    def note(self, name: str, stamp: int) -> None:
+        where, tag = self._slot(name)
+        _TRUST.pack_into(self._table, where, tag, stamp & 0xFFFFFFFFFFFFFFFF)
+
+    def holds(self, name: str, stamp: int) -> bool:
+        where, tag = self._slot(name)
+        return _TRUST.unpack_from(self._table, where) == (tag, stamp & 0xFFFFFFFFFFFFFFFF)
 
 
 def disk_queue_mirror(root: str) -> Callable[[int], None]:

@@ -200,6 +200,7 @@ class Hub:
         self.disk = disk
         if disk is not None:
             disk.queue_mirror = blocks.disk_queue_mirror(self.shared)
+            disk.trust_table = blocks.TrustTable(self.shared)  # (what it writes, its workers hand out unread)
             self._disk_registry = CollectorRegistry()
             disk_gauges(self._disk_registry, disk.stats)
 

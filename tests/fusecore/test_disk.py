@@ -397,3 +397,46 @@ def test_a_file_written_or_checked_in_this_life_opens_for_the_kernel_unread_unti
     assert handed_out() is None and len(checks) == 3
     assert disk.stats().dropped == 1 and not os.path.exists(path)
     disk.close()
+
+
+def test_a_workers_view_hands_out_what_its_hub_wrote_or_a_sibling_checked_unread(tmp_path, monkeypatch):
+    """A mount of several workers (cache/diskview.py): the hub writes the tier's files and each worker reads them.
+    What the hub wrote, or one worker checked, another worker hands to the kernel without reading it again (the
+    mount's trust table in its shared folder); a change to the file makes every worker check it again."""
+    from fusecore.cache import shared
+    from fusecore.cache.diskview import DiskView
+
+    root = str(tmp_path / "shared")
+    shared.prepare(root)
+    (tmp_path / "disk").mkdir()
+    hub = tier(tmp_path / "disk")
+    if not hub.plain:
+        pytest.skip("the tier's filesystem takes no xattrs: no file holds its bytes alone")
+    hub.trust_table = shared.TrustTable(root)
+    key, body = BlockKey("obj", "etag-1", 0), os.urandom(90 * KiB + 5)
+    hub.offer(key, body)
+    assert written(hub, 1)
+    views = [DiskView(str(tmp_path / "disk"), 4 * MiB, bucket="b", block_size=BLOCK, shared=shared.SharedBlocks(root))
+             for _ in range(2)]
+    checks: list[str] = []
+    for view in views:
+        real = view._checked
+        monkeypatch.setattr(view, "_checked", lambda fd, name, *rest, real=real: checks.append(name) or real(fd, name,
+                                                                                                            *rest))
+
+    def handed_out(view: DiskView) -> bytes | None:
+        fd = view.open_whole(key, len(body))
+        if fd is None:
+            return None
+        try:
+            return os.pread(fd, 2 * len(body), 0)
+        finally:
+            os.close(fd)
+
+    assert handed_out(views[0]) == body and handed_out(views[1]) == body and checks == [], "the hub wrote it"
+    time.sleep(0.05)  # (past the clock tick of the stamp)
+    with open(os.path.join(tmp_path, "disk", "blocks", hub.name(key)), "r+b") as f:
+        f.write(body[:8])
+    assert handed_out(views[0]) == body and len(checks) == 1, "changed: checked again"
+    assert handed_out(views[1]) == body and len(checks) == 1, "its sibling checked it"
+    hub.close()
