@@ -160,17 +160,12 @@ def test_several_workers_need_a_cache_that_holds_their_own_blocks():
         raise AssertionError("8 workers of 4 MiB blocks in 32 MiB were accepted")
 
 
-def test_several_workers_refuse_a_distributed_cache_for_now(tmp_path):
-    from fusecore.config import ConfigError, MountConfig, StoreConfig
+def test_several_workers_take_a_disk_tier_and_a_distributed_cache(tmp_path):
+    from fusecore.config import MountConfig, StoreConfig
 
     key = tmp_path / "key"
     key.write_bytes(os.urandom(32))
-    peers = dict(peers="127.0.0.1:7001,127.0.0.2:7001", peer_listen="127.0.0.1:7001", peer_key_file=str(key))
-    MountConfig(StoreConfig(bucket="b"), **peers)
-    try:
-        MountConfig(StoreConfig(bucket="b"), workers=2, **peers)
-    except ConfigError as exc:
-        assert exc.setting == "workers" and "--peers" in str(exc)
-    else:
-        raise AssertionError("two workers with a distributed cache were accepted")
-    MountConfig(StoreConfig(bucket="b"), workers=2, disk_cache=str(tmp_path), disk_cache_size=64 * 1024 * KiB)
+    cfg = MountConfig(StoreConfig(bucket="b"), workers=2, peers="127.0.0.1:7001,127.0.0.2:7001",
+                      peer_listen="127.0.0.1:7001", peer_key_file=str(key), disk_cache=str(tmp_path),
+                      disk_cache_size=64 * 1024 * KiB)
+    assert cfg.workers == 2 and cfg.peer_members and cfg.disk_cache
