@@ -208,8 +208,9 @@ def _hub_writes(cfg: MountConfig, store: S3Store, hub: workers.Hub) -> HubWrites
     """The hub's writes: one data path that writes (its open uploads named beside the control socket, as a single
     process's are, and those a crash left swept now), and the relay socket the workers send write-side requests to,
     listening before they start."""
-    datapath = DataPath(hub.worker_cfg, store, shared=hub.shared, journal=_control_socket(cfg) + ".uploads",
-                        writes=True)
+    writing = dataclasses.replace(hub.worker_cfg, disk_cache="", disk_cache_size=0, peers="", peer_listen="",
+                                  peer_key_file="")  # (the tiers and the peers are the workers')
+    datapath = DataPath(writing, store, shared=hub.shared, journal=_control_socket(cfg) + ".uploads", writes=True)
     try:
         assert datapath.writer is not None
         swept = datapath.writer.uploads.sweep()

@@ -40,7 +40,9 @@ class PeerFanout:
     def listen(self, address: str) -> socket.socket:
         """The member's own address (HOST:PORT), bound now (an address in use fails the mount before it starts)."""
         host, _, port = address.rpartition(":")
-        listener = socket.create_server((host.strip("[]"), int(port)), backlog=256)
+        host = host.strip("[]")
+        listener = socket.create_server((host, int(port)), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                        backlog=256)
         listener.setblocking(False)
         return listener
 

@@ -460,8 +460,9 @@ class Hub:
                                                "hits": self.policy.hits})
         if self.disk is not None:
             total["disk"] = self._disk_stats(total.get("disk", {}))
-        if "cluster" in total:  # one member, whichever worker answered: its membership is each worker's
-            total["cluster"].update({k: v for k, v in answers[0]["cluster"].items() if k in MEMBERSHIP},
+        member = next((a["cluster"] for a in answers if "cluster" in a), None)
+        if member is not None:  # one member, whichever worker answered: its membership is each worker's
+            total["cluster"].update({k: v for k, v in member.items() if k in MEMBERSHIP},
                                     connections_handed=self.fanout.handed, connections_refused=self.fanout.refused)
         return total
 
@@ -533,10 +534,11 @@ class Hub:
     async def join(self, request: JoinRequest) -> dict:
         """Each worker joins (on its own hand-off socket); then the hub takes the connections the node's peer
         router hands to the join's socket, and hands them to the workers."""
-        previous, self._joined = self._joined, request  # (before: a worker started again meanwhile is told it)
+        previous = self._joined, self._membership
+        self._joined, self._membership = request, None  # (first: a worker started again meanwhile is told it)
         answers = await self._each(self._joined_by)
         if not answers:
-            self._joined = previous
+            self._joined, self._membership = previous
             raise ValueError("no worker joined the distributed cache (see the mount's log)")
         if not self.fanout.receiving(request.handoff):
             assert self.nursery is not None

@@ -250,3 +250,26 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_writable_mount_of_workers_with_a_disk_tier_and_a_distributed_cache_starts_and_writes(s3, bucket, mounts,
+                                                                                                 tmp_path):
+    """The hub's own data path writes only: the disk tier and the member's address stay the hub's and its workers'
+    (a second disk tier or listener there would refuse the mount)."""
+    from stoker.s3server import free_port
+
+    key = tmp_path / "peer.key"
+    key.write_bytes(os.urandom(32))
+    os.chmod(key, 0o600)
+    member = f"127.0.0.5:{free_port()}"
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    mp = mounts.mount(f"s3://{bucket}", "--workers", "2", "--writable", "--disk-cache", str(folder),
+                      "--disk-cache-size", "64MiB", "--peers", member, "--peer-listen", member, "--peer-key-file",
+                      str(key))
+    body = os.urandom(300 * KiB + 7)
+    with open(os.path.join(mp, "out.bin"), "wb") as f:
+        f.write(body)
+    assert _read(os.path.join(mp, "out.bin")) == body
+    assert s3.get_object(Bucket=bucket, Key="out.bin")["Body"].read() == body
+    assert mounts.stats(mp)["cluster"]["members"] == 1
