@@ -107,7 +107,8 @@ def disk_gauges(r: CollectorRegistry, stats: Callable) -> None:
         blocks.labels(event=event).set_function(_field_of(stats, event))
 
 
-AVERAGED = frozenset({"stoker_cache_hit_ratio", "stoker_cluster_owned_share"})  # ratios: the workers' mean
+# ratios, and what each worker of a mount says alike (its members): the workers' mean
+AVERAGED = frozenset({"stoker_cache_hit_ratio", "stoker_cluster_owned_share", "stoker_cluster_members"})
 
 
 class Summed:

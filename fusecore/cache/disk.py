@@ -161,7 +161,8 @@ class HeldFiles:
             with self._lock:
                 self.errors += 1
             log.warning("disk cache: cannot read a block (%s); it is fetched again", exc.strerror)
-            data = None
+            self._discard(name)
+            return None
         if data is None:
             self._drop(name)
             return None
@@ -295,6 +296,14 @@ class HeldFiles:
             self.dropped += 1
         log.warning("disk cache: block %s dropped (%s); it is fetched again", name[:16], why)
         self._remove(name)
+        self._gone(name)
+
+    def _gone(self, name: str) -> None:
+        """A file this process removed (damaged, unreadable), after its removal (a worker tells its hub)."""
+
+    def _discard(self, name: str) -> None:
+        """A file that could not be read: no longer held, removed (fetched and written again)."""
+        self._drop(name)
 
     def _drop(self, name: str) -> None:
         """A file found gone or not to be read: no longer held."""
@@ -366,6 +375,8 @@ class DiskTier(HeldFiles):
         if size is None:
             return False
         self._bytes -= size
+        if self.trust_table is not None:
+            self.trust_table.forget(name)
         return True
 
     def touch(self, name: str) -> None:
@@ -566,6 +577,8 @@ class DiskTier(HeldFiles):
         while self._bytes > target and self._index:
             name, size = self._index.popitem(last=False)
             self._trusted.pop(name, None)
+            if self.trust_table is not None:
+                self.trust_table.forget(name)
             self._bytes -= size
             self.evicted += 1
             self._remove(name)

@@ -41,13 +41,21 @@ class DiskView(HeldFiles):
         return True
 
     def _forget(self, name: str) -> bool:
-        self._shared.tell(b"ddrop " + name.encode())
         return True
 
+    def _gone(self, name: str) -> None:
+        self._shared.tell(b"ddrop " + name.encode())  # (after its removal: the hub then forgets it for good)
+
     def _drop(self, name: str) -> None:
-        """Gone (the hub evicted it), or not to be read now: nothing to tell, nothing to remove."""
+        """Gone (the hub evicted it): nothing to tell, nothing to remove."""
         with self._lock:
             self._trusted.pop(name, None)
+
+    def _discard(self, name: str) -> None:
+        with self._lock:
+            self._trusted.pop(name, None)
+        self._remove(name)
+        self._gone(name)
 
     def offer(self, key: BlockKey, data: Buffer) -> None:
         """Nothing: a worker's blocks reach the disk through the hub, as they are published (shared.publish)."""

@@ -21,6 +21,7 @@ import os
 import mmap
 import socket
 import struct
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -53,8 +54,15 @@ def prepare(root: str) -> None:
         os.makedirs(os.path.join(root, sub), mode=0o700, exist_ok=True)
     with open(os.path.join(root, DISK_QUEUE), "wb") as f:
         f.write(_QUEUED.pack(0))
-    with open(os.path.join(root, TRUSTED), "wb") as f:
-        f.truncate(TRUST_SLOTS * _TRUST.size)
+    filled(os.path.join(root, TRUSTED), TRUST_SLOTS * _TRUST.size)
+
+
+def filled(path: str, size: int) -> None:
+    """A file of `size` zero bytes written (not truncated to it: a page of a sparse file on tmpfs takes its memory at
+    its first touch through a mapping, and on a full tmpfs that touch kills the process with SIGBUS; written now,
+    while the folder is new, a full tmpfs fails the mount's start instead)."""
+    with open(path, "wb") as f:
+        f.write(bytes(size))
 
 
 class TrustTable:
@@ -83,6 +91,12 @@ class TrustTable:
     def holds(self, name: str, stamp: int) -> bool:
         where, tag = self._slot(name)
         return _TRUST.unpack_from(self._table, where) == (tag, stamp & 0xFFFFFFFFFFFFFFFF)
+
+    def forget(self, name: str) -> None:
+        """The file is gone (evicted, damaged): its slot vouches for nothing."""
+        where, tag = self._slot(name)
+        if _TRUST.unpack_from(self._table, where)[0] == tag:
+            _TRUST.pack_into(self._table, where, 0, 0)
 
 
 def disk_queue_mirror(root: str) -> Callable[[int], None]:
@@ -146,6 +160,7 @@ class SharedBlocks:
         self._events = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
         self._news: list[bytes] = []
         self._news_bytes = 0
+        self._news_lock = threading.Lock()  # news come from the loop and from threads (disk reads, publishes)
         self._kept_unsent = 0  # bytes of blocks given to the hub's disk tier in news not sent yet
         self._disk_queue: mmap.mmap | None = None
         self.stats = SharedStats()
@@ -161,9 +176,9 @@ class SharedBlocks:
         name = block_name(key)
         return os.path.exists(os.path.join(self._blocks, name)) or os.path.exists(os.path.join(self._claims, name))
 
-    def _opened(self, key: BlockKey, size: int) -> int | None:
+    def _opened(self, key: BlockKey, size: int, remove: bool = True) -> int | None:
         """A descriptor of the block's file, if a worker published it at exactly `size` bytes (a file of any other
-        length is never served, and is removed)."""
+        length is never served, and is removed unless `remove` is False: a size another node asked with)."""
         path = os.path.join(self._blocks, block_name(key))
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -172,8 +187,9 @@ class SharedBlocks:
         length = os.fstat(fd).st_size
         if length != size:
             os.close(fd)
-            log.warning("shared block %s of %s has %d bytes, not %d: removed", key.index, key.key, length, size)
-            _unlink(path)
+            if remove:
+                log.warning("shared block %s of %s has %d bytes, not %d: removed", key.index, key.key, length, size)
+                _unlink(path)
             return None
         return fd
 
@@ -198,11 +214,12 @@ class SharedBlocks:
         self._tell(b"hit " + block_name(key).encode())
         return buffer
 
-    def read(self, key: BlockKey, size: int, start: int, stop: int) -> bytes | None:
+    def read(self, key: BlockKey, size: int, start: int, stop: int, asked: bool = False) -> bytes | None:
         """Bytes [start, stop) of a published block of `size` bytes, read from its file (a reader's read of part of
         a block: no copy of the rest of it), or None where no worker published it. A read from the block's start
-        counts as a hit for the hub's policy (once per pass over the block, not once per read of it)."""
-        fd = self._opened(key, size)
+        counts as a hit for the hub's policy (once per pass over the block, not once per read of it). `asked`: for
+        another node, whose `size` is its own say: a file of another length is left as it is."""
+        fd = self._opened(key, size, remove=not asked)
         if fd is None:
             return None
         try:
@@ -259,11 +276,21 @@ class SharedBlocks:
             return False
         self.stats.published += 1
         if keep:
-            self._kept_unsent += len(data)
-            self._tell(b"add %s %d %s" % (name.encode(), len(data), keep.encode()))
+            self._tell(b"add %s %d %s" % (name.encode(), len(data), keep.encode()), kept=len(data))
         else:
             self._tell(b"add %s %d" % (name.encode(), len(data)))
         return True
+
+    def _tell(self, message: bytes, kept: int = 0) -> None:
+        """News for the hub, sent in batches (`flush`): a unix datagram socket queues few datagrams. `kept`: bytes
+        the message gives the hub's disk tier to write."""
+        with self._news_lock:
+            self._news.append(message)
+            self._news_bytes += len(message) + 1
+            self._kept_unsent += kept
+            full = self._news_bytes >= NEWS_BATCH
+        if full:
+            self.flush()
 
     def tell(self, message: bytes) -> None:
         """News for the hub from another part of this worker (its disk tier's: diskview.py)."""
@@ -279,21 +306,15 @@ class SharedBlocks:
                 return self._kept_unsent
         return _QUEUED.unpack_from(self._disk_queue, 0)[0] + self._kept_unsent
 
-    def _tell(self, message: bytes) -> None:
-        """News for the hub, sent in batches (`flush`): a unix datagram socket queues few datagrams."""
-        self._news.append(message)
-        self._news_bytes += len(message) + 1
-        if self._news_bytes >= NEWS_BATCH:
-            self.flush()
-
     def flush(self) -> None:
-        if not self._news:
-            return
-        batch = b"\n".join(self._news)
-        count = len(self._news)
-        self._news.clear()
-        self._news_bytes = 0
-        self._kept_unsent = 0
+        with self._news_lock:
+            if not self._news:
+                return
+            batch = b"\n".join(self._news)
+            count = len(self._news)
+            self._news.clear()
+            self._news_bytes = 0
+            self._kept_unsent = 0
         try:
             self._events.sendto(batch, self._hub)
         except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):

@@ -23,6 +23,7 @@ import errno
 import fcntl
 import hashlib
 import logging
+import mmap
 import os
 import struct
 from contextlib import AbstractContextManager, contextmanager
@@ -62,6 +63,10 @@ class InodeModes:
 
 
 class Modes(Protocol):
+    def idle(self, inode: int) -> bool:
+        """Has the inode no live open now (as far as a look without the lock can tell)?"""
+        ...
+
     def locked(self, inode: int) -> AbstractContextManager[InodeModes]: ...
 
 
@@ -70,6 +75,9 @@ class LocalModes:
 
     def __init__(self) -> None:
         self._inodes: dict[int, InodeModes] = {}
+
+    def idle(self, inode: int) -> bool:
+        return inode not in self._inodes
 
     @contextmanager
     def locked(self, inode: int) -> Iterator[InodeModes]:
@@ -81,52 +89,78 @@ class LocalModes:
                 del self._inodes[inode]
 
 
-_RECORD = struct.Struct("<QQQQ")
+_RECORD = struct.Struct("<QIIIIQ")  # inode (0: a free slot), cached, backed, backing, (pad), version
 MODES = "modes"
+MODE_SLOTS = 1 << 16  # 2 MiB of records, written at start
+WINDOW = 32  # slots an inode's record may take, from its home slot on
 
 
 class SharedModes:
-    """The modes of a mount's inodes as every worker sees them: a file per inode with live opens, under the shared
-    folder, flock'ed while read and changed (held for an open's decision, at most one check of a held file), removed
-    once no open is left. A worker killed between its change and its reply leaves a count that is never released:
-    that inode then stays in the mode it was in (both serve right bytes)."""
+    """The modes of a mount's inodes as every worker sees them: a table of records in the shared folder (written
+    whole at start: its memory never runs short later), an inode's in one of the WINDOW slots from its home slot.
+    An open or a release locks its inode's window (a POSIX record lock on that range of the table: windows that
+    overlap exclude each other), finds or takes the record, changes it and lets go; no record is held across a
+    check of a held file (Passthrough.open registers its backing first). An open whose window is full (WINDOW inodes
+    with live opens among its neighbours) is refused EBUSY: it cannot be counted, and an uncounted open could break
+    the kernel's rule. A worker killed between its change and its reply leaves a count that is never released: that
+    inode then stays in the mode it was in (both serve right bytes)."""
 
     def __init__(self, root: str):
-        self._root = os.path.join(root, MODES)
+        fd = os.open(os.path.join(root, MODES), os.O_RDWR | os.O_CLOEXEC)
+        self._fd = fd  # (kept open: closing any descriptor of the table would let go of this process's locks)
+        self._table = mmap.mmap(fd, MODE_SLOTS * _RECORD.size)
 
     @staticmethod
     def prepare(root: str) -> None:
-        os.makedirs(os.path.join(root, MODES), mode=0o700, exist_ok=True)
+        with open(os.path.join(root, MODES), "wb") as f:
+            f.write(bytes(MODE_SLOTS * _RECORD.size))
+
+    @staticmethod
+    def _home(inode: int) -> int:
+        return (inode * 0x9E3779B97F4A7C15 >> 17) % (MODE_SLOTS - WINDOW)
+
+    def _find(self, inode: int, home: int) -> tuple[int | None, int | None]:
+        """The slot holding the inode's record, and the first free slot, in its window."""
+        window = self._table[home * _RECORD.size:(home + WINDOW) * _RECORD.size]
+        mine = free = None
+        for n in range(WINDOW):
+            held = int.from_bytes(window[n * _RECORD.size:n * _RECORD.size + 8], "little")
+            if held == inode:
+                return home + n, None
+            if held == 0 and free is None:
+                free = home + n
+        return mine, free
+
+    def idle(self, inode: int) -> bool:
+        return self._find(inode, self._home(inode))[0] is None
 
     @contextmanager
     def locked(self, inode: int) -> Iterator[InodeModes]:
-        path = os.path.join(self._root, f"{inode:016x}")
-        fd = self._lock(path)
+        home = self._home(inode)
         try:
-            raw = os.pread(fd, _RECORD.size, 0)
-            state = InodeModes(*_RECORD.unpack(raw)) if len(raw) == _RECORD.size else InodeModes()
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, WINDOW, home)
+        except OSError as exc:
+            log.warning("passthrough: cannot lock the modes of inode %d: %s", inode, exc)
+            raise FuseError(errno.EIO) from None
+        try:
+            mine, free = self._find(inode, home)
+            slot = mine if mine is not None else free
+            if slot is None:
+                log.warning("passthrough: no room to count the opens of inode %d (its window is full): refused",
+                            inode)
+                raise FuseError(errno.EBUSY)
+            where = slot * _RECORD.size
+            _, cached, backed, backing, _, version = _RECORD.unpack_from(self._table, where) if mine is not None \
+                else (0, 0, 0, 0, 0, 0)
+            state = InodeModes(cached, backed, backing, version)
             yield state
             if state.cached or state.backed:
-                os.pwrite(fd, _RECORD.pack(state.cached, state.backed, state.backing, state.version), 0)
-            else:
-                os.unlink(path)  # (with the lock held: a process that opened it before finds it gone, and retries)
+                _RECORD.pack_into(self._table, where, inode, state.cached, state.backed, state.backing, 0,
+                                  state.version)
+            elif mine is not None:
+                _RECORD.pack_into(self._table, where, 0, 0, 0, 0, 0, 0)
         finally:
-            os.close(fd)
-
-    @staticmethod
-    def _lock(path: str) -> int:
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                if os.fstat(fd).st_ino == os.stat(path).st_ino:
-                    return fd
-            except FileNotFoundError:
-                pass  # removed by its last release between our open and our lock
-            except BaseException:
-                os.close(fd)
-                raise
-            os.close(fd)
+            fcntl.lockf(self._fd, fcntl.LOCK_UN, WINDOW, home)
 
 
 def _version(etag: str) -> int:
@@ -145,25 +179,31 @@ class Passthrough:
 
     def open(self, fh: int, inode: int, info: ObjectInfo) -> int:
         """The backing id to answer this open with (its handle then `backed_handle(fh)`), or 0 for the page-cache
-        mode (reads reach the mount)."""
+        mode (reads reach the mount). A held file is checked and registered before the inode's record is locked (a
+        check may read the whole file); a registration another open made unneeded meanwhile is let go."""
         version = _version(info.etag)
-        with self._modes.locked(inode) as state:
-            if state.backed:
-                if state.version != version:
-                    self.refused += 1
-                    log.info("an object changed while its old version is open in passthrough: opens of it are "
-                             "refused (EBUSY) until those close")
-                    raise FuseError(errno.EBUSY)
-                state.backed += 1
+        prepared = self._register(info) if self.enabled and self._modes.idle(inode) else 0
+        try:
+            with self._modes.locked(inode) as state:
+                if state.backed:
+                    if state.version != version:
+                        self.refused += 1
+                        log.info("an object changed while its old version is open in passthrough: opens of it are "
+                                 "refused (EBUSY) until those close")
+                        raise FuseError(errno.EBUSY)
+                    state.backed += 1
+                    self.opened += 1
+                    return state.backing
+                if state.cached or not prepared:
+                    state.cached += 1
+                    return 0
+                state.backed, state.backing, state.version = 1, prepared, version
                 self.opened += 1
+                prepared = 0  # (the inode's now)
                 return state.backing
-            backing = self._register(info) if not state.cached and self.enabled else 0
-            if not backing:
-                state.cached += 1
-                return 0
-            state.backed, state.backing, state.version = 1, backing, version
-            self.opened += 1
-            return backing
+        finally:
+            if prepared:
+                self._backings.close_backing(prepared)
 
     def _register(self, info: ObjectInfo) -> int:
         fd = self._held(info)

@@ -35,7 +35,8 @@ class PeerFanout:
         self._next = 0
         self._out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
         self.handed = self.refused = 0
-        self._handoffs: set[str] = set()
+        self._handoff: str | None = None  # the unix socket the node's peer router hands this cache's connections to
+        self._receiving: trio.CancelScope | None = None
 
     def listen(self, address: str) -> socket.socket:
         """The member's own address (HOST:PORT), bound now (an address in use fails the mount before it starts)."""
@@ -47,18 +48,29 @@ class PeerFanout:
         return listener
 
     def receiving(self, path: str) -> bool:
-        return path in self._handoffs
+        return path == self._handoff
 
     def receive(self, path: str) -> socket.socket:
         """The unix socket a node's peer router hands this cache's connections to."""
         if os.path.exists(path):
             os.unlink(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-        sock.bind(path)
-        os.chmod(path, 0o600)
+        try:
+            sock.bind(path)
+            os.chmod(path, 0o600)
+        except OSError:
+            sock.close()
+            raise
         sock.setblocking(False)
-        self._handoffs.add(path)
+        self._handoff = path
         return sock
+
+    def stop_receiving(self) -> None:
+        """An older join's socket (a new join names another): closed, its receiver ended."""
+        if self._receiving is not None:
+            self._receiving.cancel()
+            self._receiving = None
+        self._unlink_handoff()
 
     async def accept(self, listener: socket.socket) -> None:
         with listener:
@@ -76,15 +88,24 @@ class PeerFanout:
                     self.hand(conn)
 
     async def take_handed(self, sock: socket.socket) -> None:
-        with sock:
+        with sock, trio.CancelScope() as scope:
+            self._receiving = scope
             while True:
                 await trio.lowlevel.wait_readable(sock)
                 try:
                     _, fds, _, _ = socket.recv_fds(sock, 16, 4)
                 except BlockingIOError:
                     continue
+                except OSError as exc:  # (the socket's own failure: nothing more comes through it)
+                    log.warning("peers: the hand-off socket failed: %s", exc)
+                    return
                 for fd in fds:
-                    self.hand(socket.socket(fileno=fd))
+                    try:
+                        conn = socket.socket(fileno=fd)
+                    except OSError:  # not a socket: nothing the router hands over
+                        os.close(fd)
+                        continue
+                    self.hand(conn)
 
     def hand(self, conn: socket.socket) -> None:
         """To the next worker that takes it; 503 if none does. Never blocks."""
@@ -104,8 +125,12 @@ class PeerFanout:
 
     def close(self) -> None:
         self._out.close()
-        for path in self._handoffs:
+        self._unlink_handoff()
+
+    def _unlink_handoff(self) -> None:
+        if self._handoff is not None:
             try:
-                os.unlink(path)
+                os.unlink(self._handoff)
             except OSError:
                 pass
+            self._handoff = None

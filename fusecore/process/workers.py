@@ -364,8 +364,9 @@ class Hub:
                 self._keep(name.decode(), keep.decode())
 
     def _keep(self, name: str, keep: str) -> None:
-        """The disk tier writes a published block from its file (mapped: its bytes are already in memory, counted
-        in the shared blocks' budget); one evicted meanwhile is not written."""
+        """The disk tier writes a published block from its file (mapped: its bytes are already in memory, in the
+        shared blocks' budget; one the policy evicts before it is written keeps its pages until then, within the
+        disk tier's write queue, 32 MiB); one evicted before this is not written."""
         if self.disk is None or self.disk.still_holds(keep):
             return
         try:
@@ -462,7 +463,7 @@ class Hub:
             total["disk"] = self._disk_stats(total.get("disk", {}))
         member = next((a["cluster"] for a in answers if "cluster" in a), None)
         if member is not None:  # one member, whichever worker answered: its membership is each worker's
-            total["cluster"].update({k: v for k, v in member.items() if k in MEMBERSHIP},
+            total.setdefault("cluster", {}).update({k: v for k, v in member.items() if k in MEMBERSHIP},
                                     connections_handed=self.fanout.handed, connections_refused=self.fanout.refused)
         return total
 
@@ -534,15 +535,20 @@ class Hub:
     async def join(self, request: JoinRequest) -> dict:
         """Each worker joins (on its own hand-off socket); then the hub takes the connections the node's peer
         router hands to the join's socket, and hands them to the workers."""
+        if not self.fanout.receiving(request.handoff):  # (first: a socket that cannot be bound fails the join)
+            assert self.nursery is not None
+            self.fanout.stop_receiving()
+            sock = self.fanout.receive(request.handoff)
+            self.nursery.start_soon(self.fanout.take_handed, sock)
         previous = self._joined, self._membership
         self._joined, self._membership = request, None  # (first: a worker started again meanwhile is told it)
         answers = await self._each(self._joined_by)
+        if len(answers) < len(self._sockets()):
+            log.warning("%d of %d workers joined distributed cache %s (see the log above): a worker started again "
+                        "is told the join", len(answers), len(self._sockets()), request.name)
         if not answers:
             self._joined, self._membership = previous
             raise ValueError("no worker joined the distributed cache (see the mount's log)")
-        if not self.fanout.receiving(request.handoff):
-            assert self.nursery is not None
-            self.nursery.start_soon(self.fanout.take_handed, self.fanout.receive(request.handoff))
         return answers[0]
 
     async def warm(self, paths: list[str], report: Callable[[dict], Awaitable[None]]) -> dict:

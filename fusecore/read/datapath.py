@@ -140,7 +140,7 @@ class DataPath:
         if found is None and self.shared is not None:  # (a worker: the blocks any worker of the mount published)
             lo, hi = block_extent(want.index, want.size, self.cfg.block_size)
             found = self.shared.read(BlockKey(want.key, want.etag, want.index), hi - lo, want.start - lo,
-                                     want.stop - lo)
+                                     want.stop - lo, asked=True)
         cluster = self.cluster
         if found is not None or not want.through or cluster is None \
                 or not cluster.owns(want.key, want.etag, want.index):

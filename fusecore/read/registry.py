@@ -16,6 +16,7 @@ import mmap
 import os
 import struct
 
+from ..cache.shared import filled
 from ..store.objects import ObjectInfo
 
 INODES, HANDLES, POSITIONS, VERSIONS = "ino", "fh", "positions", "versions"
@@ -55,8 +56,7 @@ class Registry:
         for sub in (INODES, HANDLES):
             os.makedirs(os.path.join(root, sub), mode=0o700, exist_ok=True)
         for name in (POSITIONS, VERSIONS):
-            with open(os.path.join(root, name), "wb") as f:
-                f.truncate(SLOTS * _SLOT.size)
+            filled(os.path.join(root, name), SLOTS * _SLOT.size)
 
     def note_position(self, fh: int, end: int) -> None:
         """Where a read of `fh` ended, for whichever worker gets its next read (a sequential reader's reads are

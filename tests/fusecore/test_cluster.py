@@ -102,7 +102,8 @@ def test_the_store_sends_the_dataset_once_and_nodes_read_the_rest_from_their_own
     assert all(0 < s["cluster"]["connections_from_peers"] < s["cluster"]["served_to_peers"] for s in after), after
     if workers == "2":
         assert after[0]["cluster"]["members"] == 3  # one member, not one per worker
-        assert after[0]["cluster"]["connections_handed"] == after[0]["cluster"]["connections_from_peers"]
+        # (a connection its asker closed before a worker took it is handed, never counted as one from a peer)
+        assert after[0]["cluster"]["connections_handed"] >= after[0]["cluster"]["connections_from_peers"] > 0
 
 
 def test_a_share_larger_than_memory_lives_on_its_owners_disk_and_is_served_from_there(mounts, bucket, dataset,

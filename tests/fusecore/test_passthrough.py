@@ -185,4 +185,7 @@ def test_held_files_opened_at_once_through_two_workers_share_one_backing_each(s3
     assert after["fuse_reads"]["count"] == before["fuse_reads"]["count"], "a held file's reads reach the mount"
     assert after["passthrough"]["opens"] - before["passthrough"]["opens"] == 4 * 2 * len(dataset)
     assert wait_for(lambda: mounts.stats(mp)["passthrough"]["live"] == 0, 30), "every backing file let go"
-    assert os.listdir(f"/dev/shm/stoker-{os.geteuid()}-{after['pid']}/modes") == []
+    from fusecore.fuse.passthrough import SharedModes
+
+    modes = SharedModes(f"/dev/shm/stoker-{os.geteuid()}-{after['pid']}")
+    assert all(modes.idle(os.stat(os.path.join(mp, name)).st_ino) for name in dataset), "every count back to 0"

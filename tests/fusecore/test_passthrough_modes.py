@@ -132,4 +132,26 @@ def test_workers_share_each_inodes_mode_and_backing(held, tmp_path):
     two.release(4, 6)
     one.release(5, 6)
     assert two.open(6, 6, _info()) > 0
-    assert os.listdir(tmp_path / "modes") == [f"{6:016x}"]  # a file per inode open now, no more
+    modes = SharedModes(str(tmp_path))
+    assert not modes.idle(6) and modes.idle(5), "a record per inode open now, no more"
+
+
+def test_an_inode_whose_window_is_full_is_refused_not_left_uncounted(held, tmp_path, monkeypatch):
+    """Every open must be counted where every worker sees it (an uncounted cached open could meet a passthrough
+    open of the same inode in another worker: EIO for the user). Where the records near its home slot are all taken,
+    the open is refused (EBUSY) and no backing it prepared stays registered."""
+    import fusecore.fuse.passthrough as pt
+
+    _, held_file = held
+    SharedModes.prepare(str(tmp_path))
+    monkeypatch.setattr(pt.SharedModes, "_home", staticmethod(lambda inode: 7))  # every inode at one home
+    kernel = KernelRules()
+    one = Passthrough(kernel, held_file, SharedModes(str(tmp_path)))
+    for inode in range(1, pt.WINDOW + 1):
+        assert one.open(inode, inode, _info()) > 0
+    with pytest.raises(FuseError) as refused:
+        one.open(99, pt.WINDOW + 1, _info())
+    assert refused.value.errno == errno.EBUSY
+    assert len(kernel.open) == pt.WINDOW, "the refused open's backing was let go"
+    one.release(1 | BACKED, 1)
+    assert one.open(100, pt.WINDOW + 1, _info()) > 0  # a slot freed: counted

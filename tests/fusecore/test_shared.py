@@ -169,3 +169,49 @@ def test_several_workers_take_a_disk_tier_and_a_distributed_cache(tmp_path):
                       peer_listen="127.0.0.1:7001", peer_key_file=str(key), disk_cache=str(tmp_path),
                       disk_cache_size=64 * 1024 * KiB)
     assert cfg.workers == 2 and cfg.peer_members and cfg.disk_cache
+
+
+def test_the_hub_hands_peer_connections_to_its_workers_in_turn_and_survives_a_bad_hand_off(tmp_path):
+    """process/peerfanout.py: what the node's peer router hands the hub goes to the workers' hand-off sockets in
+    turn; a descriptor that is no socket is closed and the hub goes on; with no worker taking it, the asker is told
+    503."""
+    import array
+    import socket
+
+    import trio
+
+    from fusecore.process.peerfanout import PeerFanout, worker_handoff
+
+    fanout = PeerFanout(str(tmp_path), 2)
+    workers = []
+    for index in (1, 2):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.bind(worker_handoff(str(tmp_path), index))
+        workers.append(sock)
+    router = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    path = str(tmp_path / "router.peer")
+    pairs = [socket.socketpair() for _ in range(4)]
+    reader, writer = os.pipe()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fanout.take_handed, fanout.receive(path))
+            await trio.sleep(0)
+            router.sendmsg([b"c"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [reader]))], 0, path)
+            for ours, _ in pairs:
+                router.sendmsg([b"c"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [ours.fileno()]))],
+                               0, path)
+            with trio.fail_after(10):
+                while fanout.handed < len(pairs):
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    got = [len(socket.recv_fds(w, 16, 8)[1]) + len(socket.recv_fds(w, 16, 8)[1]) for w in workers]
+    assert got == [2, 2], got  # in turn
+    for w in workers:
+        w.close()
+    lone = PeerFanout(str(tmp_path / "none"), 1)
+    ours, theirs = socket.socketpair()
+    lone.hand(ours)
+    assert theirs.recv(100).startswith(b"HTTP/1.1 503") and lone.refused == 1
