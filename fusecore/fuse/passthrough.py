@@ -11,7 +11,7 @@ old opens close: neither mode could serve the new version then, and the old byte
 
 An inode's modes are counts (cached opens, passthrough opens, the backing id and the version they read), kept where
 every process that answers the mount's requests sees them: in this process (`LocalModes`), or, for a mount served by
-several workers, in the shared folder, one small file per inode open now, locked while an open or a release reads and
+several workers, in a table in the shared folder, an inode's record locked while an open or a release reads and
 changes it (`SharedModes`): the kernel may hand an inode's opens and releases to different workers, and a backing id
 of one worker's is every worker's (it belongs to the connection). A handle open in passthrough carries BACKED, so that
 its release, wherever it lands, knows which count it ends.
