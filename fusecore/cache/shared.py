@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 BLOCKS, CLAIMS, HUB_SOCKET = "blocks", "claims", "hub.sock"
 DISK_QUEUE = "disk-queue"  # the bytes the hub's disk tier has queued for writing (a little-endian u64)
+AHEAD = "ahead"  # the bytes of blocks published as read-ahead that no worker has read since (likewise)
 _QUEUED = struct.Struct("<Q")
 TRUSTED = "trusted"  # the disk tier's files some process of the mount wrote or checked (TrustTable)
 TRUST_SLOTS = 1 << 16
@@ -39,6 +40,7 @@ _TRUST = struct.Struct("<QQ")  # a file name's tag, its stamp
 NEWS_BATCH = 8192  # bytes of news a worker gathers before it sends them to the hub (and at least every FLUSH_EVERY s)
 FLUSH_EVERY = 0.05
 PROTECTED_FRACTION = 0.8  # of the budget, for blocks read again (SharedPolicy)
+AHEAD_FRACTION = 0.5  # of the budget, at most, kept for blocks read ahead and unread past older blocks (SharedPolicy)
 
 
 def block_name(key: BlockKey) -> str:
@@ -52,8 +54,9 @@ def prepare(root: str) -> None:
     os.makedirs(root, mode=0o700, exist_ok=True)
     for sub in (BLOCKS, CLAIMS):
         os.makedirs(os.path.join(root, sub), mode=0o700, exist_ok=True)
-    with open(os.path.join(root, DISK_QUEUE), "wb") as f:
-        f.write(_QUEUED.pack(0))
+    for counter in (DISK_QUEUE, AHEAD):
+        with open(os.path.join(root, counter), "wb") as f:
+            f.write(_QUEUED.pack(0))
     filled(os.path.join(root, TRUSTED), TRUST_SLOTS * _TRUST.size)
 
 
@@ -99,10 +102,10 @@ class TrustTable:
             _TRUST.pack_into(self._table, where, 0, 0)
 
 
-def disk_queue_mirror(root: str) -> Callable[[int], None]:
-    """What the hub's disk tier calls with its queued bytes (DiskTier's queue_mirror): written where every worker
-    reads them (`SharedBlocks.disk_queued`)."""
-    table = _mapped(os.path.join(root, DISK_QUEUE))
+def disk_queue_mirror(root: str, counter: str = DISK_QUEUE) -> Callable[[int], None]:
+    """What the hub calls with a count every worker reads: its disk tier's queued bytes (DiskTier's queue_mirror,
+    `SharedBlocks.disk_queued`), or the bytes read ahead and unread (AHEAD, `SharedBlocks.ahead`)."""
+    table = _mapped(os.path.join(root, counter))
 
     def mirror(queued: int) -> None:
         _QUEUED.pack_into(table, 0, queued)
@@ -163,6 +166,7 @@ class SharedBlocks:
         self._news_lock = threading.Lock()  # news come from the loop and from threads (disk reads, publishes)
         self._kept_unsent = 0  # bytes of blocks given to the hub's disk tier in news not sent yet
         self._disk_queue: mmap.mmap | None = None
+        self._ahead: mmap.mmap | None = None
         self.stats = SharedStats()
 
     def path(self, key: BlockKey) -> str:
@@ -233,6 +237,20 @@ class SharedBlocks:
             self._tell(b"hit " + block_name(key).encode())
         return data
 
+    def being_fetched(self, key: BlockKey) -> bool:
+        """Does a live worker hold the block's claim now (a claim whose worker died is held by no one)?"""
+        try:
+            fd = os.open(os.path.join(self._claims, block_name(key)), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
     def try_claim(self, key: BlockKey) -> Claim | None:
         """The right to fetch `key` (None: another worker is fetching it now)."""
         path = os.path.join(self._claims, block_name(key))
@@ -251,10 +269,11 @@ class SharedBlocks:
             os.close(fd)  # a claim file its worker removed between our open and our lock: open the current one
         return None
 
-    def publish(self, key: BlockKey, data: bytes | bytearray | memoryview | mmap.mmap, keep: str = "") -> bool:
+    def publish(self, key: BlockKey, data: bytes | bytearray | memoryview | mmap.mmap, keep: str = "",
+                ahead: bool = False) -> bool:
         """Make a fetched block readable by every worker: written aside, renamed into place. False where the folder
         had no room (the block stays this worker's own). `keep`: the name the hub's disk tier keeps it under (the
-        hub writes it from this file: diskview.py)."""
+        hub writes it from this file: diskview.py); `ahead`: read ahead, no reader has it yet (`ahead_bytes`)."""
         name = block_name(key)
         final = os.path.join(self._blocks, name)
         aside = os.path.join(self._claims, f"{name}.{os.getpid()}.part")
@@ -275,10 +294,11 @@ class SharedBlocks:
             log.debug("shared block %s not published: %s", name, exc.strerror)
             return False
         self.stats.published += 1
+        verb = b"ahead" if ahead else b"add"
         if keep:
-            self._tell(b"add %s %d %s" % (name.encode(), len(data), keep.encode()), kept=len(data))
+            self._tell(b"%s %s %d %s" % (verb, name.encode(), len(data), keep.encode()), kept=len(data))
         else:
-            self._tell(b"add %s %d" % (name.encode(), len(data)))
+            self._tell(b"%s %s %d" % (verb, name.encode(), len(data)))
         return True
 
     def _tell(self, message: bytes, kept: int = 0) -> None:
@@ -305,6 +325,17 @@ class SharedBlocks:
             except OSError:
                 return self._kept_unsent
         return _QUEUED.unpack_from(self._disk_queue, 0)[0] + self._kept_unsent
+
+    def ahead_bytes(self) -> int:
+        """Bytes of blocks any worker published as read-ahead that no worker has read since (the hub's count, as
+        of the news it has): with the bytes a worker's own cache holds ahead, what bounds its walk's reading ahead
+        (a published block leaves that cache)."""
+        if self._ahead is None:
+            try:
+                self._ahead = _mapped(os.path.join(self.root, AHEAD))
+            except OSError:
+                return 0
+        return _QUEUED.unpack_from(self._ahead, 0)[0]
 
     def flush(self) -> None:
         with self._news_lock:
@@ -341,31 +372,45 @@ def _unlink(path: str) -> None:
 
 class SharedPolicy:
     """What the shared blocks keep within one budget (the hub's, for every worker): a segmented LRU where a block
-    read again (a hit) outranks one streamed once, whatever its size; the oldest block read once goes first."""
+    read again (a hit) outranks one streamed once, whatever its size; the oldest block read once goes first. A block
+    published as read-ahead (`admit(ahead=True)`) that no worker has read yet goes last, as a single process's cache
+    keeps its staged blocks: evicted first, it would be fetched again by the reader it was fetched for (the walks
+    bound how much is ahead: `ahead_bytes`); past AHEAD_FRACTION of the budget the oldest of them go first."""
 
     def __init__(self, budget: int):
         self.budget = budget
         self._probation: OrderedDict[str, int] = OrderedDict()
         self._protected: OrderedDict[str, int] = OrderedDict()
+        self._ahead: OrderedDict[str, int] = OrderedDict()
         self._protected_bytes = 0
+        self.ahead_bytes = 0
         self.bytes = 0
         self.evictions = 0
         self.hits = 0
 
     def __len__(self) -> int:
-        return len(self._probation) + len(self._protected)
+        return len(self._probation) + len(self._protected) + len(self._ahead)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._probation or name in self._protected
+        return name in self._probation or name in self._protected or name in self._ahead
 
-    def admit(self, name: str, size: int) -> list[str]:
+    def admit(self, name: str, size: int, ahead: bool = False) -> list[str]:
         """A block was published: the blocks to evict now (the oldest read once first)."""
         if name not in self:
-            self._probation[name] = size
+            if ahead:
+                self._ahead[name] = size
+                self.ahead_bytes += size
+            else:
+                self._probation[name] = size
             self.bytes += size
         return self._over()
 
     def hit(self, name: str) -> None:
+        size = self._ahead.pop(name, None)
+        if size is not None:  # read at last: from now on a block read once
+            self.ahead_bytes -= size
+            self._probation[name] = size
+            return
         if name in self._protected:
             self._protected.move_to_end(name)
             return
@@ -384,6 +429,10 @@ class SharedPolicy:
         """The file is gone (removed by a worker as damaged, or missing at a rescan)."""
         size = self._probation.pop(name, None)
         if size is None:
+            size = self._ahead.pop(name, None)
+            if size is not None:
+                self.ahead_bytes -= size
+        if size is None:
             size = self._protected.pop(name, None)
             if size is None:
                 return
@@ -397,16 +446,27 @@ class SharedPolicy:
     def _over(self) -> list[str]:
         victims = []
         while self.bytes > self.budget and len(self):
-            if self._probation:
-                name, size = self._probation.popitem(last=False)
-            else:
-                name, size = self._protected.popitem(last=False)
-                self._protected_bytes -= size
+            name, size = self._victim()
             self.bytes -= size
             self.evictions += 1
             victims.append(name)
         return victims
 
+    def _victim(self) -> tuple[str, int]:
+        """The next block to evict: one read ahead past AHEAD_FRACTION of the budget, else the oldest read once,
+        else the oldest read again, else the oldest read ahead."""
+        if self._ahead and self.ahead_bytes > self.budget * AHEAD_FRACTION:
+            segment = self._ahead
+        else:
+            segment = next(s for s in (self._probation, self._protected, self._ahead) if s)
+        name, size = segment.popitem(last=False)
+        if segment is self._protected:
+            self._protected_bytes -= size
+        elif segment is self._ahead:
+            self.ahead_bytes -= size
+        return name, size
+
     def names(self) -> Iterator[str]:
         yield from self._probation
         yield from self._protected
+        yield from self._ahead

@@ -66,6 +66,7 @@ from typing import Callable, Iterator
 
 import trio
 
+from .intake import accepted, handed
 from ..cache.memory import Buffer
 from ..store.idle import IdlePool
 from .sources import BySource, source_of
@@ -361,40 +362,12 @@ class PeerServer:
             self._close_sockets()
 
     async def _accept(self, listener: socket.socket, nursery: trio.Nursery) -> None:
-        while True:
-            await trio.lowlevel.wait_readable(listener)
-            while True:
-                try:
-                    conn, _ = listener.accept()
-                except BlockingIOError:
-                    break
-                except OSError as exc:  # out of descriptors, say: the asker reads the store meanwhile
-                    log.warning("peer server: cannot accept a connection: %s", exc)
-                    await trio.sleep(0.1)
-                    break
-                nursery.start_soon(self._connection, conn)
+        async for conn in accepted(listener, "peer server"):  # (a failure to accept: the asker reads the store)
+            nursery.start_soon(self._connection, conn)
 
     async def _take_handed(self, handoff: socket.socket, nursery: trio.Nursery) -> None:
-        while True:
-            await trio.lowlevel.wait_readable(handoff)
-            try:
-                data, fds, _, _ = socket.recv_fds(handoff, 16, 4)
-            except BlockingIOError:
-                continue
-            except OSError:
-                return  # closed
-            for fd in fds:
-                try:
-                    conn = socket.socket(fileno=fd)
-                except OSError:
-                    os.close(fd)
-                    continue
-                try:
-                    conn.getpeername()
-                except OSError:  # gone already (the socket owns the descriptor now: closed once, by it)
-                    conn.close()
-                    continue
-                nursery.start_soon(self._connection, conn)
+        async for conn in handed(handoff):
+            nursery.start_soon(self._connection, conn)
 
     def rekey(self, key: bytes) -> None:
         """A new key for the cache: connections opened under the old one are closed (their sessions' keys come from

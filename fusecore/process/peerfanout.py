@@ -19,6 +19,7 @@ import socket
 
 import trio
 
+from ..cluster.intake import accepted, handed
 from ..cluster.router import answer_status
 
 log = logging.getLogger(__name__)
@@ -74,38 +75,14 @@ class PeerFanout:
 
     async def accept(self, listener: socket.socket) -> None:
         with listener:
-            while True:
-                await trio.lowlevel.wait_readable(listener)
-                while True:
-                    try:
-                        conn, _ = listener.accept()
-                    except BlockingIOError:
-                        break
-                    except OSError as exc:  # out of descriptors, say: the connections wait in the backlog
-                        log.warning("peers: cannot accept a connection: %s", exc)
-                        await trio.sleep(0.1)
-                        break
-                    self.hand(conn)
+            async for conn in accepted(listener, "peers"):
+                self.hand(conn)
 
     async def take_handed(self, sock: socket.socket) -> None:
         with sock, trio.CancelScope() as scope:
             self._receiving = scope
-            while True:
-                await trio.lowlevel.wait_readable(sock)
-                try:
-                    _, fds, _, _ = socket.recv_fds(sock, 16, 4)
-                except BlockingIOError:
-                    continue
-                except OSError as exc:  # (the socket's own failure: nothing more comes through it)
-                    log.warning("peers: the hand-off socket failed: %s", exc)
-                    return
-                for fd in fds:
-                    try:
-                        conn = socket.socket(fileno=fd)
-                    except OSError:  # not a socket: nothing the router hands over
-                        os.close(fd)
-                        continue
-                    self.hand(conn)
+            async for conn in handed(sock):
+                self.hand(conn)
 
     def hand(self, conn: socket.socket) -> None:
         """To the next worker that takes it; 503 if none does. Never blocks."""

@@ -161,6 +161,7 @@ class Hub:
         self.log_level = log_level
         self.worker_cfg, budget = budgets(cfg)
         self.policy = blocks.SharedPolicy(budget)
+        self._show_ahead = blocks.disk_queue_mirror(shared, blocks.AHEAD)
         self.workers: dict[int, Worker] = {}
         self.restarts = 0
         self.spawns = 0
@@ -356,10 +357,12 @@ class Hub:
             return
         if verb == b"hit":
             self.policy.hit(name.decode())
+            self._show_ahead(self.policy.ahead_bytes)
             return
         size, _, keep = rest.partition(b" ")
-        if verb == b"add" and size.isdigit():
-            self._evict(self.policy.admit(name.decode(), int(size)))
+        if verb in (b"add", b"ahead") and size.isdigit():
+            self._evict(self.policy.admit(name.decode(), int(size), ahead=verb == b"ahead"))
+            self._show_ahead(self.policy.ahead_bytes)
             if keep and _named(keep, 64):
                 self._keep(name.decode(), keep.decode())
 
@@ -406,6 +409,7 @@ class Hub:
                     pass
         for name in [n for n in self.policy.names() if n not in present]:
             self.policy.forget(name)
+        self._show_ahead(self.policy.ahead_bytes)
         for name, size in present.items():
             if name not in self.policy and len(name) == 32:  # (not a file the workers would ever write)
                 self._evict(self.policy.admit(name, size))

@@ -90,7 +90,9 @@ class DataPath:
                              prefetch_limit=cfg.prefetch_limit, initial_prefetch=cfg.initial_prefetch,
                              registry=registry, worker=worker)
         self.walk = DirectoryPrefetcher(self.namespace, self.fetcher, self.cache, small_file_max=cfg.block_size,
-                                        budget=cfg.prefetch_limit, read_by_kernel=self.read_by_kernel)
+                                        budget=cfg.prefetch_limit, read_by_kernel=self.read_by_kernel,
+                                        ahead_elsewhere=self.shared.ahead_bytes if self.shared is not None else
+                                        (lambda: 0))
         # A writable mount (`journal`: where its open uploads are named, for the next start to abort: uploads.py)
         self.writer: Writer | None = None
         self.writes: Writes | None = None

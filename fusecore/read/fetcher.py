@@ -327,7 +327,8 @@ class Fetcher:
             if pending.claim is not None and isinstance(key, BlockKey):
                 assert self._nursery is not None
                 keep_as = self.disk.name(key) if to_disk and self.disk is not None else ""  # (the hub writes it)
-                self._nursery.start_soon(self._publish, key, pending.data, pending.claim, keep_as)  # behind the reader
+                self._nursery.start_soon(self._publish, key, pending.data, pending.claim, keep_as,
+                                         not pending.demanded)  # behind the reader
                 pending.claim = None
             elif to_disk and self.disk is not None and isinstance(key, BlockKey):
                 self.disk.offer(key, pending.data)  # behind the reader: it has the bytes already
@@ -355,18 +356,18 @@ class Fetcher:
                 self._prefetching -= 1
             self._admit()
 
-    async def _publish(self, key: BlockKey, data: Buffer, claim: Claim, keep_as: str) -> None:
+    async def _publish(self, key: BlockKey, data: Buffer, claim: Claim, keep_as: str, ahead: bool) -> None:
         """Make a block this worker fetched readable by every worker (its file), then let go of its claim: the
         workers that waited for it read it. A small block is written here, a large one in a thread (the cache
         recycles no buffer that this task still references). `keep_as`: its name on the disk tier, where the hub
-        writes it from that file (cache/diskview.py)."""
+        writes it from that file (cache/diskview.py); `ahead`: read ahead, no reader has it yet."""
         shared = self.shared
         assert shared is not None
         try:
             if len(data) < MMAP_MIN:
-                published = shared.publish(key, data, keep_as)
+                published = shared.publish(key, data, keep_as, ahead)
             else:
-                published = await trio.to_thread.run_sync(shared.publish, key, data, keep_as,
+                published = await trio.to_thread.run_sync(shared.publish, key, data, keep_as, ahead,
                                                           limiter=self._disk_readers)
         except OSError as exc:
             log.warning("block %d of %s not shared with the other workers: %s", key.index, key.key, exc)
@@ -420,7 +421,17 @@ class Fetcher:
         block = BlockKey(obj.key, obj.etag, index)
         lo, hi = block_extent(index, obj.size, self.block_size)
         if (start, stop) != (lo, hi):  # a random reader's range inside the block: no claim, the store if not held
-            return shared.read(block, hi - lo, start - lo, stop - lo)
+            part = shared.read(block, hi - lo, start - lo, stop - lo)
+            if part is None and pending.demanded and shared.being_fetched(block):
+                # another worker fetches the whole block now (a small file's first READ went there, this one its
+                # second): its bytes come sooner than a GET of this range would, and the store sends them once
+                give_up = self._clock() + self.read_deadline
+                delay = CLAIM_POLL
+                while shared.being_fetched(block) and self._clock() < give_up:
+                    await self._sleep(delay)
+                    delay = min(delay * 2, CLAIM_POLL_MAX)
+                part = shared.read(block, hi - lo, start - lo, stop - lo)
+            return part
         data = await self._load_shared(block, hi - lo)
         if data is not None:
             return data

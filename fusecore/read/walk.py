@@ -122,8 +122,11 @@ def _remember(table: OrderedDict[int, T], inode: int, value: T) -> T:
 
 class DirectoryPrefetcher:
     def __init__(self, namespace: Namespace, fetcher: Fetcher, cache: BlockCache, *, small_file_max: int,
-                 budget: int, trigger: int = 2, read_by_kernel: Callable[[ObjectInfo], bool] = lambda info: False):
-        """`read_by_kernel`: a file its reader's kernel will read itself (FUSE passthrough): passed over."""
+                 budget: int, trigger: int = 2, read_by_kernel: Callable[[ObjectInfo], bool] = lambda info: False,
+                 ahead_elsewhere: Callable[[], int] = lambda: 0):
+        """`read_by_kernel`: a file its reader's kernel will read itself (FUSE passthrough): passed over;
+        `ahead_elsewhere`: bytes read ahead and unread that the cache no longer counts (a worker's published blocks:
+        shared.py), counted against `budget` too."""
         self.ns = namespace
         self.fetcher = fetcher
         self.cache = cache
@@ -131,6 +134,7 @@ class DirectoryPrefetcher:
         self.budget = budget
         self.trigger = trigger
         self.read_by_kernel = read_by_kernel
+        self.ahead_elsewhere = ahead_elsewhere
         self._dirs: OrderedDict[int, _DirState] = OrderedDict()
         self._families: OrderedDict[int, _Family] = OrderedDict()  # by the inode of the subdirectories' parent
         self._nursery: trio.Nursery | None = None
@@ -201,7 +205,7 @@ class DirectoryPrefetcher:
         entries = self.ns.listed_entries(family.parent)
         if entries is None:
             return
-        while family.next < len(entries) and family.room() > 0 and self.cache.transient_bytes < self.budget:
+        while family.next < len(entries) and family.room() > 0 and not self._full():
             subdir = self.ns.find(entries[family.next][1])
             family.next += 1
             if subdir is not None and subdir.is_dir and subdir.inode not in self._dirs:  # (one the reader opened has a walk of its own)
@@ -219,10 +223,14 @@ class DirectoryPrefetcher:
         if state is not None:
             self._issue(state)
 
+    def _full(self) -> bool:
+        """Is as much read ahead, unread, as the walk may hold?"""
+        return self.cache.transient_bytes + self.ahead_elsewhere() >= self.budget
+
     def _issue(self, state: _DirState) -> None:
         passed_over = 0
         while state.next < len(state.files) and state.room() > 0:
-            if self.cache.transient_bytes >= self.budget:
+            if self._full():
                 return
             if state.next in state.opened_ahead:  # passed over as if issued (the room the walk takes is unchanged)
                 state.opened_ahead.discard(state.next)

@@ -32,6 +32,17 @@ def written(disk: DiskTier, count: int) -> bool:
     return bool(wait_for(lambda: disk.stats().written >= count and disk.stats().queued_bytes == 0, 10, 0.01))
 
 
+def _handed_out(tier_, key: BlockKey, length: int) -> bytes | None:
+    """What the file `open_whole` hands to the kernel holds (up to twice the length: a longer file shows), or None."""
+    fd = tier_.open_whole(key, length)
+    if fd is None:
+        return None
+    try:
+        return os.pread(fd, 2 * length, 0)
+    finally:
+        os.close(fd)
+
+
 def blocks_of(disk_dir) -> list[str]:
     return sorted(os.path.join(disk_dir, "blocks", n) for n in os.listdir(os.path.join(disk_dir, "blocks")))
 
@@ -368,13 +379,7 @@ def test_a_file_written_or_checked_in_this_life_opens_for_the_kernel_unread_unti
         monkeypatch.setattr(tier_, "_checked", lambda fd, name, *rest: checks.append(name) or real(fd, name, *rest))
 
     def handed_out() -> bytes | None:
-        fd = disk.open_whole(key, len(body))
-        if fd is None:
-            return None
-        try:
-            return os.pread(fd, 2 * len(body), 0)
-        finally:
-            os.close(fd)
+        return _handed_out(disk, key, len(body))
 
     counted(disk)
     assert handed_out() == body and handed_out() == body
@@ -425,13 +430,7 @@ def test_a_workers_view_hands_out_what_its_hub_wrote_or_a_sibling_checked_unread
                                                                                                             *rest))
 
     def handed_out(view: DiskView) -> bytes | None:
-        fd = view.open_whole(key, len(body))
-        if fd is None:
-            return None
-        try:
-            return os.pread(fd, 2 * len(body), 0)
-        finally:
-            os.close(fd)
+        return _handed_out(view, key, len(body))
 
     assert handed_out(views[0]) == body and handed_out(views[1]) == body and checks == [], "the hub wrote it"
     path = os.path.join(tmp_path, "disk", "blocks", hub.name(key))

@@ -71,6 +71,26 @@ def test_the_policy_keeps_what_was_read_twice_within_its_budget():
     assert policy.bytes == 0 and len(policy) == 0
 
 
+def test_blocks_read_ahead_stay_until_read_and_within_their_share():
+    """A block a worker read ahead and published for a reader that has not come yet goes last (evicted first, it is
+    fetched again for that reader: a walk through two workers under a small cache fetched 1.7x its bytes), up to
+    half the budget; once read it is a block read once like any other."""
+    policy = shared.SharedPolicy(budget=12 * KiB)
+    assert policy.admit("ahead1", 3 * KiB, ahead=True) == []
+    assert policy.admit("ahead2", 3 * KiB, ahead=True) == [] and policy.ahead_bytes == 6 * KiB
+    assert policy.admit("demand1", 3 * KiB) == []
+    assert policy.admit("demand2", 3 * KiB) == []
+    assert policy.admit("demand3", 3 * KiB) == ["demand1"], "the oldest read once, not what is still ahead"
+    policy.hit("ahead1")  # its reader came: read once now
+    assert policy.ahead_bytes == 3 * KiB
+    assert policy.admit("demand4", 3 * KiB) == ["demand2"]
+    assert policy.admit("ahead3", 3 * KiB, ahead=True) == ["demand3"]
+    assert policy.admit("ahead4", 3 * KiB, ahead=True) == ["ahead2"], "past half the budget ahead: oldest ahead"
+    assert policy.ahead_bytes == 6 * KiB and policy.bytes <= policy.budget
+    policy.forget("ahead3")
+    assert policy.ahead_bytes == 3 * KiB
+
+
 def test_inode_numbers_are_derived_and_open_files_are_named_for_every_worker(tmp_path):
     root = _root(tmp_path)
     one, two = Registry(root), Registry(root)
