@@ -327,8 +327,12 @@ class Fetcher:
             if pending.claim is not None and isinstance(key, BlockKey):
                 assert self._nursery is not None
                 keep_as = self.disk.name(key) if to_disk and self.disk is not None else ""  # (the hub writes it)
+                # read ahead, for a reader not here yet: kept for it, and counted against the walks, where memory alone
+                # holds it (with a disk tier a block evicted first is read back from the disk, and the walks going
+                # further ahead made the disk cell's cold epoch 40% faster)
+                ahead = not pending.demanded and self.disk is None
                 self._nursery.start_soon(self._publish, key, pending.data, pending.claim, keep_as,
-                                         not pending.demanded)  # behind the reader
+                                         ahead)  # behind the reader
                 pending.claim = None
             elif to_disk and self.disk is not None and isinstance(key, BlockKey):
                 self.disk.offer(key, pending.data)  # behind the reader: it has the bytes already
