@@ -218,7 +218,7 @@ class Namespace:
         if self.registry is None:
             return node if node is not None else self.node(inode)
         if node is not None and (inode == ROOT_INODE or self.registry.named(inode)):
-            return node
+            return await self._current(node)
         named = self.registry.inode_path(inode)
         if named is None:
             raise NotFound(f"inode {inode} is unknown")
@@ -235,6 +235,18 @@ class Namespace:
             raise NotFound(f"inode {inode} ({path}) is gone")
         self.registry.checked(inode)
         return node
+
+    async def _current(self, node: Node) -> Node:
+        """(Several workers.) A file as the store has it now: the kernel's LOOKUP that saw it change may have gone to
+        another worker, and an OPEN by inode number comes here with no lookup at all. So a file this worker has not
+        confirmed within the TTL (nor listed its directory) is looked up again, as that LOOKUP was: never a changed
+        object's old version past the TTL (with a disk tier, its old bytes are still held)."""
+        if node.is_dir or node.writing or self._fresh(node.checked_at):
+            return node
+        parent = self.parent_of(node)
+        if parent is None or self._fresh(parent.listed_at):
+            return node
+        return await self.lookup(parent.inode, node.path.rsplit("/", 1)[-1])
 
     async def lookup(self, parent_inode: int, name: str) -> Node:
         """The child `name` of a directory, or NotFound."""
