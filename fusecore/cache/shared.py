@@ -102,9 +102,9 @@ class TrustTable:
             _TRUST.pack_into(self._table, where, 0, 0)
 
 
-def disk_queue_mirror(root: str, counter: str = DISK_QUEUE) -> Callable[[int], None]:
-    """What the hub calls with a count every worker reads: its disk tier's queued bytes (DiskTier's queue_mirror,
-    `SharedBlocks.disk_queued`), or the bytes read ahead and unread (AHEAD, `SharedBlocks.ahead`)."""
+def counter_mirror(root: str, counter: str) -> Callable[[int], None]:
+    """What the hub calls with a count every worker reads (`SharedBlocks._count`): its disk tier's queued bytes
+    (DISK_QUEUE: DiskTier's queue_mirror), or the bytes read ahead and unread (AHEAD)."""
     table = _mapped(os.path.join(root, counter))
 
     def mirror(queued: int) -> None:
@@ -165,8 +165,7 @@ class SharedBlocks:
         self._news_bytes = 0
         self._news_lock = threading.Lock()  # news come from the loop and from threads (disk reads, publishes)
         self._kept_unsent = 0  # bytes of blocks given to the hub's disk tier in news not sent yet
-        self._disk_queue: mmap.mmap | None = None
-        self._ahead: mmap.mmap | None = None
+        self._counters: dict[str, mmap.mmap] = {}  # the hub's counts (counter_mirror), mapped at their first read
         self.stats = SharedStats()
 
     def path(self, key: BlockKey) -> str:
@@ -319,23 +318,22 @@ class SharedBlocks:
     def disk_queued(self) -> int:
         """Bytes the hub's disk tier has still to write: what it queued, and what this worker's news not yet sent
         give it."""
-        if self._disk_queue is None:
-            try:
-                self._disk_queue = _mapped(os.path.join(self.root, DISK_QUEUE))
-            except OSError:
-                return self._kept_unsent
-        return _QUEUED.unpack_from(self._disk_queue, 0)[0] + self._kept_unsent
+        return self._count(DISK_QUEUE) + self._kept_unsent
 
     def ahead_bytes(self) -> int:
         """Bytes of blocks any worker published as read-ahead that no worker has read since (the hub's count, as
         of the news it has): with the bytes a worker's own cache holds ahead, what bounds its walk's reading ahead
         (a published block leaves that cache)."""
-        if self._ahead is None:
+        return self._count(AHEAD)
+
+    def _count(self, counter: str) -> int:
+        table = self._counters.get(counter)
+        if table is None:
             try:
-                self._ahead = _mapped(os.path.join(self.root, AHEAD))
+                table = self._counters[counter] = _mapped(os.path.join(self.root, counter))
             except OSError:
                 return 0
-        return _QUEUED.unpack_from(self._ahead, 0)[0]
+        return _QUEUED.unpack_from(table, 0)[0]
 
     def flush(self) -> None:
         with self._news_lock:

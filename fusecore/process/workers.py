@@ -161,7 +161,7 @@ class Hub:
         self.log_level = log_level
         self.worker_cfg, budget = budgets(cfg)
         self.policy = blocks.SharedPolicy(budget)
-        self._show_ahead = blocks.disk_queue_mirror(shared, blocks.AHEAD)
+        self._show_ahead = blocks.counter_mirror(shared, blocks.AHEAD)
         self.workers: dict[int, Worker] = {}
         self.restarts = 0
         self.spawns = 0
@@ -200,7 +200,7 @@ class Hub:
         """The mount's disk tier (open_disk), kept here: its queue shown to the workers, its gauges served here."""
         self.disk = disk
         if disk is not None:
-            disk.queue_mirror = blocks.disk_queue_mirror(self.shared)
+            disk.queue_mirror = blocks.counter_mirror(self.shared, blocks.DISK_QUEUE)
             disk.trust_table = blocks.TrustTable(self.shared)  # (what it writes, its workers hand out unread)
             self._disk_registry = CollectorRegistry()
             disk_gauges(self._disk_registry, disk.stats)
