@@ -255,7 +255,11 @@ def serve_main(argv: list[str]) -> int:
 
 def _read_document() -> tuple[MountConfig, str]:
     """The mount's configuration, credentials and log level from stdin (ConfigError or ValueError if malformed)."""
-    doc = json.loads(sys.stdin.buffer.read(MAX_DOCUMENT + 1)[:MAX_DOCUMENT] or b"null")
+    return parse_document(json.loads(sys.stdin.buffer.read(MAX_DOCUMENT + 1)[:MAX_DOCUMENT] or b"null"))
+
+
+def parse_document(doc: object) -> tuple[MountConfig, str]:
+    """A serve document (launch.serve_document): the configuration with its credentials, and the log level."""
     if not isinstance(doc, dict) or set(doc) - {"config", "credentials", "log_level"}:
         raise ConfigError("document", "expected config, credentials and log_level only")
     cfg = config_from_document(doc.get("config"), identity_from_document(doc.get("credentials")))
@@ -264,25 +268,49 @@ def _read_document() -> tuple[MountConfig, str]:
 
 def cmd_serve_worker(args: argparse.Namespace) -> int:
     """Serve a clone of a mount's connection as one of its workers (the hub wrote the document on stdin)."""
+    try:
+        cfg, level = _read_document()
+    except (ConfigError, ValueError) as exc:
+        os.write(args.ready_fd, ready_line(exc))
+        return 2
+    return serve_worker(cfg, level, args.worker, args.spawn, args.shared, args.fuse_fd, args.minor, args.flags,
+                        args.max_write, args.hub, args.ready_fd)
+
+
+def serve_forked(message: dict, fds: list[int]) -> int:
+    """A worker its hub's template forked (process/template.py): the same document and flags as serve-worker's, in
+    the message, and its two descriptors (its clone of the connection, its ready pipe)."""
+    fuse_fd, ready_fd = fds
+    try:
+        cfg, level = parse_document(message.get("document"))
+        role = message["role"]
+        args = (int(role["index"]), int(role["spawn"]), str(role["shared"]))
+    except (ConfigError, ValueError, KeyError, TypeError) as exc:
+        os.write(ready_fd, ready_line(exc if isinstance(exc, (ConfigError, ValueError)) else ValueError(exc)))
+        return 2
+    return serve_worker(cfg, level, *args, fuse_fd, int(role["minor"]), int(role["flags"]), int(role["max_write"]),
+                        int(role["hub"]), ready_fd, forked=True)
+
+
+def serve_worker(cfg: MountConfig, level: str, index: int, spawn: int, shared: str, fuse_fd: int, minor: int,
+                 flags: int, max_write: int, hub: int, ready_fd: int, forked: bool = False) -> int:
     from .daemon import run_worker
     from .workers import WorkerRole
 
     try:
-        cfg, level = _read_document()
-        role = WorkerRole(args.worker, args.spawn, args.shared, _fuse_fd(args.fuse_fd), args.minor, args.flags,
-                          args.max_write, args.hub)
-    except (ConfigError, ValueError) as exc:
-        os.write(args.ready_fd, ready_line(exc))
+        role = WorkerRole(index, spawn, shared, _fuse_fd(fuse_fd), minor, flags, max_write, hub)
+    except ConfigError as exc:
+        os.write(ready_fd, ready_line(exc))
         return 2
-    logs.configure(level, f"worker {args.worker}")
-    ready_fd: int | None = args.ready_fd
+    logs.configure(level, f"worker {index}", again=forked)
+    ready_at: int | None = ready_fd
 
     def ready(error: Exception | None) -> None:
-        nonlocal ready_fd
-        if ready_fd is not None:
-            os.write(ready_fd, ready_line(error))
-            os.close(ready_fd)
-            ready_fd = None
+        nonlocal ready_at
+        if ready_at is not None:
+            os.write(ready_at, ready_line(error))
+            os.close(ready_at)
+            ready_at = None
 
     return run_worker(cfg, role, ready)
 

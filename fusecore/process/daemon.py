@@ -26,8 +26,9 @@ from ..fuse.device import MountFailed, MountOptions, mount, unmount
 from ..fuse.session import Connection
 from .hubwrites import HubWrites
 from .peerfanout import worker_handoff
+from .template import Template
 from .mounts import is_mounted
-from ..store.client import S3Store
+from ..store.client import S3Store, preload
 from ..store.errors import StoreError
 
 log = logging.getLogger(__name__)
@@ -82,17 +83,19 @@ def run_mount(cfg: MountConfig, ready: ReadyCallback, log_level: str = "INFO") -
     """Mount and serve in this process (with several workers: this process is their hub); returns the exit
     status."""
     tune_malloc()
+    template: Template | None = None
     try:
         if cfg.fuse_fd is None:
             check_mountpoint(cfg.mountpoint)
         if not cfg.control_socket:
             control.runtime_dir()  # the default socket's folder, checked before mounting (a ConfigError)
+        template = _fork_template(cfg)  # (before this process has any socket or thread)
         store = S3Store(cfg.store)
         store.check()
         if cfg.cache_size_auto:
             cfg = _sized(cfg, store)
         if cfg.workers > 1:
-            return _run_hub(cfg, store, ready, log_level)
+            return _run_hub(cfg, store, ready, log_level, template)
         journal = _control_socket(cfg) + ".uploads"
         datapath = DataPath(cfg, store, journal=journal if cfg.writable else None)
         if datapath.writer is not None:
@@ -103,6 +106,9 @@ def run_mount(cfg: MountConfig, ready: ReadyCallback, log_level: str = "INFO") -
     except (MountError, StoreError, ConfigError) as exc:
         ready(exc)
         return 1
+    finally:
+        if template is not None:
+            template.close()
     try:
         trio.run(_serve, cfg, datapath, ready)
     except (MountError, ConfigError) as exc:
@@ -147,7 +153,25 @@ async def _serve(cfg: MountConfig, datapath: DataPath, ready: ReadyCallback) -> 
         conn.close()
 
 
-def _run_hub(cfg: MountConfig, store: S3Store, ready: ReadyCallback, log_level: str) -> int:
+def _fork_template(cfg: MountConfig) -> Template | None:
+    """The template the workers of a mount of several are forked from (process/template.py)."""
+    if cfg.workers == 1:
+        return None
+    from .cli import serve_forked
+
+    try:
+        template = Template.fork(serve_forked, preload)
+    except OSError as exc:
+        log.warning("no template for the workers (%s): each starts a new interpreter", exc.strerror or exc)
+        return None
+    if template is None:
+        log.warning("no template for the workers (this process has threads, or cannot reap its workers): each "
+                    "starts a new interpreter")
+    return template
+
+
+def _run_hub(cfg: MountConfig, store: S3Store, ready: ReadyCallback, log_level: str,
+             template: Template | None = None) -> int:
     """Mount, start the workers on clones of the connection, and keep them (process/workers.py); a writable mount's
     writes are answered here (process/hubwrites.py)."""
     try:
@@ -173,7 +197,7 @@ def _run_hub(cfg: MountConfig, store: S3Store, ready: ReadyCallback, log_level: 
             unmount(cfg.mountpoint)
         ready(MountError(f"cannot make the workers' shared folder: {exc.strerror or exc}"))
         return 1
-    hub = workers.Hub(cfg, conn.fd, conn.agreed, shared, log_level)
+    hub = workers.Hub(cfg, conn.fd, conn.agreed, shared, log_level, template)
     hub.keep_disk(disk)
     try:
         try:

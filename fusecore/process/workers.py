@@ -50,6 +50,7 @@ from . import control
 from .hubwrites import HubWrites
 from .launch import LaunchFailed, _read_ready, ended
 from .peerfanout import PeerFanout, worker_handoff
+from .template import Forked, Template, TemplateGone
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ def shared_folder() -> str:
 class Worker:
     """One worker process as the hub sees it."""
 
-    def __init__(self, role: WorkerRole, proc: subprocess.Popen, ready_fd: int):
+    def __init__(self, role: WorkerRole, proc: subprocess.Popen | Forked, ready_fd: int):
         self.role, self.proc, self.ready_fd = role, proc, ready_fd
         self.ready = False  # it said it serves (a start that failed served nothing: its end is no death)
 
@@ -153,8 +154,10 @@ class Worker:
 class Hub:
     """Starts and supervises the workers, keeps the shared blocks within the budget, answers the control socket."""
 
-    def __init__(self, cfg: MountConfig, fd: int, agreed: Agreed, shared: str, log_level: str):
+    def __init__(self, cfg: MountConfig, fd: int, agreed: Agreed, shared: str, log_level: str,
+                 template: Template | None = None):
         self.cfg = cfg
+        self.template = template  # what workers are forked from (template.py); None: each is a new interpreter
         self.fd = fd
         self.agreed = agreed
         self.shared = shared
@@ -214,25 +217,42 @@ class Hub:
         role = WorkerRole(index, self.spawns, self.shared, mine, self.agreed.minor, self.agreed.flags,
                           self.agreed.max_write, os.getpid())
         read_fd, write_fd = os.pipe()
-        argv = [sys.executable, "-P", "-m", "fusecore", "serve-worker", "--ready-fd", str(write_fd),
-                "--fuse-fd", str(mine), "--worker", str(index), "--spawn", str(role.spawn), "--shared", self.shared,
-                "--hub", str(os.getpid()),
-                "--minor", str(role.minor), "--flags", str(role.flags), "--max-write", str(role.max_write)]
+        document = {"config": mount_document(self.worker_cfg),
+                    "credentials": identity_document(self.cfg.store.credentials), "log_level": self.log_level}
         try:
-            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=[mine, write_fd], close_fds=True)
+            proc = self._fork(role, document, [mine, write_fd]) or self._spawn(role, document, mine, write_fd)
         finally:
             os.close(mine)
             os.close(write_fd)
-        document = {"config": mount_document(self.worker_cfg),
-                    "credentials": identity_document(self.cfg.store.credentials), "log_level": self.log_level}
+        worker = self.workers[index] = Worker(role, proc, read_fd)
+        return worker
+
+    def _fork(self, role: WorkerRole, document: dict, fds: list[int]) -> Forked | None:
+        """The worker forked from the template (template.py); None where there is none."""
+        if self.template is None:
+            return None
+        try:
+            return Forked(self.template.start({"document": document, "role": dataclasses.asdict(role)}, fds))
+        except TemplateGone as exc:
+            log.warning("%s: worker %d starts as a new interpreter", exc, role.index)
+            if not self.template.open:
+                self.template = None
+            return None
+
+    def _spawn(self, role: WorkerRole, document: dict, mine: int, write_fd: int) -> subprocess.Popen:
+        """The worker as a new interpreter (`python -m fusecore serve-worker`), its document on stdin."""
+        argv = [sys.executable, "-P", "-m", "fusecore", "serve-worker", "--ready-fd", str(write_fd),
+                "--fuse-fd", str(mine), "--worker", str(role.index), "--spawn", str(role.spawn),
+                "--shared", self.shared, "--hub", str(role.hub),
+                "--minor", str(role.minor), "--flags", str(role.flags), "--max-write", str(role.max_write)]
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=[mine, write_fd], close_fds=True)
         try:
             assert proc.stdin is not None
             proc.stdin.write(json.dumps(document).encode())
             proc.stdin.close()
         except OSError:
             pass  # it died already: its ready pipe says why
-        worker = self.workers[index] = Worker(role, proc, read_fd)
-        return worker
+        return proc
 
     def wait_ready(self, worker: Worker, timeout: float = READY_TIMEOUT) -> None:
         """Block until the worker serves (its ready line), or raise with why it did not."""
@@ -457,7 +477,8 @@ class Hub:
         total.setdefault("cache", {}).update({"bytes": local + self.policy.bytes, "budget": self.cfg.cache_size})
         total["open_files"] = len(os.listdir(os.path.join(self.shared, "fh")))
         total["workers"] = {"count": len(self.workers), "pids": [w.proc.pid for w in self.workers.values()],
-                            "restarts": self.restarts}
+                            "restarts": self.restarts,
+                            "template": self.template.pid if self.template is not None else None}
         if self.writes is not None:
             total["writes"] = self.writes.stats()
         total.setdefault("shared", {}).update({"bytes": self.policy.bytes, "budget": self.policy.budget,

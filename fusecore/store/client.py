@@ -25,6 +25,7 @@ from typing import Iterator
 import botocore.auth
 import botocore.config
 import botocore.exceptions
+import botocore.loaders
 import botocore.session
 
 from .bodies import body_reader, read_body
@@ -39,6 +40,26 @@ from .errors import (AccessDenied, NotFound, PreconditionFailed, StoreError, Tra
 log = logging.getLogger(__name__)
 
 
+_LOADER: botocore.loaders.Loader | None = None
+
+
+def shared_loader() -> botocore.loaders.Loader:
+    """One loader of botocore's data for every session of this process: the S3 model and the endpoint rules parsed
+    once (~9 MiB a client, measured), and in a worker forked from its hub's template, the template's pages
+    (process/template.py)."""
+    global _LOADER
+    if _LOADER is None:
+        _LOADER = botocore.loaders.create_loader()
+    return _LOADER
+
+
+def preload() -> None:
+    """Parse what an S3 client needs into the shared loader now (a client made and dropped: no request, no socket)."""
+    core = botocore.session.Session()
+    core.register_component("data_loader", shared_loader())
+    core.create_client("s3", region_name="us-east-1", aws_access_key_id="preload", aws_secret_access_key="preload")
+
+
 def _session(cfg: StoreConfig) -> tuple[botocore.session.Session, RotatingCredentials | None]:
     """A session that signs with the given credentials only, or botocore's default chain when none are given.
 
@@ -46,6 +67,7 @@ def _session(cfg: StoreConfig) -> tuple[botocore.session.Session, RotatingCreden
     upload and download helpers this read-only client never calls (~2 MiB of a mount's resident memory)."""
     rotating = RotatingCredentials(cfg.credentials) if cfg.credentials is not None else None
     core = botocore.session.Session(profile=cfg.profile if rotating is None else None)
+    core.register_component("data_loader", shared_loader())
     if rotating is not None:
         use_only(core, rotating)
     elif cfg.profile:

@@ -136,6 +136,49 @@ def test_a_worker_killed_mid_epoch_costs_only_the_reads_it_held(s3, bucket, moun
     assert _epoch(mp, dataset, seed=3) == []  # the mount goes on, whole
 
 
+def _status(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _pss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+
+
+def _cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+
+
+def test_workers_are_forked_from_the_hubs_template_and_a_lost_template_costs_only_a_new_interpreter(s3, bucket,
+                                                                                                      mounts):
+    dataset = {f"t/f{i:02d}": os.urandom(50 * KiB + i) for i in range(24)}
+    _put(s3, bucket, dataset)
+    mp = mounts.mount(f"s3://{bucket}", "--workers", "2", "--no-kernel-cache")
+    stats = mounts.stats(mp)
+    hub, pids, template = stats["pid"], _worker_pids(stats), stats["workers"]["template"]
+    assert template is not None and template not in pids
+    for pid in (template, *pids):  # forked, not a new interpreter; each worker the hub's own child
+        assert _cmdline(pid) == _cmdline(hub)
+    assert all(_status(pid, "PPid") == hub for pid in pids)
+    assert _epoch(mp, dataset) == []
+    # the pages loaded once are shared: summed PSS far below summed RSS (new interpreters: ~0.8 of it, measured)
+    processes = (hub, template, *pids)
+    assert sum(map(_pss_kib, processes)) < 0.65 * sum(_status(p, "VmRSS") for p in processes)
+
+    os.kill(template, signal.SIGKILL)
+    os.kill(pids[0], signal.SIGKILL)  # started again, without a template: as a new interpreter
+    assert wait_for(lambda: (s := mounts.stats(mp))["workers"]["restarts"] >= 1 and pids[0] not in _worker_pids(s)
+                    and len(_worker_pids(s)) == 2, 30)
+    after = mounts.stats(mp)
+    assert pids[1] in _worker_pids(after), "the template's end ended a worker"
+    fresh = next(p for p in _worker_pids(after) if p not in pids)
+    assert b"serve-worker" in _cmdline(fresh)
+    assert _epoch(mp, dataset, seed=4) == []
+    assert not _alive(template)
+
+
 def _disk_files(folder) -> dict[str, bytes]:
     blocks = os.path.join(folder, "blocks")
     return {name: open(os.path.join(blocks, name), "rb").read() for name in os.listdir(blocks)}
