@@ -12,7 +12,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from fusecore.config import ConfigError, Credentials, Identity, MountConfig, StoreConfig, parse_size, parse_ttl
+from fusecore.config import (ConfigError, Credentials, Identity, MountConfig, StoreConfig, parse_size, parse_ttl,
+                             parse_workers)
 
 from .failures import DriverError
 
@@ -83,7 +84,7 @@ KNOBS: dict[str, Knob] = {
     "allowDelete": Knob("allow_delete", _boolean, "allow-delete"),
     # Processes serving the volume's mount on a node (fusecore/process/workers.py): the node's cores and memory, an
     # administrator's choice too
-    "workers": Knob("workers", _positive_int, "workers"),
+    "workers": Knob("workers", lambda v: parse_workers(v, name="workers"), "workers"),
 }
 # a PV's or a StorageClass's only (an inline volume's attributes are the pod's)
 ADMIN_KNOBS = ("writable", "allowOverwrite", "allowDelete", "workers")

@@ -36,6 +36,8 @@ def kept_fraction() -> float:
 
 SPREAD_SIGMAS = 3  # a member's bytes pass its share's average by this many standard deviations at most (1 in ~740)
 MAX_WORKERS = 64
+WORKERS_AUTO = 0  # --workers auto
+AUTO_WORKERS_MAX = 8  # what auto chooses at most (the prototype's measured scaling: 1 to 8 processes on 16 cores)
 DEFAULT_BLOCK_SIZE = 4 * 1024**2  # MountConfig.block_size's default (also what the CSI driver mounts with)
 
 
@@ -230,7 +232,8 @@ class MountConfig:
     # A node-local disk tier under the memory cache (fusecore/cache/disk.py): its directory (absolute) and budget
     disk_cache: str = ""
     disk_cache_size: int = 0
-    # Processes serving the mount (fusecore/process/workers.py): 1 serves it in this process, as before
+    # Processes serving the mount (fusecore/process/workers.py): 1 serves it in this process, as before; WORKERS_AUTO
+    # (`--workers auto`): chosen at start from the cores the mount may use (auto_workers)
     workers: int = 1
     # A worker's own cache (its bytes in flight and the blocks it reads), within cache_size, which stays the mount's
     # (read-ahead and in-flight bytes are sized from it); 0: not a worker, the cache is cache_size
@@ -276,7 +279,7 @@ class MountConfig:
                 _within(name, value, 0, 2**32 - 2)
         if self.disk_cache or self.disk_cache_size:
             self._check_disk()
-        _within("workers", self.workers, 1, MAX_WORKERS, f"must be between 1 and {MAX_WORKERS}")
+        _within("workers", self.workers, WORKERS_AUTO, MAX_WORKERS, f"must be auto or between 1 and {MAX_WORKERS}")
         if self.worker_cache and not 2 * self.block_size <= self.worker_cache <= self.cache_size:
             raise ConfigError("worker-cache", "must hold two blocks and fit the cache size")
         self._check_writes()
@@ -421,3 +424,23 @@ def identity_from_document(doc: Any) -> Identity | None:
     if not first or not second:
         raise ConfigError("credentials", "empty key or token")
     return identity
+
+
+def parse_workers(text: str | int, name: str = "workers") -> int:
+    """`auto` (WORKERS_AUTO) or a number of processes."""
+    if isinstance(text, int):
+        return text
+    if text.strip().lower() == "auto":
+        return WORKERS_AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(name, f"must be auto or a number (got {text!r})") from None
+
+
+def auto_workers(cfg: MountConfig, cores: float) -> tuple[int, str]:
+    """--workers auto: half the cores the mount may use (the readers feeding the GPUs need the rest), at least one,
+    at most AUTO_WORKERS_MAX, and no more than the cache holds (four blocks a worker); and why, for the log."""
+    by_cache = cfg.cache_size // (4 * cfg.block_size)
+    n = max(1, min(AUTO_WORKERS_MAX, int(cores) // 2, by_cache))
+    return n, f"--workers auto: {n} (of {cores:g} usable cores: half, at most {AUTO_WORKERS_MAX}; the cache holds {by_cache})"

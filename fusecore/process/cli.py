@@ -11,7 +11,7 @@ import sys
 
 from . import control
 from .. import logs
-from ..config import (HUGE_PAGES, ConfigError, MountConfig, StoreConfig, config_from_document, format_size, identity_from_document,
+from ..config import (HUGE_PAGES, ConfigError, MountConfig, StoreConfig, config_from_document, format_size, parse_workers, identity_from_document,
                       parse_s3_url, parse_size, parse_ttl)
 from .launch import MAX_DOCUMENT, LaunchFailed, NotReady, launch, ready_line
 from .mounts import NOT_READY_STATUS, is_mounted, unmount
@@ -87,9 +87,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--peer-timeout", type=float, default=_default("peer_timeout"),
                    help=f"seconds to connect to a peer and for its first byte, then the store is read "
                         f"(default {_default('peer_timeout'):g})")
-    m.add_argument("--workers", type=int, default=_default("workers"),
+    m.add_argument("--workers", default=str(_default("workers")),
                    help="processes serving the mount, each on its own clone of the FUSE connection, sharing one "
-                        "cache (default 1)")
+                        "cache (default 1), or 'auto': half the cores the mount may use (its CPU affinity and "
+                        "cgroup quota), at most 8")
     m.add_argument("--writable", action="store_true",
                    help="let new files be written (in order, from their start): each streams into a multipart "
                         "upload and exists in the bucket once closed")
@@ -183,7 +184,7 @@ def config_from_args(args: argparse.Namespace) -> MountConfig:
         uid=args.uid,
         gid=args.gid,
         fuse_fd=None if args.fuse_fd is None else _fuse_fd(args.fuse_fd),
-        workers=args.workers,
+        workers=parse_workers(args.workers, "workers"),
         writable=args.writable,
         allow_overwrite=args.allow_overwrite,
         allow_delete=args.allow_delete,

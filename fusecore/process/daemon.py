@@ -15,7 +15,7 @@ import trio
 
 from ..failures import StokerError
 from . import control, workers
-from ..config import ConfigError, MountConfig, auto_cache_size, block_squares
+from ..config import WORKERS_AUTO, ConfigError, MountConfig, auto_cache_size, auto_workers, block_squares
 from ..cache.disk import HeldFiles
 from ..read.datapath import DataPath
 from ..fuse import relay
@@ -57,6 +57,27 @@ def check_mountpoint(path: str) -> None:
         raise MountError(f"{path} is already a mount point")
 
 
+def usable_cores(cgroup_root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -> float:
+    """Cores this process may use: its CPU affinity, within the CPU quota (cgroup v2 `cpu.max`) of its cgroup and
+    every cgroup above it (a container's limit, a pod's)."""
+    cores = float(len(os.sched_getaffinity(0)))
+    try:
+        with open(own) as f:
+            path = next((line.split("::", 1)[1].strip() for line in f if line.startswith("0::")), None)
+    except OSError:
+        path = None
+    while path is not None:
+        try:
+            with open(os.path.join(cgroup_root, path.lstrip("/"), "cpu.max")) as f:
+                quota, period = f.read().split()[:2]
+            if quota != "max":
+                cores = min(cores, int(quota) / int(period))
+        except (OSError, ValueError):
+            pass
+        path = None if path in ("", "/") else os.path.dirname(path)
+    return max(1.0, cores)
+
+
 def machine_memory() -> int:
     """Bytes of memory this process may use: the machine's, or its cgroup's limit where that is lower."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -89,6 +110,10 @@ def run_mount(cfg: MountConfig, ready: ReadyCallback, log_level: str = "INFO") -
             check_mountpoint(cfg.mountpoint)
         if not cfg.control_socket:
             control.runtime_dir()  # the default socket's folder, checked before mounting (a ConfigError)
+        if cfg.workers == WORKERS_AUTO:
+            workers_now, why = auto_workers(cfg, usable_cores())
+            log.info("%s", why)
+            cfg = dataclasses.replace(cfg, workers=workers_now)
         template = _fork_template(cfg)  # (before this process has any socket or thread)
         store = S3Store(cfg.store)
         store.check()

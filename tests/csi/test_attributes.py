@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from csi.attributes import AttributeProblem, parse_secrets, parse_volume_context
+from fusecore.config import WORKERS_AUTO
 
 
 def test_parses_store_location_and_knobs():
@@ -18,6 +19,8 @@ def test_parses_store_location_and_knobs():
     assert cfg.metadata_ttl == float("inf") and cfg.store.max_concurrency == 32
     assert cfg.allow_other and not spec.ephemeral and cfg.store.credentials is None
     assert spec.mount_config("/m", "/s", cache_size=64 << 20).cache_size == 64 << 20  # a DatasetCache's plan
+    auto = parse_volume_context({"bucket": "b", "workers": "auto"}).mount_config("/m", "/s")
+    assert auto.workers == WORKERS_AUTO  # (chosen by the mount process, from its own cores)
 
 
 @pytest.mark.parametrize("attrs, named", [
@@ -39,6 +42,8 @@ def test_parses_store_location_and_knobs():
     ({"bucket": "b", "readDeadline": "0.2"}, "readDeadline: must be between 1 and"),
     ({"bucket": "b", "readAheadKb": "99999999"}, "readAheadKb: must be between"),
     ({"bucket": "b", "uid": "-5"}, "uid"),
+    ({"bucket": "b", "workers": "many"}, "workers: must be auto or a number"),
+    ({"bucket": "b", "workers": "65"}, "workers: must be auto or between 1 and 64"),
     ({"bucket": "b", "cachesize": "1GiB"}, "cachesize"),
     ({"bucket": "b", "accessKeyId": "AKIA"}, "accessKeyId"),
     ({"bucket": "b", "csi.storage.k8s.io/ephemeral": "maybe"}, "ephemeral"),

@@ -3,7 +3,9 @@ import math
 
 import pytest
 
-from fusecore.config import ConfigError, MountConfig, StoreConfig, parse_s3_url, parse_size, parse_ttl
+from fusecore.config import (WORKERS_AUTO, ConfigError, MountConfig, StoreConfig, auto_workers, parse_s3_url,
+                             parse_size, parse_ttl, parse_workers)
+from fusecore.process.daemon import usable_cores
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -121,3 +123,35 @@ def test_a_member_is_sized_for_what_it_may_own_not_only_for_its_average_share():
                (sum(4 * MiB for _ in sizes if rng.random() < 0.5) for _ in range(2000))]
     assert sum(owned > budget for owned in largest) <= 2000 * 0.01
     assert sum(owned > average for owned in largest) >= 2000 * 0.2
+
+
+def test_workers_auto_is_half_the_usable_cores_within_the_cache():
+    assert parse_workers("auto") == parse_workers("AUTO") == WORKERS_AUTO and parse_workers("3") == 3
+    with pytest.raises(ConfigError, match="workers: must be auto or a number"):
+        parse_workers("all")
+    with pytest.raises(ConfigError, match="workers"):
+        MountConfig(store=StoreConfig(bucket="b"), mountpoint="/m", workers=-1)
+    cfg = MountConfig(store=StoreConfig(bucket="b"), mountpoint="/m", workers=WORKERS_AUTO,
+                      cache_size=1024**3, block_size=8 * 1024**2)
+    assert [auto_workers(cfg, cores)[0] for cores in (1, 1.5, 2, 3, 4, 16, 96)] == [1, 1, 1, 1, 2, 8, 8]
+    small = MountConfig(store=StoreConfig(bucket="b"), mountpoint="/m", cache_size=64 * 1024**2,
+                        block_size=8 * 1024**2)
+    assert auto_workers(small, 16)[0] == 2  # four blocks a worker
+
+
+def test_usable_cores_follow_the_affinity_and_every_quota_above(tmp_path):
+    import os
+
+    affinity = len(os.sched_getaffinity(0))
+    (tmp_path / "kubepods" / "pod1" / "ctr").mkdir(parents=True)
+    own = tmp_path / "cgroup"
+    own.write_text("0::/kubepods/pod1/ctr\n")
+    assert usable_cores(str(tmp_path), str(own)) == affinity  # no quota anywhere
+    (tmp_path / "kubepods" / "pod1" / "ctr" / "cpu.max").write_text("max 100000\n")
+    (tmp_path / "kubepods" / "pod1" / "cpu.max").write_text("50000 100000\n")  # the pod's limit: half a core
+    assert usable_cores(str(tmp_path), str(own)) == 1.0  # (never below one)
+    (tmp_path / "kubepods" / "pod1" / "cpu.max").write_text(f"{affinity * 300000} 100000\n")
+    assert usable_cores(str(tmp_path), str(own)) == affinity  # a quota above the affinity: the affinity
+    if affinity > 1:
+        (tmp_path / "kubepods" / "cpu.max").write_text("150000 100000\n")
+        assert usable_cores(str(tmp_path), str(own)) == 1.5

@@ -332,3 +332,19 @@ def test_what_the_walk_fetches_ahead_through_two_workers_waits_for_its_readers(s
     # (1.08-1.19x here: each worker's walk sees only the opens it answered, so it may fetch a file the other
     # worker's reader read and this tiny cache let go; one worker: 1.00x)
     assert stats["bytes_fetched"] <= 1.3 * total, (stats["bytes_fetched"] / total, stats["store_bytes_by_cause"])
+
+
+def test_workers_auto_are_chosen_by_the_mount_from_its_own_cores(s3, bucket, mounts, tmp_path):
+    from fusecore.config import StoreConfig, MountConfig, auto_workers
+    from fusecore.process.daemon import usable_cores
+
+    dataset = {f"a/f{i}": os.urandom(30 * KiB + i) for i in range(6)}
+    _put(s3, bucket, dataset)
+    mp = mounts.mount(f"s3://{bucket}", "--workers", "auto", "--cache-size", "64MiB", "--block-size", "8MiB")
+    expected, _ = auto_workers(MountConfig(store=StoreConfig(bucket=bucket), mountpoint=mp, cache_size=64 * MiB,
+                                           block_size=8 * MiB), usable_cores())
+    log = (tmp_path / "mount0.log").read_text()
+    assert f"--workers auto: {expected} (of " in log
+    stats = mounts.stats(mp)
+    assert stats.get("workers", {"count": 1})["count"] == expected
+    assert _epoch(mp, dataset) == []
