@@ -4,6 +4,7 @@ get every right byte at once; the store is asked nothing on a lie's word."""
 
 from __future__ import annotations
 
+import os
 import random
 import time
 
@@ -100,6 +101,46 @@ def test_an_ask_that_lies_changes_nothing_on_the_owner_and_every_reader_gets_the
     else:
         assert owner.cluster.asks_disagreeing >= 1
     assert not any(key == "secret/x.bin" for key, *_ in store.ranges)
+
+
+@pytest.mark.parametrize("attack", ["size 1", "huge size", "wrong etag"])
+def test_an_ask_that_lies_to_one_worker_of_an_owner_changes_nothing_its_sibling_reads(attack, tmp_path):
+    """Under --workers the owner's blocks are every worker's (cache/shared.py): a lie told to one worker must leave
+    no block in the shared folder that a sibling would serve its readers."""
+    from fusecore.cache import shared as blocks
+    from fusecore.read.registry import Registry
+
+    folder = str(tmp_path)
+    blocks.prepare(folder)
+    Registry.prepare(folder)
+    store = FakeStore()
+    payload = random.Random(44).randbytes(300_000)
+    info = store.put("data/x.bin", payload)
+    port = free_port()
+    owner_addr, member_addr = f"127.0.0.2:{port}", f"127.0.0.3:{port}"
+    cfg = datapath(store).cfg
+    asked, sibling = (DataPath(cfg, store, shared=folder, worker=n, writes=False) for n in (1, 2))
+    outcomes: list[tuple[str, object]] = []
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            asked.cluster = asked.fetcher.cluster = Cluster(owner_addr, [owner_addr, member_addr], 2, KEY)
+            asked.start(nursery)  # (serves peers on the owner's address)
+            sibling.start(nursery)
+            liar = PeerClient(KEY, PeerTimeouts(connect=5, first_byte=5, body=10, through=10))
+            outcomes.append(await liar.ask(owner_addr, ATTACKS[attack](info)))
+            lengths = {BLOCK, len(payload) % BLOCK}
+            assert all(e.stat().st_size in lengths for e in os.scandir(os.path.join(folder, blocks.BLOCKS)))
+            assert await read(sibling, info.key) == payload
+            assert await read(asked, info.key) == payload
+            nursery.cancel_scope.cancel()
+        asked.close()
+        sibling.close()
+
+    trio.run(main)
+    assert outcomes[0] in (("miss", None), ("failed", None)), outcomes
+    published = {e.name: e.stat().st_size for e in os.scandir(os.path.join(folder, blocks.BLOCKS))}
+    assert sorted(published.values()) == sorted([BLOCK] * (len(payload) // BLOCK) + [len(payload) % BLOCK])
 
 
 def test_a_412_on_one_version_drops_that_versions_blocks_only():
