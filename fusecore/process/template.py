@@ -31,6 +31,8 @@ import threading
 import time
 from typing import Callable
 
+from ..failures import StokerError
+
 log = logging.getLogger(__name__)
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -42,7 +44,7 @@ REPARENT_TIMEOUT = 5.0  # seconds a forked worker waits to become the hub's chil
 Serve = Callable[[dict, list[int]], int]
 
 
-class TemplateGone(OSError):
+class TemplateGone(StokerError, OSError):
     """The template cannot start a worker (it died, or could not fork): the hub starts a new interpreter."""
 
 
