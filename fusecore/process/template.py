@@ -85,6 +85,9 @@ class Template:
         except OSError as exc:
             self.close()
             raise TemplateGone(f"the workers' template is gone ({exc.strerror or exc})") from None
+        if not answer:  # (it ended while forking: never asked again)
+            self.close()
+            raise TemplateGone("the workers' template ended while it forked a worker")
         if not answer.isdigit():
             raise TemplateGone(f"the workers' template could not fork a worker ({answer.decode(errors='replace')})")
         return int(answer)
