@@ -123,7 +123,7 @@ class RssSampler(threading.Thread):
         return self.peak / 1024
 
 
-UNTHROTTLED = {"ceiling"}  # workloads run against a store of their own, with no latency and no cap
+UNTHROTTLED = {"ceiling", "bigfile"}  # workloads run against a store of their own, with no latency and no cap
 
 
 def headline(workload: str, o: Outcome) -> tuple[float, str]:
@@ -201,7 +201,8 @@ def run_all(*, scale: float, systems: list[str], workloads: list[str], workdir: 
             if workload in UNTHROTTLED:
                 fast_dir = os.path.join(workdir, f"unthrottled-{workload}")
                 os.makedirs(fast_dir, exist_ok=True)
-                with StoreProcess({"bench": dict(d.small)}, latency=0, bandwidth=0, workdir=fast_dir) as fast:
+                served = d.bigfile if workload == "bigfile" else d.small
+                with StoreProcess({"bench": dict(served)}, latency=0, bandwidth=0, workdir=fast_dir) as fast:
                     _run_workload(fast, workload, systems, d, workdir, cache_bytes, cells, log, kernel_cache=False)
                 continue
             _run_workload(store, workload, systems, d, workdir, cache_bytes, cells, log,

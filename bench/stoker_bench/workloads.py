@@ -50,6 +50,7 @@ class Dataset:
     flat: list[tuple[str, int]] = field(default_factory=list)  # issue 44's cold epoch: ~110 KB files in one folder
     classes: list[tuple[str, int]] = field(default_factory=list)  # the same files in class folders of 30
     write_size: int = 0  # the write cells' large file (eight writers write a quarter of it each)
+    bigfile: list[tuple[str, int]] = field(default_factory=list)  # one object of 4 GiB at --scale 1 (bigfile cell)
 
     @classmethod
     def build(cls, scale: float) -> "Dataset":
@@ -58,6 +59,7 @@ class Dataset:
         big = max(16 * MiB, int(1024 * MiB * scale) // MiB * MiB)
         d.write_size = big + 12345  # several hundred MiB at the default scale (not a whole number of parts)
         d.seq = [(f"large/object-{i}.bin", big + i * 4099) for i in range(4)]
+        d.bigfile = [("large/one.bin", 4 * big + 8191)]
         d.shards = [(f"shards/shard-{i:04d}.tar", 64 * MiB) for i in range(max(4, int(16 * scale)))]
         d.small = [(f"small/train/{i % 100:03d}/img-{i:06d}.jpg", rng.randint(90_000, 130_000))
                    for i in range(max(200, int(3000 * scale)))]
@@ -88,13 +90,13 @@ class Dataset:
     def objects(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for group in (self.seq, self.shards, self.small, self.loader, self.meta, self.epoch, self.bigdir, self.parts,
-                      self.disk_small, self.disk_stream, self.flat, self.classes):
+                      self.disk_small, self.disk_stream, self.flat, self.classes, self.bigfile):
             out.update(group)
         return out
 
 
 # Cells run only when named (--workloads): a cold pass over 3,000 files takes s3fs over a minute each time.
-ON_REQUEST = {"flat", "classes"}
+ON_REQUEST = {"flat", "classes", "bigfile"}
 
 
 def _verify(key: str, offset: int, data: bytes) -> bool:
@@ -275,6 +277,19 @@ def ceiling(system, d: Dataset, run: int) -> Outcome:
     cache (the runner sets both up): what limits is the mount's own CPU per file (files/s; CPU ms per file and
     cores busy are reported beside)."""
     return one_pass(system, d.small, run)
+
+
+def bigfile(system, d: Dataset, run: int) -> Outcome:
+    """One large object (4 GiB at --scale 1) read by 4 readers at once, a quarter each in 1 MiB reads, every piece
+    checked, through a store with no latency and no cap and without the page cache (the runner sets both up): how
+    many cores a mount's reading of one file can use (issue 45: 8 workers against 1, on 16 cores)."""
+    key, size = d.bigfile[0]
+    quarter = size // 4
+    plan = [(key, i * quarter, quarter if i < 3 else size - 3 * quarter) for i in range(4)]
+    started = time.monotonic()
+    results = _parallel(4, plan, lambda p: read_part(system, *p))
+    return Outcome(bytes=sum(b for b, _ in results), files=1, seconds=time.monotonic() - started,
+                   wrong=sum(w for _, w in results))
 
 
 def metadata(system, d: Dataset, run: int) -> Outcome:
@@ -470,6 +485,7 @@ WORKLOADS = {
     "rand256k": ("random 256 KiB preads, 4 KiB-aligned, 4 threads (MB/s)", aligned_random(256 * KiB, 256)),
     "rand1m": ("random 1 MiB preads, 4 KiB-aligned, 4 threads (MB/s)", aligned_random(MiB, 96)),
     "ceiling": ("small files, no store latency, no page cache: the mount's own ceiling (files/s)", ceiling),
+    "bigfile": ("one large object, 4 readers a quarter each, no store latency, no page cache (MB/s)", bigfile),
     "metadata": ("scandir + stat, big directory (entries/s)", metadata),
     "epochs": ("3 epochs, dataset 1.5x cache (MB/s)", multi_epoch),
     "ttfb": ("time to first byte (ms, lower is better)", ttfb),
