@@ -278,9 +278,10 @@ def cmd_serve_worker(args: argparse.Namespace) -> int:
                         args.max_write, args.hub, args.ready_fd)
 
 
-def serve_forked(message: dict, fds: list[int]) -> int:
+def serve_forked(message: dict, fds: list[int], store=None) -> int:
     """A worker its hub's template forked (process/template.py): the same document and flags as serve-worker's, in
-    the message, and its two descriptors (its clone of the connection, its ready pipe)."""
+    the message, and its two descriptors (its clone of the connection, its ready pipe); `store`: the S3Store the hub
+    made before it forked the template (run_worker)."""
     fuse_fd, ready_fd = fds
     try:
         cfg, level = parse_document(message.get("document"))
@@ -290,11 +291,11 @@ def serve_forked(message: dict, fds: list[int]) -> int:
         os.write(ready_fd, ready_line(exc if isinstance(exc, (ConfigError, ValueError)) else ValueError(exc)))
         return 2
     return serve_worker(cfg, level, *args, fuse_fd, int(role["minor"]), int(role["flags"]), int(role["max_write"]),
-                        int(role["hub"]), ready_fd, forked=True)
+                        int(role["hub"]), ready_fd, forked=True, store=store)
 
 
 def serve_worker(cfg: MountConfig, level: str, index: int, spawn: int, shared: str, fuse_fd: int, minor: int,
-                 flags: int, max_write: int, hub: int, ready_fd: int, forked: bool = False) -> int:
+                 flags: int, max_write: int, hub: int, ready_fd: int, forked: bool = False, store=None) -> int:
     from .daemon import run_worker
     from .workers import WorkerRole
 
@@ -313,7 +314,7 @@ def serve_worker(cfg: MountConfig, level: str, index: int, spawn: int, shared: s
             os.close(ready_at)
             ready_at = None
 
-    return run_worker(cfg, role, ready)
+    return run_worker(cfg, role, ready, store)
 
 
 def cmd_serve_mount(args: argparse.Namespace) -> int:

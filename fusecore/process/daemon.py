@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import shutil
@@ -26,9 +27,9 @@ from ..fuse.device import MountFailed, MountOptions, mount, unmount
 from ..fuse.session import Connection
 from .hubwrites import HubWrites
 from .peerfanout import worker_handoff
-from .template import Template
+from .template import Template, holds_sockets
 from .mounts import is_mounted
-from ..store.client import S3Store, preload
+from ..store.client import S3Store
 from ..store.errors import StoreError
 
 log = logging.getLogger(__name__)
@@ -114,8 +115,8 @@ def run_mount(cfg: MountConfig, ready: ReadyCallback, log_level: str = "INFO") -
             workers_now, why = auto_workers(cfg, usable_cores())
             log.info("%s", why)
             cfg = dataclasses.replace(cfg, workers=workers_now)
-        template = _fork_template(cfg)  # (before this process has any socket or thread)
-        store = S3Store(cfg.store)
+        store = S3Store(cfg.store)  # (no request yet: no socket, no thread)
+        template = _fork_template(cfg, store)  # (before this process has any socket or thread)
         store.check()
         if cfg.cache_size_auto:
             cfg = _sized(cfg, store)
@@ -178,14 +179,17 @@ async def _serve(cfg: MountConfig, datapath: DataPath, ready: ReadyCallback) -> 
         conn.close()
 
 
-def _fork_template(cfg: MountConfig) -> Template | None:
-    """The template the workers of a mount of several are forked from (process/template.py)."""
+def _fork_template(cfg: MountConfig, store: S3Store) -> Template | None:
+    """The template the workers of a mount of several are forked from (process/template.py): each worker serves with
+    its copy of `store`, made before the fork and never used in the template (its botocore client, ~8 MiB a process
+    where each made its own, measured, is then shared until written)."""
     if cfg.workers == 1:
         return None
     from .cli import serve_forked
 
+    inherited = None if holds_sockets() else store  # (a store that talked already stays the hub's)
     try:
-        template = Template.fork(serve_forked, preload)
+        template = Template.fork(functools.partial(serve_forked, store=inherited))
     except OSError as exc:
         log.warning("no template for the workers (%s): each starts a new interpreter", exc.strerror or exc)
         return None
@@ -287,12 +291,14 @@ async def _serve_hub(cfg: MountConfig, hub: workers.Hub, conn: Connection, ready
         await _announce_ready(cfg, ready)
 
 
-def run_worker(cfg: MountConfig, role: workers.WorkerRole, ready: ReadyCallback) -> int:
-    """Serve one clone of a mount's connection as worker `role.index` (started by its hub)."""
+def run_worker(cfg: MountConfig, role: workers.WorkerRole, ready: ReadyCallback, store: S3Store | None = None) -> int:
+    """Serve one clone of a mount's connection as worker `role.index` (started by its hub); `store`: one made for the
+    mount before this process was forked from its hub's template, used where it is the worker's own store."""
     workers.die_with_parent(role.hub)
     tune_malloc()
     try:
-        datapath = DataPath(cfg, S3Store(cfg.store), shared=role.shared, worker=role.spawn, writes=False,
+        mine = store if store is not None and store.cfg == cfg.store else S3Store(cfg.store)
+        datapath = DataPath(cfg, mine, shared=role.shared, worker=role.spawn, writes=False,
                             peer_handoff=worker_handoff(role.shared, role.index))
     except (StoreError, ConfigError) as exc:
         ready(exc)

@@ -2,8 +2,9 @@
 
 A worker started as a new interpreter (`python -m fusecore serve-worker`) imports the data path, botocore and trio
 and parses botocore's S3 model again: ~46 MiB of its own, measured, the same in each worker. So before it makes any
-socket or thread the hub forks a template: a process that holds those pages (the imports, and the S3 model in the
-process-wide loader, store/client.py `preload`) and does nothing but fork a worker when the hub asks. A worker forked
+socket or thread the hub forks a template: a process that holds those pages (the imports, and the mount's S3Store,
+made and not yet used: its botocore client and the S3 model it parsed) and does nothing but fork a worker when the
+hub asks; each worker serves with its copy of that store (daemon.run_worker). A worker forked
 from it shares those pages with the hub, the template and every sibling, copy on write: memory summed over a mount's
 processes (PSS) counts them once. It starts in milliseconds, too, where a worker killed mid-epoch is started again.
 
@@ -56,12 +57,11 @@ class Template:
         self.sock.settimeout(ANSWER_TIMEOUT)
 
     @classmethod
-    def fork(cls, serve: Serve, prepare: Callable[[], None]) -> Template | None:
+    def fork(cls, serve: Serve) -> Template | None:
         """Fork the template from this process (the hub), which then reaps the workers it forks; None where this
         process already has threads (a fork would copy their locks held) or is no subreaper."""
         if threading.active_count() != 1 or not _become_subreaper():
             return None
-        prepare()  # (loaded here: shared by the hub too)
         hub_end, template_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         hub = os.getpid()
         gc.collect()
@@ -149,6 +149,19 @@ class Forked:
             return
         if pid == self.pid:
             self.returncode = os.waitstatus_to_exitcode(status)
+
+
+def holds_sockets() -> bool:
+    """Has this process a socket open? An object made before the fork that owns one (a credentials provider that
+    fetched already: the instance metadata's keeps its connection) must not go to the workers: the template closes
+    what it inherited, and two processes would share one connection."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                return True
+        except OSError:
+            pass
+    return False
 
 
 def _become_subreaper() -> bool:

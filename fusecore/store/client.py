@@ -45,19 +45,12 @@ _LOADER: botocore.loaders.Loader | None = None
 
 def shared_loader() -> botocore.loaders.Loader:
     """One loader of botocore's data for every session of this process: the S3 model and the endpoint rules parsed
-    once (~9 MiB a client, measured), and in a worker forked from its hub's template, the template's pages
-    (process/template.py)."""
+    once (~9 MiB a client, measured) for the mount's client and the writes' client, and any other this process
+    makes."""
     global _LOADER
     if _LOADER is None:
         _LOADER = botocore.loaders.create_loader()
     return _LOADER
-
-
-def preload() -> None:
-    """Parse what an S3 client needs into the shared loader now (a client made and dropped: no request, no socket)."""
-    core = botocore.session.Session()
-    core.register_component("data_loader", shared_loader())
-    core.create_client("s3", region_name="us-east-1", aws_access_key_id="preload", aws_secret_access_key="preload")
 
 
 def _session(cfg: StoreConfig) -> tuple[botocore.session.Session, RotatingCredentials | None]:

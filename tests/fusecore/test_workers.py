@@ -348,3 +348,18 @@ def test_workers_auto_are_chosen_by_the_mount_from_its_own_cores(s3, bucket, mou
     stats = mounts.stats(mp)
     assert stats.get("workers", {"count": 1})["count"] == expected
     assert _epoch(mp, dataset) == []
+
+
+def test_a_process_holding_a_socket_hands_its_workers_no_store():
+    import socket
+
+    from fusecore.process.template import holds_sockets
+
+    before = holds_sockets()  # (pytest's own process may hold some)
+    a, b = socket.socketpair()
+    try:
+        assert holds_sockets()
+    finally:
+        a.close()
+        b.close()
+    assert holds_sockets() == before
