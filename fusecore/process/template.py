@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 PR_SET_CHILD_SUBREAPER = 36
 MAX_MESSAGE = 1024 * 1024  # bytes of a worker's document at most (as serve-worker's stdin: launch.MAX_DOCUMENT)
-ANSWER_TIMEOUT = 10.0  # seconds the hub waits for a worker's pid
+ANSWER_TIMEOUT = 5.0  # seconds the hub waits for a worker's pid (a fork takes milliseconds)
 REPARENT_TIMEOUT = 5.0  # seconds a forked worker waits to become the hub's child
 
 # What the template runs in a forked worker: the message's document and role, its descriptors -> an exit status
@@ -60,8 +60,8 @@ class Template:
     def fork(cls, serve: Serve) -> Template | None:
         """Fork the template from this process (the hub), which then reaps the workers it forks; None where this
         process already has threads (a fork would copy their locks held) or is no subreaper."""
-        if threading.active_count() != 1 or not _become_subreaper():
-            return None
+        if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1 or not _become_subreaper():
+            return None  # (the tasks: a library's native thread is no Python thread)
         hub_end, template_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         hub = os.getpid()
         gc.collect()
@@ -78,11 +78,12 @@ class Template:
         return cls(hub_end, pid)
 
     def start(self, message: dict, fds: list[int]) -> int:
-        """Have the template fork a worker; its pid (TemplateGone where it cannot)."""
+        """Have the template fork a worker; its pid (TemplateGone where it cannot: the caller must not use `fds` for
+        another start, a worker may have been forked with them and not told of)."""
         try:
             socket.send_fds(self.sock, [json.dumps(message).encode()], fds)
             answer = self.sock.recv(64)
-        except OSError as exc:
+        except OSError as exc:  # (gone, or no answer within ANSWER_TIMEOUT: never asked again)
             self.close()
             raise TemplateGone(f"the workers' template is gone ({exc.strerror or exc})") from None
         if not answer:  # (it ended while forking: never asked again)
@@ -96,13 +97,20 @@ class Template:
     def open(self) -> bool:
         return self.sock.fileno() >= 0
 
-    def close(self) -> None:
-        """End the template (it ends on this end's close); reaped."""
+    def close(self, grace: float = 2.0) -> None:
+        """End the template (it ends on this end's close; killed past `grace` seconds: a stopped or stuck one never
+        holds up the hub); reaped."""
         if self.sock.fileno() >= 0:
             self.sock.close()
+        deadline = time.monotonic() + grace
         try:
-            os.waitpid(self.pid, 0)
-        except ChildProcessError:
+            while os.waitpid(self.pid, os.WNOHANG)[0] == 0:
+                if time.monotonic() >= deadline:
+                    os.kill(self.pid, signal.SIGKILL)
+                    os.waitpid(self.pid, 0)
+                    return
+                time.sleep(0.01)
+        except (ChildProcessError, ProcessLookupError):
             pass
 
 
@@ -113,11 +121,13 @@ class Forked:
     def __init__(self, pid: int):
         self.pid = pid
         self.returncode: int | None = None
+        self._waiting = threading.Lock()  # (the hub polls from its loop and waits from a thread: one reaps)
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            self._reap(os.WNOHANG)
-        return self.returncode
+        with self._waiting:
+            if self.returncode is None:
+                self._reap(os.WNOHANG)
+            return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -220,23 +220,27 @@ class Hub:
         document = {"config": mount_document(self.worker_cfg),
                     "credentials": identity_document(self.cfg.store.credentials), "log_level": self.log_level}
         try:
-            proc = self._fork(role, document, [mine, write_fd]) or self._spawn(role, document, mine, write_fd)
+            proc = self._fork(role, document, [mine, write_fd]) if self.template is not None else \
+                self._spawn(role, document, mine, write_fd)
         finally:
             os.close(mine)
             os.close(write_fd)
+        if proc is None:  # the template failed this start: a new one, on a new clone, pipe and spawn number (a
+            os.close(read_fd)  # worker it may have forked with these fails at its ready line and ends)
+            return self.start(index)
         worker = self.workers[index] = Worker(role, proc, read_fd)
         return worker
 
     def _fork(self, role: WorkerRole, document: dict, fds: list[int]) -> Forked | None:
-        """The worker forked from the template (template.py); None where there is none."""
-        if self.template is None:
-            return None
+        """The worker forked from the template (template.py); None where the template failed (it is not asked
+        again: the workers start as new interpreters)."""
+        assert self.template is not None
         try:
             return Forked(self.template.start({"document": document, "role": dataclasses.asdict(role)}, fds))
         except TemplateGone as exc:
-            log.warning("%s: worker %d starts as a new interpreter", exc, role.index)
-            if not self.template.open:
-                self.template = None
+            log.warning("%s: worker %d, and any started after it, starts as a new interpreter", exc, role.index)
+            self.template.close(grace=0)
+            self.template = None
             return None
 
     def _spawn(self, role: WorkerRole, document: dict, mine: int, write_fd: int) -> subprocess.Popen:
