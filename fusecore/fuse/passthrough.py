@@ -122,14 +122,14 @@ class SharedModes:
     def _find(self, inode: int, home: int) -> tuple[int | None, int | None]:
         """The slot holding the inode's record, and the first free slot, in its window."""
         window = self._table[home * _RECORD.size:(home + WINDOW) * _RECORD.size]
-        mine = free = None
+        free = None
         for n in range(WINDOW):
             held = int.from_bytes(window[n * _RECORD.size:n * _RECORD.size + 8], "little")
             if held == inode:
                 return home + n, None
             if held == 0 and free is None:
                 free = home + n
-        return mine, free
+        return None, free
 
     def idle(self, inode: int) -> bool:
         return self._find(inode, self._home(inode))[0] is None

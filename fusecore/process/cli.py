@@ -269,42 +269,45 @@ def parse_document(doc: object) -> tuple[MountConfig, str]:
 
 def cmd_serve_worker(args: argparse.Namespace) -> int:
     """Serve a clone of a mount's connection as one of its workers (the hub wrote the document on stdin)."""
+    from .workers import WorkerRole
+
     try:
         cfg, level = _read_document()
     except (ConfigError, ValueError) as exc:
         os.write(args.ready_fd, ready_line(exc))
         return 2
-    return serve_worker(cfg, level, args.worker, args.spawn, args.shared, args.fuse_fd, args.minor, args.flags,
-                        args.max_write, args.hub, args.ready_fd)
+    role = WorkerRole(args.worker, args.spawn, args.shared, args.fuse_fd, args.minor, args.flags, args.max_write,
+                      args.hub)
+    return serve_worker(cfg, level, role, args.ready_fd)
 
 
 def serve_forked(message: dict, fds: list[int], store=None) -> int:
-    """A worker its hub's template forked (process/template.py): the same document and flags as serve-worker's, in
-    the message, and its two descriptors (its clone of the connection, its ready pipe); `store`: the S3Store the hub
-    made before it forked the template (run_worker)."""
+    """A worker its hub's template forked (process/template.py): the same document as serve-worker's and its role
+    (workers.WorkerRole's fields), in the message, and its two descriptors (its clone of the connection, its ready
+    pipe); `store`: the S3Store the hub made before it forked the template (run_worker)."""
+    from .workers import WorkerRole
+
     fuse_fd, ready_fd = fds
     try:
         cfg, level = parse_document(message.get("document"))
-        role = message["role"]
-        args = (int(role["index"]), int(role["spawn"]), str(role["shared"]))
+        role = WorkerRole(**dict(message["role"], fuse_fd=fuse_fd))
     except (ConfigError, ValueError, KeyError, TypeError) as exc:
         os.write(ready_fd, ready_line(exc if isinstance(exc, (ConfigError, ValueError)) else ValueError(exc)))
         return 2
-    return serve_worker(cfg, level, *args, fuse_fd, int(role["minor"]), int(role["flags"]), int(role["max_write"]),
-                        int(role["hub"]), ready_fd, forked=True, store=store)
+    return serve_worker(cfg, level, role, ready_fd, forked=True, store=store)
 
 
-def serve_worker(cfg: MountConfig, level: str, index: int, spawn: int, shared: str, fuse_fd: int, minor: int,
-                 flags: int, max_write: int, hub: int, ready_fd: int, forked: bool = False, store=None) -> int:
+def serve_worker(cfg: MountConfig, level: str, role, ready_fd: int, forked: bool = False, store=None) -> int:
+    """Serve as worker `role` (a workers.WorkerRole) once its descriptor is checked; `forked`: from the template, whose
+    logging is the hub's until configured again here."""
     from .daemon import run_worker
-    from .workers import WorkerRole
 
     try:
-        role = WorkerRole(index, spawn, shared, _fuse_fd(fuse_fd), minor, flags, max_write, hub)
+        _fuse_fd(role.fuse_fd)
     except ConfigError as exc:
         os.write(ready_fd, ready_line(exc))
         return 2
-    logs.configure(level, f"worker {index}", again=forked)
+    logs.configure(level, f"worker {role.index}", again=forked)
     ready_at: int | None = ready_fd
 
     def ready(error: Exception | None) -> None:

@@ -78,24 +78,18 @@ class Template:
         return cls(hub_end, pid)
 
     def start(self, message: dict, fds: list[int]) -> int:
-        """Have the template fork a worker; its pid (TemplateGone where it cannot: the caller must not use `fds` for
-        another start, a worker may have been forked with them and not told of)."""
+        """Have the template fork a worker; its pid (TemplateGone where it cannot: the caller closes the template and
+        must not use `fds` for another start, a worker may have been forked with them and not told of)."""
         try:
             socket.send_fds(self.sock, [json.dumps(message).encode()], fds)
             answer = self.sock.recv(64)
-        except OSError as exc:  # (gone, or no answer within ANSWER_TIMEOUT: never asked again)
-            self.close()
+        except OSError as exc:  # (gone, or no answer within ANSWER_TIMEOUT)
             raise TemplateGone(f"the workers' template is gone ({exc.strerror or exc})") from None
-        if not answer:  # (it ended while forking: never asked again)
-            self.close()
+        if not answer:
             raise TemplateGone("the workers' template ended while it forked a worker")
         if not answer.isdigit():
             raise TemplateGone(f"the workers' template could not fork a worker ({answer.decode(errors='replace')})")
         return int(answer)
-
-    @property
-    def open(self) -> bool:
-        return self.sock.fileno() >= 0
 
     def close(self, grace: float = 2.0) -> None:
         """End the template (it ends on this end's close; killed past `grace` seconds: a stopped or stuck one never
