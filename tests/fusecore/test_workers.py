@@ -179,6 +179,23 @@ def test_workers_are_forked_from_the_hubs_template_and_a_stuck_template_costs_on
     assert not _alive(template)
 
 
+def test_a_template_killed_ends_no_worker_and_the_next_start_is_a_new_interpreter(s3, bucket, mounts):
+    dataset = {f"tk/f{i:02d}": os.urandom(40 * KiB + 3 * i) for i in range(16)}
+    _put(s3, bucket, dataset)
+    mp = mounts.mount(f"s3://{bucket}", "--workers", "2", "--no-kernel-cache")
+    stats = mounts.stats(mp)
+    pids, template = _worker_pids(stats), stats["workers"]["template"]
+    os.kill(template, signal.SIGKILL)
+    assert wait_for(lambda: not _alive(template), 10)
+    assert _epoch(mp, dataset) == [] and all(_alive(p) for p in pids)  # (the workers are the hub's, not its)
+    os.kill(pids[1], signal.SIGKILL)
+    assert wait_for(lambda: (s := mounts.stats(mp))["workers"]["restarts"] >= 1 and pids[1] not in _worker_pids(s)
+                    and len(_worker_pids(s)) == 2, 30)
+    fresh = next(p for p in _worker_pids(mounts.stats(mp)) if p not in pids)
+    assert b"serve-worker" in _cmdline(fresh)
+    assert _epoch(mp, dataset, seed=5) == []
+
+
 def _disk_files(folder) -> dict[str, bytes]:
     blocks = os.path.join(folder, "blocks")
     return {name: open(os.path.join(blocks, name), "rb").read() for name in os.listdir(blocks)}
