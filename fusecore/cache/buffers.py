@@ -5,7 +5,7 @@ calls without the GIL): receiving a body into never-touched pages costs a page f
 inside the kernel's socket copy, which measured 2-3x more system time per GiB than populating the
 mapping in one call; the fetcher maps a block's buffer in the thread that receives its
 body, never on the event loop's thread. A dropped block's buffer is either kept for the next GET
-(BlockCache.take_buffer, a few at most) or unmapped at once, so freed memory goes back to the system.
+(BlockCache.reserve hands it out, a few at most) or unmapped at once, so freed memory goes back to the system.
 
 On transparent huge pages where the mount chose them (pages.py): the mapping is asked for 2 MiB pages
 (MADV_HUGEPAGE) and populated by madvise(MADV_POPULATE_WRITE) called through ctypes, which releases

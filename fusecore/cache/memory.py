@@ -29,6 +29,10 @@ so the cache plus in-flight data never exceed the configured size.
 Exact ranges (RangeKey: what a young random run asked for) are entries like blocks, under the same policy;
 a per-object index of the ranges held answers a read inside one of them (`cover`).
 
+Buffers of evicted blocks are kept for the next GET (`reserve` hands one out), at most MAX_FREE: outside the budget
+by default, within it where `spares_counted` (a worker's own cache, a small share of the mount's budget whose spare
+buffers would otherwise add a quarter to it): there they are the first bytes let go when the budget needs room.
+
 Pure logic, single-threaded: the caller (the trio thread) serialises access.
 """
 
@@ -112,7 +116,8 @@ class BlockCache:
     """See the module docstring. `budget` bounds window + main + staged + reserved bytes."""
 
     def __init__(self, budget: int, *, window_fraction: float = WINDOW_FRACTION, staged_fraction: float = STAGED_FRACTION,
-                 min_sample: int = 10_000):
+                 min_sample: int = 10_000, spares_counted: bool = False):
+        self._spares_counted = spares_counted
         self._window_fraction, self._staged_fraction = window_fraction, staged_fraction
         self._peak = self._last_peak = self._period_puts = 0
         # A member of a distributed cache holds its share, sized to fit (fusecore.config.distributed_cache_size),
@@ -131,6 +136,7 @@ class BlockCache:
         self._ranges: dict[tuple[str, str], list[tuple[int, int]]] = {}  # (key, etag) -> held ranges, sorted
         self._freq = FrequencySketch(min_sample)
         self._free: list[Buffer] = []  # evicted block buffers nobody references, for reuse
+        self._free_bytes = 0
         self.recycled = 0
         self.hits = self.misses = self.evictions = self.rejections = self.prefetch_dropped = 0
 
@@ -150,7 +156,8 @@ class BlockCache:
     # ---- queries -------------------------------------------------------------------------
     @property
     def used(self) -> int:
-        return self._window_bytes + self._main_bytes + self._lent_bytes + self._staged_bytes + self._reserved
+        used = self._window_bytes + self._main_bytes + self._lent_bytes + self._staged_bytes + self._reserved
+        return used + self._free_bytes if self._spares_counted else used
 
     @property
     def transient_bytes(self) -> int:
@@ -293,11 +300,22 @@ class BlockCache:
         self._note_transient(entry.size)
         self._enforce()
 
-    def reserve(self, nbytes: int) -> None:
-        """Account for a GET about to bring `nbytes`; evicts so the budget holds."""
+    def reserve(self, nbytes: int) -> Buffer | None:
+        """Account for a GET about to bring `nbytes`; evicts so the budget holds. Returns a spare buffer of exactly
+        `nbytes` to receive it, if one was kept (reusing mapped memory skips zeroing fresh pages: a quarter of the
+        CPU of a cold sequential read here); one the GET did not use goes back with `give_back`."""
+        spare = self._take_spare(nbytes)
         self._reserved += nbytes
         self._note_transient(0)
         self._enforce()
+        return spare
+
+    def give_back(self, spare: Buffer | None) -> None:
+        """A spare buffer `reserve` handed out that no GET used (the block came from nearer)."""
+        if spare is not None and len(self._free) < self.MAX_FREE:
+            self._free.append(spare)
+            self._free_bytes += len(spare)
+            self._enforce()
 
     def release(self, nbytes: int) -> None:
         self._reserved = max(0, self._reserved - nbytes)
@@ -378,20 +396,20 @@ class BlockCache:
                 if not spans:
                     del self._ranges[(key.key, key.etag)]
 
-    def take_buffer(self, nbytes: int) -> Buffer | None:
-        """A buffer of an evicted block of exactly `nbytes`, to receive the next GET.
-
-        Reusing memory that was already mapped skips zeroing fresh pages (a quarter of the CPU
-        of a cold sequential read here). Only buffers that nothing else referenced when they
-        were evicted are kept (see _recycle), at most MAX_FREE of them, outside the budget.
-        """
+    def _take_spare(self, nbytes: int) -> Buffer | None:
         for i, buf in enumerate(self._free):
             if len(buf) == nbytes:
                 self.recycled += 1
+                self._free_bytes -= nbytes
                 return self._free.pop(i)
         return None
 
-    MAX_FREE = 4
+    def _shed_spares(self, nbytes: int = 0) -> None:
+        """Let spare buffers go (oldest first) until `nbytes` more fit, where they count in the budget."""
+        while self._spares_counted and self._free and self.used + nbytes > self.budget:
+            self._free_bytes -= len(self._free.pop(0))
+
+    MAX_FREE = 4  # spare buffers kept; only those nothing else referenced when their block was evicted (_recycle)
 
     def _recycle(self, entry: _Entry) -> None:
         data = entry.data
@@ -400,6 +418,7 @@ class BlockCache:
         # buffer (or a memoryview of it) would add one, and then it must not be overwritten.
         if isinstance(data, mmap.mmap) and len(self._free) < self.MAX_FREE and sys.getrefcount(data) == 2:
             self._free.append(data)
+            self._free_bytes += len(data)
 
     def _drop(self, segment: OrderedDict, *, oldest: bool = True) -> None:
         key, entry = segment.popitem(last=not oldest)
@@ -412,6 +431,7 @@ class BlockCache:
             self.evictions += 1
 
     def _enforce(self) -> None:
+        self._shed_spares()
         while self._staged_bytes > self._staged_cap:
             self._drop(self._staged)
         while self._window_bytes > self._window_cap and len(self._window) > 1:
@@ -419,7 +439,9 @@ class BlockCache:
             self._window_bytes -= entry.size
             self._admit(key, entry)
         while self.used > self.budget:
-            if self._lent:
+            if self._free and self._spares_counted:  # (a block just dropped may have left its buffer spare)
+                self._shed_spares()
+            elif self._lent:
                 self._drop(self._lent)
             elif len(self._window) > 1:
                 self._drop(self._window)
@@ -441,6 +463,7 @@ class BlockCache:
             return
         candidate_freq = self._freq.frequency(key)
         while True:
+            self._shed_spares(entry.size)
             own = self._main_bytes + entry.size <= self._main_cap  # main has room of its own for it
             if own and entry.size <= self.budget - self.used:
                 break

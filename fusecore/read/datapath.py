@@ -69,7 +69,7 @@ class DataPath:
         self.metrics = metrics or MountMetrics()
         # A worker's own cache holds mostly bytes in flight and blocks until they are published (shared.py): its
         # staging room is most of it (at the usual eighth, a worker's read-ahead would not start)
-        self.cache = BlockCache(cfg.worker_cache, staged_fraction=WORKER_STAGED) if cfg.worker_cache \
+        self.cache = BlockCache(cfg.worker_cache, staged_fraction=WORKER_STAGED, spares_counted=True) if cfg.worker_cache \
             else BlockCache(cfg.cache_size)
         self.metrics.bind_cache(self.cache.stats)
         self.cluster = Cluster.from_config(cfg, read_key(cfg.peer_key_file), self.metrics) if cfg.peers else None

@@ -639,7 +639,7 @@ class Fetcher:
             self._admit()  # prefetches held back while this demand read waited may fit now
         else:
             held = pending.prefetch_bytes
-        self.cache.reserve(nbytes)
+        spare = self.cache.reserve(nbytes)
         self._settle(pending)  # promised until here: waiting for the byte budget must not free room
         pending.fetching = True
         self.metrics.inflight_requests.inc()
@@ -647,13 +647,14 @@ class Fetcher:
         try:
             nearer = await self._nearer(obj, start, end, pending)
             if nearer is not None:
+                self.cache.give_back(spare)
                 pending.buffer, pending.source = nearer
                 pending.progress.advance(nbytes)
                 return pending.buffer
             pending.cause = _cause(key, pending, demand)
             if isinstance(key, BlockKey) and self._ranges_in_flight:
                 await self._ranges_inside(obj, start, end)
-            pending.buffer = self.cache.take_buffer(nbytes)  # else mapped by a receiving thread
+            pending.buffer = spare  # else mapped by a receiving thread
             deadline = self._clock() + self.read_deadline
             had = self.cache.held_within(obj.key, obj.etag, start, end) if isinstance(key, BlockKey) else []
             if had:

@@ -170,9 +170,34 @@ def test_evicted_buffers_are_reused_only_when_nobody_holds_them():
     for i in range(1, 12):
         cache.put(key(i), block())
     assert cache.recycled == 0
-    reused = cache.take_buffer(4 * KiB)
+    reused = cache.reserve(4 * KiB)  # a GET's reservation takes a spare of its size
     assert reused is not None and reused is not held
-    assert cache.take_buffer(123) is None
+    assert cache.reserve(123) is None
+
+
+def test_counted_spares_stay_within_the_budget_and_go_before_blocks():
+    """A worker's own cache (spares_counted): spare buffers count in its budget, and are the first bytes let go."""
+    import mmap
+
+    cache = BlockCache(4 * 4 * KiB, window_fraction=0.5, spares_counted=True)
+    for i in range(4):
+        cache.put(key(i), mmap.mmap(-1, 4 * KiB))
+    for i in range(2):
+        cache.discard(key(i))  # published: the block's buffer is spare now
+    assert len(cache._free) == 2 and cache.used == 16 * KiB and cache.resident_bytes == 8 * KiB
+    spare = cache.reserve(4 * KiB)  # takes a spare (the one freed first would do as well): no block is evicted
+    assert spare is not None and cache.used == 16 * KiB and cache.resident_bytes == 8 * KiB
+    cache.reserve(4 * KiB)  # another GET: its spare again
+    cache.release(8 * KiB)
+    cache.give_back(spare)
+    cache.reserve(8 * KiB)  # no spare of that size: the spare is let go, and that was room enough
+    assert cache._free == [] and cache.used == cache.budget
+    assert key(2) in cache and key(3) in cache, "the spare went, no block"
+    plain = BlockCache(4 * 4 * KiB, window_fraction=0.5)
+    for i in range(4):
+        plain.put(key(i), mmap.mmap(-1, 4 * KiB))
+    plain.discard(key(0))
+    assert len(plain._free) == 1 and plain.used == 12 * KiB  # outside the budget where not counted
 
 
 def test_resize_shrinks_by_eviction_and_grows_the_room():
