@@ -39,6 +39,8 @@ TRUST_SLOTS = 1 << 16
 _TRUST = struct.Struct("<QQ")  # a file name's tag, its stamp
 NEWS_BATCH = 8192  # bytes of news a worker gathers before it sends them to the hub (and at least every FLUSH_EVERY s)
 FLUSH_EVERY = 0.05
+FLUSH_PUBLISHED = 4 * 1024 * 1024  # bytes published whose news a worker sends at once: the hub evicts for them (the
+# shared folder outgrew its budget by up to ~20 MiB in a stream's bursts while the news waited for FLUSH_EVERY)
 PROTECTED_FRACTION = 0.8  # of the budget, for blocks read again (SharedPolicy)
 AHEAD_FRACTION = 0.5  # of the budget, at most, kept for blocks read ahead and unread past older blocks (SharedPolicy)
 
@@ -165,6 +167,7 @@ class SharedBlocks:
         self._news_bytes = 0
         self._news_lock = threading.Lock()  # news come from the loop and from threads (disk reads, publishes)
         self._kept_unsent = 0  # bytes of blocks given to the hub's disk tier in news not sent yet
+        self._published_unsent = 0  # bytes of blocks published in news not sent yet
         self._counters: dict[str, mmap.mmap] = {}  # the hub's counts (counter_mirror), mapped at their first read
         self.stats = SharedStats()
 
@@ -295,19 +298,20 @@ class SharedBlocks:
         self.stats.published += 1
         verb = b"ahead" if ahead else b"add"
         if keep:
-            self._tell(b"%s %s %d %s" % (verb, name.encode(), len(data), keep.encode()), kept=len(data))
+            self._tell(b"%s %s %d %s" % (verb, name.encode(), len(data), keep.encode()), len(data), kept=len(data))
         else:
-            self._tell(b"%s %s %d" % (verb, name.encode(), len(data)))
+            self._tell(b"%s %s %d" % (verb, name.encode(), len(data)), len(data))
         return True
 
-    def _tell(self, message: bytes, kept: int = 0) -> None:
-        """News for the hub, sent in batches (`flush`): a unix datagram socket queues few datagrams. `kept`: bytes
-        the message gives the hub's disk tier to write."""
+    def _tell(self, message: bytes, published: int = 0, kept: int = 0) -> None:
+        """News for the hub, sent in batches (`flush`): a unix datagram socket queues few datagrams. `published`:
+        bytes the message adds to the shared folder; `kept`: bytes it gives the hub's disk tier to write."""
         with self._news_lock:
             self._news.append(message)
             self._news_bytes += len(message) + 1
+            self._published_unsent += published
             self._kept_unsent += kept
-            full = self._news_bytes >= NEWS_BATCH
+            full = self._news_bytes >= NEWS_BATCH or self._published_unsent >= FLUSH_PUBLISHED
         if full:
             self.flush()
 
@@ -342,8 +346,7 @@ class SharedBlocks:
             batch = b"\n".join(self._news)
             count = len(self._news)
             self._news.clear()
-            self._news_bytes = 0
-            self._kept_unsent = 0
+            self._news_bytes = self._published_unsent = self._kept_unsent = 0
         try:
             self._events.sendto(batch, self._hub)
         except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):

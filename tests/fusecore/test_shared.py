@@ -42,6 +42,29 @@ def test_a_published_block_is_read_by_another_worker_and_a_wrong_length_never(tm
     assert any(n.startswith(b"add ") for n in news) and any(n.startswith(b"hit ") for n in news)
 
 
+def test_news_of_published_bytes_leave_at_once_past_a_block_and_small_news_wait(tmp_path):
+    """The hub evicts for a block as soon as it is published (a folder that waits for the batch's timer outgrew its
+    budget by ~20 MiB under a stream), while hits and small blocks still go in batches."""
+    root = _root(tmp_path)
+    hub = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    hub.bind(os.path.join(root, shared.HUB_SOCKET))
+    hub.setblocking(False)
+    worker = shared.SharedBlocks(root)
+    small = BlockKey("data/small", '"e"', 0)
+    worker.publish(small, b"s" * (100 * KiB))
+    assert worker.load(small, 100 * KiB) is not None
+    try:
+        hub.recv(65536)
+        raise AssertionError("news of 100 KiB sent before its batch was due")
+    except BlockingIOError:
+        pass
+    big = BlockKey("data/big", '"e"', 0)
+    worker.publish(big, b"b" * (shared.FLUSH_PUBLISHED - 100 * KiB))  # together: a block's worth published
+    news = hub.recv(65536).split(b"\n")
+    assert [n.split()[0] for n in news] == [b"add", b"hit", b"add"], news
+    assert news[2].split()[2] == str(shared.FLUSH_PUBLISHED - 100 * KiB).encode()
+
+
 def test_one_worker_claims_a_block_and_a_dead_claim_is_taken_over(tmp_path):
     root = _root(tmp_path)
     one, two = shared.SharedBlocks(root), shared.SharedBlocks(root)
