@@ -235,6 +235,7 @@ def _run_hub(cfg: MountConfig, store: S3Store, ready: ReadyCallback, log_level: 
                 hub.writes = _hub_writes(cfg, store, hub)
             for worker in [hub.start(i) for i in range(1, cfg.workers + 1)]:
                 hub.wait_ready(worker)
+            hub.retire_template()
         except Exception as exc:  # noqa: BLE001 - any worker that cannot serve: nothing stays mounted
             hub.stop()
             if cfg.fuse_fd is None:

@@ -231,6 +231,13 @@ class Hub:
         worker = self.workers[index] = Worker(role, proc, read_fd)
         return worker
 
+    def retire_template(self) -> None:
+        """The workers serve: the template ends (see template.py: what it holds is ~11 MiB of pages every other
+        process has written since); a worker started again from now on is a new interpreter."""
+        if self.template is not None:
+            self.template.close()
+            self.template = None
+
     def _fork(self, role: WorkerRole, document: dict, fds: list[int]) -> Forked | None:
         """The worker forked from the template (template.py); None where the template failed (it is not asked
         again: the workers start as new interpreters)."""
