@@ -158,6 +158,68 @@ TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
 
 
+class SparesMachine(CacheMachine):
+    """A worker's own cache (spares_counted): the same, with mapped buffers that are kept as spares when evicted or
+    let go, counted in the budget; a spare handed out is never a buffer the cache still serves."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = BlockCache(40 * KiB, min_sample=50, spares_counted=True)
+        self.readers: list = []  # buffers readers still hold (a reply being written)
+
+    @rule(i=st.integers(0, 5), size=st.sampled_from([4 * KiB, 8 * KiB]), keep=st.booleans())
+    def read_and_hold(self, i, size, keep):
+        got = self.cache.get(key(i, etag=str(size)))
+        if got is not None:
+            assert bytes(got) == self.truth[key(i, etag=str(size))]
+            if keep:
+                self.readers.append(got)
+        elif not keep:
+            self.readers.clear()  # their replies written
+
+    @rule(i=st.integers(0, 5), size=st.sampled_from([4 * KiB, 8 * KiB]), prefetched=st.booleans(),
+          visit=st.integers(0, 3))
+    def put_mapped(self, i, size, prefetched, visit):
+        import mmap
+
+        k = key(i, etag=str(size))
+        data = bytes([size % 256]) * size
+        self.truth.setdefault(k, data)
+        buffer = mmap.mmap(-1, size)
+        buffer[:] = self.truth[k]
+        self.cache.put(k, buffer, prefetched=prefetched, visit=visit)
+
+    @rule(i=st.integers(0, 5), size=st.sampled_from([4 * KiB, 8 * KiB]))
+    def discard(self, i, size):
+        self.cache.discard(key(i, etag=str(size)))
+
+    @rule(n=st.sampled_from([4 * KiB, 8 * KiB]), use=st.booleans())
+    def reserve_spare(self, n, use):
+        if self.reserved + n > self.cache.budget // 2:
+            return
+        spare = self.cache.reserve(n)
+        self.reserved += n
+        if spare is None:
+            return
+        assert len(spare) == n
+        segments = (self.cache._window, self.cache._main, self.cache._lent, self.cache._staged)
+        assert all(e.data is not spare for seg in segments for e in seg.values()), "a spare the cache still serves"
+        assert all(held is not spare for held in self.readers), "a spare a reader still holds"
+        if not use:
+            self.cache.give_back(spare)
+        else:
+            spare[:] = b"\xee" * n  # a GET writes into it: no block read later may see it
+
+    @invariant()
+    def spares_counted(self):
+        assert len(self.cache._free) <= BlockCache.MAX_FREE
+        assert self.cache._free_bytes == sum(len(b) for b in self.cache._free)
+
+
+TestSparesMachine = SparesMachine.TestCase
+TestSparesMachine.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
+
+
 def test_evicted_buffers_are_reused_only_when_nobody_holds_them():
     import mmap
 
@@ -193,6 +255,10 @@ def test_counted_spares_stay_within_the_budget_and_go_before_blocks():
     cache.reserve(8 * KiB)  # no spare of that size: the spare is let go, and that was room enough
     assert cache._free == [] and cache.used == cache.budget
     assert key(2) in cache and key(3) in cache, "the spare went, no block"
+    held = cache.get(key(2))  # a reader writing its reply from the block's buffer
+    cache.discard(key(2))
+    cache.release(8 * KiB)
+    assert cache.reserve(4 * KiB) is not held, "a buffer a reader holds is never a spare"
     plain = BlockCache(4 * 4 * KiB, window_fraction=0.5)
     for i in range(4):
         plain.put(key(i), mmap.mmap(-1, 4 * KiB))
