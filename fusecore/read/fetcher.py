@@ -35,6 +35,22 @@ DISK_READERS = 16  # blocks read from the disk tier at once (worker threads of t
 CLAIM_POLL, CLAIM_POLL_MAX = 0.0005, 0.004  # seconds between looks for a block another worker is fetching
 
 
+class _Poll:
+    """The waits between looks at a block another worker is fetching: doubling from CLAIM_POLL to CLAIM_POLL_MAX,
+    none past the read's deadline (`wait` is then False)."""
+
+    def __init__(self, clock: Callable[[], float], sleep: Callable[[float], Awaitable[None]], give_up: float):
+        self._clock, self._sleep, self._give_up = clock, sleep, give_up
+        self._delay = CLAIM_POLL
+
+    async def wait(self) -> bool:
+        if self._clock() > self._give_up:
+            return False
+        await self._sleep(self._delay)
+        self._delay = min(self._delay * 2, CLAIM_POLL_MAX)
+        return True
+
+
 class _Elsewhere(StokerError):
     """A read-ahead found the block being fetched by another worker of the mount (shared blocks): not an error, the
     read-ahead ends (never raised past the fetcher)."""
@@ -429,18 +445,15 @@ class Fetcher:
             if part is None and pending.demanded and shared.being_fetched(block):
                 # another worker fetches the whole block now (a small file's first READ went there, this one its
                 # second): its bytes come sooner than a GET of this range would, and the store sends them once
-                give_up = self._clock() + self.read_deadline
-                delay = CLAIM_POLL
-                while shared.being_fetched(block) and self._clock() < give_up:
-                    await self._sleep(delay)
-                    delay = min(delay * 2, CLAIM_POLL_MAX)
+                poll = self._poll()
+                while shared.being_fetched(block) and await poll.wait():
+                    pass
                 part = shared.read(block, hi - lo, start - lo, stop - lo)
             return part
         data = await self._load_shared(block, hi - lo)
         if data is not None:
             return data
-        give_up = self._clock() + self.read_deadline
-        delay, waited = CLAIM_POLL, False
+        poll, waited = self._poll(), False
         while True:
             claim = shared.try_claim(block)
             data = await self._load_shared(block, hi - lo)  # (published just before the claim was free)
@@ -459,10 +472,11 @@ class Fetcher:
             if not waited:
                 waited = True
                 shared.stats.waits += 1
-            if self._clock() > give_up:
+            if not await poll.wait():
                 return None  # a worker that holds its claim this long is stuck: fetch without one
-            await self._sleep(delay)
-            delay = min(delay * 2, CLAIM_POLL_MAX)
+
+    def _poll(self) -> _Poll:
+        return _Poll(self._clock, self._sleep, self._clock() + self.read_deadline)
 
     async def _load_shared(self, block: BlockKey, size: int) -> Buffer | None:
         shared = self.shared

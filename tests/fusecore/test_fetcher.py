@@ -660,3 +660,73 @@ def test_small_ranges_a_store_reads_on_the_loop_go_there_with_the_same_retries()
     assert store.calls["on_loop"] == 3, "the small file on the loop, twice refused and retried"
     assert store.calls["get"] == 4, "the 64 KiB block through a worker thread"
 
+
+
+def _two_workers(tmp_path, store, **kwargs):
+    """This worker's fetcher on a mount's shared blocks, and the shared blocks as another worker sees them."""
+    from fusecore.cache import shared
+
+    root = str(tmp_path / "shared")
+    shared.prepare(root)
+    fetcher, _ = make(store, **kwargs)
+    fetcher.shared = shared.SharedBlocks(root)
+    return fetcher, shared.SharedBlocks(root)
+
+
+def test_a_block_another_worker_fetches_is_waited_for_and_read_from_its_file(tmp_path):
+    store = FakeStore()
+    data = bytes(range(256)) * 1024
+    info = store.put("k", data)
+    fetcher, other = _two_workers(tmp_path, store)
+    block = BlockKey("k", info.etag, 1)
+    claim = other.try_claim(block)  # the other worker's GET of block 1 is under way
+    got = []
+
+    async def body(nursery):
+        fetcher.start(nursery)
+
+        async def reader():
+            got.append(await fetcher.block(info, 1))
+
+        nursery.start_soon(reader)
+        await until(lambda: fetcher.shared.stats.waits == 1)
+        other.publish(block, data[BLOCK:2 * BLOCK])
+        claim.release()
+        await until(lambda: got)
+
+    run(body)
+    assert bytes(got[0][0]) == data[BLOCK:2 * BLOCK]
+    assert store.ranges == [] and fetcher.shared.stats.loaded == 1  # the store sent it once, to the other
+    assert fetcher.shared.stats.takeovers == 0
+
+
+def test_a_claim_its_worker_gave_up_is_taken_over_and_one_held_past_the_deadline_is_fetched_without(tmp_path):
+    store = FakeStore()
+    data = bytes(range(256)) * 1024
+    info = store.put("k", data)
+    clock = FakeTime()
+    fetcher, other = _two_workers(tmp_path, store, deadline=1.0, fake_time=clock)
+    failed = other.try_claim(BlockKey("k", info.etag, 1))
+    stuck = other.try_claim(BlockKey("k", info.etag, 2))  # never released: its worker hangs
+    got = {}
+
+    async def body(nursery):
+        fetcher.start(nursery)
+
+        async def reader(index):
+            got[index] = await fetcher.block(info, index)
+
+        nursery.start_soon(reader, 1)
+        await until(lambda: fetcher.shared.stats.waits == 1)
+        failed.release()  # its GET failed: nothing published
+        await until(lambda: 1 in got)
+        nursery.start_soon(reader, 2)
+        await until(lambda: 2 in got)
+
+    run(body)
+    for index in (1, 2):
+        assert bytes(got[index][0]) == data[index * BLOCK:(index + 1) * BLOCK]
+    assert fetcher.shared.stats.takeovers == 1 and len(store.ranges) == 2  # each from the store, by this worker
+    waits = clock.sleeps[clock.sleeps.index(0.0005):]
+    assert waits[:5] == [0.0005, 0.001, 0.002, 0.004, 0.004], waits[:5]  # doubling, then at most 4 ms apart
+    assert stuck is not None
