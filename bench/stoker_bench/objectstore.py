@@ -21,6 +21,8 @@ import itertools
 import json
 import random
 import re
+import select
+import selectors
 import signal
 import time
 from dataclasses import dataclass
@@ -372,6 +374,23 @@ def _error(code: str, message: str) -> bytes:
             f"<Message>{escape(message)}</Message></Error>").encode()
 
 
+class PreciseSelector(selectors.EpollSelector):
+    """asyncio's epoll selector waits whole milliseconds (epoll_wait's resolution, rounded up): every sleep of the
+    store's (the first-byte latency, the pacing to the bandwidth) ended up to 1 ms late, ~1.0-1.3 ms a GET in all,
+    measured (a GET of 1 byte 21.0 ms median against the 20 ms the store promises). Here the wait is a select() of
+    the epoll descriptor itself, to the microsecond, and the events are then taken without waiting."""
+
+    def select(self, timeout: float | None = None):
+        if timeout is not None and timeout > 0:
+            select.select([self._selector.fileno()], [], [], timeout)
+            timeout = 0
+        return super().select(timeout)
+
+
+def precise_loop() -> asyncio.AbstractEventLoop:
+    return asyncio.SelectorEventLoop(PreciseSelector())
+
+
 async def serve(server: ObjectStoreServer, host: str, port: int, ready=None) -> None:
     srv = await asyncio.start_server(server.handle, host, port, backlog=1024)
     if ready is not None:
@@ -406,13 +425,8 @@ def main() -> None:
             os.replace(args.port_file + ".tmp", args.port_file)
         print(f"listening on {args.host}:{port}", flush=True)
 
-    try:
-        import uvloop  # noqa: F401  optional, faster
-
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(serve(server, args.host, args.port, ready))
+    with asyncio.Runner(loop_factory=precise_loop) as runner:  # (not uvloop: its timers have a millisecond's grain too)
+        runner.run(serve(server, args.host, args.port, ready))
 
 
 if __name__ == "__main__":
