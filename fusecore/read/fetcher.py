@@ -28,8 +28,9 @@ log = logging.getLogger(__name__)
 
 DEMAND_RESERVE = 16  # demand reads keep 1/16 of the connections and in-flight bytes that prefetches cannot take
 MIN_PART = 256 * 1024  # a block fetched in parts (`block(parts=)`) is cut into pieces of at least this
-RANGE_PART = 128 * 1024  # an exact range (a random read) of 256 KiB or more comes in parts of at least this ...
-RANGE_PARTS = 4  # ... and at most this many: a 256 KiB read in two GETs at once, a 1 MiB read in four
+RANGE_PART = 64 * 1024  # an exact range (a random read) of 128 KiB or more comes in parts of at least this ...
+RANGE_PARTS = 4  # ... and at most this many: a 256 KiB read in four GETs at once (20 ms + 64 KiB at one connection's
+# rate, not 128 KiB: 24.1 ms, not 28.2), a 1 MiB read in four, each part only on a connection free now (_range_parts)
 FORWARD_PARTS = 4  # a block read through for a peer comes in this many GETs at once, whatever else streams (forward)
 DISK_READERS = 16  # blocks read from the disk tier at once (worker threads of their own, not the store's)
 CLAIM_POLL, CLAIM_POLL_MAX = 0.0005, 0.004  # seconds between looks for a block another worker is fetching
@@ -225,7 +226,7 @@ class Fetcher:
         """Exactly bytes [start, stop) (a young random run's read), whether the cache had them, and the offset in the
         object where the returned buffer begins (a held range may hold more than was asked). Not cached, they come
         in one GET, or in up to RANGE_PARTS GETs of at least RANGE_PART at once (the store's bandwidth is per
-        connection: a 256 KiB read in two GETs waits 20 ms + 128 KiB at one connection's rate, not 256 KiB)."""
+        connection: a 256 KiB read in four GETs waits 20 ms + 64 KiB at one connection's rate, not 256 KiB)."""
         found = self.cache.cover(obj.key, obj.etag, start, stop, visit)
         if found is not None:
             return found[1], True, found[0].start
@@ -639,6 +640,13 @@ class Fetcher:
                 parts.progress[i].advance(hi - lo)  # held: there already
         await self._get_all(obj, start, pending, deadline, [(*extents[i], parts.progress[i]) for i in gaps])
 
+    def _range_parts(self, parts: int, nbytes: int) -> int:
+        """GETs for an exact range: up to `parts` of at least RANGE_PART, and no more than half the connections free
+        now (a reader waits one first byte plus its largest part; where the connections are busy, more parts only
+        queue behind other readers' GETs and cost requests)."""
+        free = int(self._threads.total_tokens - self._threads.borrowed_tokens)
+        return max(1, min(parts, nbytes // RANGE_PART, free // 2))
+
     def _alone(self, key: CacheKey) -> bool:
         """Is `key`'s file the only one with blocks in flight? Parts fill an idle pipe sooner; while other
         files stream, the pipe is full and more GETs only cost CPU (shards read by four readers)."""
@@ -675,7 +683,8 @@ class Fetcher:
                 await self._get_around(obj, start, nbytes, had, pending, deadline)
                 assert pending.buffer is not None
                 return pending.buffer
-            parts = min(pending.parts, nbytes // (RANGE_PART if isinstance(key, RangeKey) else MIN_PART))
+            parts = self._range_parts(pending.parts, nbytes) if isinstance(key, RangeKey) \
+                else min(pending.parts, nbytes // MIN_PART)
             if parts > 1 and (isinstance(key, RangeKey) or pending.split or self._alone(key)):
                 await self._get_parts(obj, start, nbytes, parts, pending, deadline)
             else:

@@ -16,8 +16,8 @@ KiB = 1024
 MiB = 1024 * KiB
 
 
-def datapath(store, cache=16 * MiB, block=256 * KiB, prefetch=4 * MiB):
-    cfg = MountConfig(store=StoreConfig(bucket="b", max_concurrency=8), cache_size=cache, block_size=block,
+def datapath(store, cache=16 * MiB, block=256 * KiB, prefetch=4 * MiB, concurrency=8):
+    cfg = MountConfig(store=StoreConfig(bucket="b", max_concurrency=concurrency), cache_size=cache, block_size=block,
                       max_prefetch=prefetch)
     return DataPath(cfg, store)
 
@@ -165,11 +165,11 @@ def test_opening_small_files_of_a_directory_prefetches_its_other_files():
     assert stats["cache"]["hits"] >= 25, "most files were already in memory when the reader came"
 
 
-def one_object(seed: int, size: int):
+def one_object(seed: int, size: int, concurrency: int = 8):
     """A fake store holding one object of random bytes, and a data path of 4 MiB blocks over it."""
     store = FakeStore()
     data = random.Random(seed).randbytes(size)
-    return store, data, store.put("big", data), datapath(store, cache=64 * MiB, block=4 * MiB)
+    return store, data, store.put("big", data), datapath(store, cache=64 * MiB, block=4 * MiB, concurrency=concurrency)
 
 
 @pytest.mark.parametrize("size", [4 * KiB, 256 * KiB, 1 * MiB])
@@ -192,23 +192,36 @@ def test_random_reads_at_page_aligned_offsets_cost_the_store_what_they_read(size
 
 def test_a_random_range_comes_in_parts_at_once():
     """The store's bandwidth is per connection: a 1 MiB record arrives in four GETs of 256 KiB at once, a 256 KiB
-    one in two of 128 KiB, a 64 KiB one in one GET."""
+    one in four of 64 KiB, a 128 KiB one in two, a 64 KiB one in one GET."""
     store, data, info, dp = one_object(seed=9, size=16 * MiB)
+    records = [(5 * MiB + 12 * KiB, MiB), (9 * MiB + 4 * KiB, 256 * KiB), (11 * MiB, 128 * KiB),
+               (13 * MiB + 4 * KiB, 64 * KiB)]
 
     async def go():
         fh = dp.reader.open(info)
-        assert bytes(await dp.reader.read(fh, 5 * MiB + 12 * KiB, MiB)) == data[5 * MiB + 12 * KiB:6 * MiB + 12 * KiB]
-
-        await dp.reader.read(fh, 9 * MiB + 4 * KiB, 256 * KiB)
-        await dp.reader.read(fh, 13 * MiB + 4 * KiB, 64 * KiB)
+        for start, size in records:
+            assert bytes(await dp.reader.read(fh, start, size)) == data[start:start + size]
 
     run(dp, go)
+    assert sorted((s, e) for _, s, e in store.ranges) == [piece for (start, size), count in zip(records, (4, 4, 2, 1))
+                                                          for piece in _parts(start, size, count)]
 
-    def parts(start, size, count):
-        return [(start + i * size // count, start + (i + 1) * size // count) for i in range(count)]
 
-    assert sorted((s, e) for _, s, e in store.ranges) == (
-        parts(5 * MiB + 12 * KiB, MiB, 4) + parts(9 * MiB + 4 * KiB, 256 * KiB, 2) + parts(13 * MiB + 4 * KiB, 64 * KiB, 1))
+def _parts(start, size, count):
+    return [(start + i * size // count, start + (i + 1) * size // count) for i in range(count)]
+
+
+def test_a_random_range_takes_no_more_parts_than_half_the_free_connections():
+    """Parts that wait for a connection gain nothing and cost requests: with two connections, a 256 KiB record
+    comes in one GET."""
+    store, data, info, dp = one_object(seed=9, size=16 * MiB, concurrency=2)
+
+    async def go():
+        fh = dp.reader.open(info)
+        assert bytes(await dp.reader.read(fh, 9 * MiB + 4 * KiB, 256 * KiB)) == data[9 * MiB + 4 * KiB:9 * MiB + 260 * KiB]
+
+    run(dp, go)
+    assert [(s, e) for _, s, e in store.ranges] == [(9 * MiB + 4 * KiB, 9 * MiB + 260 * KiB)]
 
 
 def test_a_read_inside_a_held_range_needs_no_get():
