@@ -160,6 +160,48 @@ class Forked:
             self.returncode = os.waitstatus_to_exitcode(status)
 
 
+class Strays:
+    """Zombies of processes the hub adopted as a child subreaper and waits for nowhere else: the child a worker that
+    was killed leaves (a `credential_process` it ran), an intermediate a template that died mid-fork leaves. `reap`
+    waits for each one found a zombie at two calls in a row: a child of the hub's own that some library runs and
+    waits for (botocore's `credential_process`) is never taken from it, it waits at once."""
+
+    def __init__(self) -> None:
+        self._seen: set[int] = set()
+        self.reaped = 0
+
+    def reap(self, tracked: set[int]) -> int:
+        """Reap the strays (not in `tracked`, the hub's workers and template); how many were."""
+        zombies = {pid for pid in _children() if pid not in tracked and _zombie(pid)}
+        for pid in zombies & self._seen:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+                self.reaped += 1
+            except ChildProcessError:
+                pass
+        self._seen = zombies - self._seen
+        return self.reaped
+
+
+def _children() -> set[int]:
+    found: set[int] = set()
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                found.update(int(pid) for pid in f.read().split())
+    except OSError:
+        pass
+    return found
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def holds_sockets() -> bool:
     """Has this process a socket open? An object made before the fork that owns one (a credentials provider that
     fetched already: the instance metadata's keeps its connection) must not go to the workers: the template closes

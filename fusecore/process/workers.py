@@ -50,7 +50,7 @@ from . import control
 from .hubwrites import HubWrites
 from .launch import LaunchFailed, _read_ready, ended
 from .peerfanout import PeerFanout, worker_handoff
-from .template import Forked, Template, TemplateGone
+from .template import Forked, Strays, Template, TemplateGone
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ _HEX = frozenset(b"0123456789abcdef")
 RESTART_FIRST, RESTART_MAX = 0.5, 30.0  # seconds between tries of a worker that does not start again
 PF_EXITING = 0x4  # /proc/<pid>/stat flags: the task is exiting
 TELL_TRIES = 3  # a message to a worker (the hub's news) is sent again this often where it could not be delivered
+STRAYS_EVERY = 1.0  # seconds between looks for zombies the hub adopted (Strays)
 LOCAL_BLOCKS = 8  # a worker's own cache: its bytes in flight and this many blocks being read (at most half the budget)
 
 
@@ -171,6 +172,7 @@ class Hub:
         self._delay: dict[int, float] = {}  # a worker that does not start again is tried less and less often
         self._next_try: dict[int, float] = {}
         self._mourned: set[int] = set()  # spawns whose end was seen
+        self.strays = Strays()  # zombies of processes adopted as a subreaper (template.py)
         self._tells = trio.CapacityLimiter(16)  # threads of news to workers (never behind the uploads' threads)
         self.stopping = False
         self.ended = False  # the connection ended (unmounted)
@@ -280,8 +282,13 @@ class Hub:
 
     async def supervise(self, done: trio.CancelScope) -> None:
         """Start a worker that died again; end the mount when a worker ends because the connection did."""
+        next_reap = trio.current_time()
         while not self.stopping:
             await trio.sleep(0.05)
+            if trio.current_time() >= next_reap:
+                next_reap = trio.current_time() + STRAYS_EVERY
+                self.strays.reap({w.proc.pid for w in self.workers.values()}
+                                 | ({self.template.pid} if self.template is not None else set()))
             for index, worker in list(self.workers.items()):
                 status = worker.proc.poll()
                 if status is None or self.stopping:
@@ -488,7 +495,7 @@ class Hub:
         total.setdefault("cache", {}).update({"bytes": local + self.policy.bytes, "budget": self.cfg.cache_size})
         total["open_files"] = len(os.listdir(os.path.join(self.shared, "fh")))
         total["workers"] = {"count": len(self.workers), "pids": [w.proc.pid for w in self.workers.values()],
-                            "restarts": self.restarts,
+                            "restarts": self.restarts, "strays_reaped": self.strays.reaped,
                             "template": self.template.pid if self.template is not None else None}
         if self.writes is not None:
             total["writes"] = self.writes.stats()
