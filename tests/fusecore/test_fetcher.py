@@ -677,7 +677,7 @@ def test_a_block_another_worker_fetches_is_waited_for_and_read_from_its_file(tmp
     store = FakeStore()
     data = bytes(range(256)) * 1024
     info = store.put("k", data)
-    fetcher, other = _two_workers(tmp_path, store)
+    fetcher, other = _two_workers(tmp_path, store, deadline=120.0)  # (a bound no loaded machine reaches)
     block = BlockKey("k", info.etag, 1)
     claim = other.try_claim(block)  # the other worker's GET of block 1 is under way
     got = []
