@@ -382,7 +382,7 @@ class PreciseSelector(selectors.EpollSelector):
 
     def select(self, timeout: float | None = None):
         if timeout is not None and timeout > 0:
-            select.select([self._selector.fileno()], [], [], timeout)
+            select.select([self.fileno()], [], [], timeout)
             timeout = 0
         return super().select(timeout)
 
