@@ -31,6 +31,7 @@ from .blocks import BlockKey
 log = logging.getLogger(__name__)
 
 BLOCKS, CLAIMS, HUB_SOCKET = "blocks", "claims", "hub.sock"
+MARKS = "marks"  # a file the hub makes for each worker's mark once it has taken the news sent before it (mark)
 DISK_QUEUE = "disk-queue"  # the bytes the hub's disk tier has queued for writing (a little-endian u64)
 AHEAD = "ahead"  # the bytes of blocks published as read-ahead that no worker has read since (likewise)
 _QUEUED = struct.Struct("<Q")
@@ -54,7 +55,7 @@ def block_name(key: BlockKey) -> str:
 def prepare(root: str) -> None:
     """The shared folder's layout, private to the mount's user (the hub makes it before starting workers)."""
     os.makedirs(root, mode=0o700, exist_ok=True)
-    for sub in (BLOCKS, CLAIMS):
+    for sub in (BLOCKS, CLAIMS, MARKS):
         os.makedirs(os.path.join(root, sub), mode=0o700, exist_ok=True)
     for counter in (DISK_QUEUE, AHEAD):
         with open(os.path.join(root, counter), "wb") as f:
@@ -169,6 +170,7 @@ class SharedBlocks:
         self._kept_unsent = 0  # bytes of blocks given to the hub's disk tier in news not sent yet
         self._published_unsent = 0  # bytes of blocks published in news not sent yet
         self._counters: dict[str, mmap.mmap] = {}  # the hub's counts (counter_mirror), mapped at their first read
+        self._marks = 0
         self.stats = SharedStats()
 
     def path(self, key: BlockKey) -> str:
@@ -351,6 +353,29 @@ class SharedBlocks:
             self._events.sendto(batch, self._hub)
         except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):
             self.stats.dropped_events += count
+
+    def mark(self) -> str | None:
+        """Send the news gathered, then a mark; the path of the file the hub makes once it has taken everything this
+        worker sent before the mark (datagrams on one socket are taken in order), or None where the mark could not
+        be sent. What a worker waits on where it must know the hub has its news: the disk tier's queue counts the
+        last blocks a warm gave it only once the hub took their news."""
+        self._marks += 1
+        token = f"{os.getpid()}-{self._marks}"
+        self.flush()
+        try:
+            self._events.sendto(b"mark " + token.encode(), self._hub)
+        except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):
+            return None
+        return os.path.join(self.root, MARKS, token)
+
+    @staticmethod
+    def marked(path: str) -> bool:
+        """Has the hub taken the mark at `path` (and so every news sent before it)? The file is removed."""
+        try:
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return False
 
     def close(self) -> None:
         self.flush()

@@ -23,6 +23,7 @@ import json
 import logging
 import mmap
 import os
+import re
 import shutil
 import signal
 import socket
@@ -59,6 +60,7 @@ READY_TIMEOUT = 60.0  # seconds a worker may take to start serving
 RESCAN_EVERY = 5.0  # seconds between the hub's looks at the shared folder (news a full socket dropped)
 ENDED = 0  # a worker's exit status when the connection ended (unmounted): the mount ends
 _HEX = frozenset(b"0123456789abcdef")
+_MARK = re.compile(rb"[0-9]{1,10}-[0-9]{1,19}")
 RESTART_FIRST, RESTART_MAX = 0.5, 30.0  # seconds between tries of a worker that does not start again
 PF_EXITING = 0x4  # /proc/<pid>/stat flags: the task is exiting
 TELL_TRIES = 3  # a message to a worker (the hub's news) is sent again this often where it could not be delivered
@@ -387,6 +389,11 @@ class Hub:
         name is 32 hex digits, a disk tier's file 64) is ignored."""
         verb, _, rest = message.partition(b" ")
         name, _, rest = rest.partition(b" ")
+        if verb == b"mark":
+            if _MARK.fullmatch(name):  # (a worker's pid and its count of marks: no path of anyone's choosing)
+                with open(os.path.join(self.shared, blocks.MARKS, name.decode()), "wb"):
+                    pass
+            return
         if verb in (b"dhit", b"ddrop"):
             if self.disk is not None and _named(name, 64):
                 (self.disk.touch if verb == b"dhit" else self.disk.forgotten)(name.decode())
@@ -399,10 +406,10 @@ class Hub:
             return
         size, _, keep = rest.partition(b" ")
         if verb in (b"add", b"ahead") and size.isdigit():
+            if keep and _named(keep, 64):  # (first: the policy may evict this very block at once, a small budget's)
+                self._keep(name.decode(), keep.decode())
             self._evict(self.policy.admit(name.decode(), int(size), ahead=verb == b"ahead"))
             self._show_ahead(self.policy.ahead_bytes)
-            if keep and _named(keep, 64):
-                self._keep(name.decode(), keep.decode())
 
     def _keep(self, name: str, keep: str) -> None:
         """The disk tier writes a published block from its file (mapped: its bytes are already in memory, in the

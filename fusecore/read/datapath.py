@@ -405,6 +405,9 @@ class DataPath:
             # Done means held where the mount says it holds them: the disk's writer takes the last blocks first
             # (its queue is bounded, so this is short; a stalled disk is waited for no longer than DISK_SETTLE).
             settle = trio.current_time() + DISK_SETTLE
+            mark = self.shared.mark() if disk is not None and self.shared is not None else None
+            while mark is not None and not SharedBlocks.marked(mark) and trio.current_time() < settle:
+                await trio.sleep(0.005)  # (a worker's: the hub's queue counts the last blocks once it took their news)
             while disk is not None and disk.queued_bytes and trio.current_time() < settle:
                 await trio.sleep(0.01)
             outer.cancel_scope.cancel()

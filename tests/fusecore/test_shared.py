@@ -174,6 +174,64 @@ def test_the_hub_ignores_news_it_cannot_parse_and_never_leaves_its_folder(tmp_pa
     assert hub.policy.bytes == 5
 
 
+def test_a_workers_mark_is_made_by_the_hub_only_after_the_news_sent_before_it(tmp_path):
+    """A warm's end waits on its mark: the blocks it gave the disk tier are in the hub's queue by then (the news were
+    sent, but the hub might not have taken them, and the queue it shows would not count them yet)."""
+    from fusecore.config import MountConfig, StoreConfig
+    from fusecore.fuse.protocol import Agreed
+    from fusecore.process.workers import Hub
+
+    root = _root(tmp_path)
+    events = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    events.bind(os.path.join(root, shared.HUB_SOCKET))
+    hub = Hub(MountConfig(StoreConfig(bucket="b"), cache_size=16 * 1024 * KiB, block_size=1024 * KiB, workers=2), -1,
+              Agreed(31, 0, 1 << 20, 256), root, "INFO")
+    worker = shared.SharedBlocks(root)
+    worker.publish(BlockKey("data/a", '"e"', 0), b"a" * 100)  # (news gathered, not sent yet)
+    mark = worker.mark()
+    assert mark is not None and not shared.SharedBlocks.marked(mark)
+    taken = []
+    while not shared.SharedBlocks.marked(mark):  # the hub's loop, one datagram at a time
+        for news in events.recv(65536).split(b"\n"):
+            hub._news(news)
+            taken.append(news.split()[0])
+    assert taken == [b"add", b"mark"] and hub.policy.bytes == 100
+    for news in (b"mark ../../outside", b"mark 1-2/../x", b"mark " + b"9" * 40):  # no path of a sender's choosing
+        hub._news(news)
+    assert os.listdir(os.path.join(root, shared.MARKS)) == []
+
+
+def test_a_published_block_for_the_disk_tier_is_kept_even_where_the_policy_evicts_it_at_once(tmp_path):
+    """The hub hands the block's file to the disk tier before the policy may evict it (its mapping keeps the bytes):
+    else a warm's block went missing from the disk tier, the warm done and nothing queued, written or skipped."""
+    from fusecore.config import MountConfig, StoreConfig
+    from fusecore.fuse.protocol import Agreed
+    from fusecore.process.workers import Hub
+
+    class Disk:
+        def __init__(self):
+            self.kept = {}
+
+        def still_holds(self, name):
+            return False
+
+        def keep(self, name, data):
+            self.kept[name] = bytes(data)
+
+    root = _root(tmp_path)
+    hub = Hub(MountConfig(StoreConfig(bucket="b"), cache_size=16 * 1024 * KiB, block_size=1024 * KiB, workers=2), -1,
+              Agreed(31, 0, 1 << 20, 256), root, "INFO")
+    hub.disk = Disk()
+    worker = shared.SharedBlocks(root)
+    key = BlockKey("data/big", '"e"', 0)
+    body = os.urandom(hub.policy.budget + 1)  # more than the shared blocks' budget: evicted as soon as admitted
+    worker.publish(key, body)
+    keep = "ab" * 32
+    hub._news(b"add %s %d %s" % (shared.block_name(key).encode(), len(body), keep.encode()))
+    assert not worker.holds(key), "evicted"
+    assert hub.disk.kept == {keep: body}
+
+
 def test_a_collision_of_derived_inode_numbers_is_refused_not_answered_as_the_other_path(tmp_path):
     root = _root(tmp_path)
     one, two = Registry(root), Registry(root)
