@@ -62,18 +62,19 @@ SCRIPT = textwrap.dedent("""
         print("reaped")
 
     # a process this one adopted (its parent died first), and a child of its own that it waits for itself
-    r, w = os.pipe()
+    told, tell = os.pipe()  # the orphan's pid, from its parent
+    go, release = os.pipe()  # the orphan's end, from this process
     middle = os.fork()
     if middle == 0:
         orphan = os.fork()
         if orphan == 0:
-            os.read(r, 1)  # (ends once its parent is gone and it was adopted)
+            os.read(go, 1)  # (ends once its parent is gone and it was adopted)
             os._exit(0)
-        os.write(w, str(orphan).encode().ljust(16))
+        os.write(tell, str(orphan).encode().ljust(16))
         os._exit(0)
-    orphan = int(os.read(r, 16))
     os.waitpid(middle, 0)
-    os.write(w, b"x")  # the orphan ends: a zombie of this process's, which nothing here waits for
+    orphan = int(os.read(told, 16))
+    os.write(release, b"x")  # the orphan ends: a zombie of this process's, which nothing here waits for
     mine = os.fork()
     if mine == 0:
         os._exit(5)
