@@ -405,6 +405,8 @@ class DataPath:
             # Done means held where the mount says it holds them: the disk's writer takes the last blocks first
             # (its queue is bounded, so this is short; a stalled disk is waited for no longer than DISK_SETTLE).
             settle = trio.current_time() + DISK_SETTLE
+            while disk is not None and self.fetcher.publishing and trio.current_time() < settle:
+                await trio.sleep(0.005)  # (a worker's: its last blocks go to the hub behind the warm's tasks)
             mark = self.shared.mark() if disk is not None and self.shared is not None else None
             while mark is not None and not SharedBlocks.marked(mark) and trio.current_time() < settle:
                 await trio.sleep(0.005)  # (a worker's: the hub's queue counts the last blocks once it took their news)

@@ -158,6 +158,7 @@ class Fetcher:
         # always finds one, and a sequential reader's whole window (64 blocks) can be in flight at once.
         self._prefetch_slots = max(1, max_concurrency - max(1, max_concurrency // DEMAND_RESERVE))
         self._prefetching = 0  # prefetch tasks running
+        self.publishing = 0  # blocks being published to the mount's other workers (_publish), behind their readers
         # Prefetches not started yet, in the order they were asked for: they start in that order (trio runs
         # a batch of new tasks forwards or backwards at random, so tasks racing for room would not).
         self._queue: deque[tuple[BlockKey, ObjectInfo, _Pending, Callable[[], bool]]] = deque()
@@ -348,6 +349,7 @@ class Fetcher:
                 # holds it (with a disk tier a block evicted first is read back from the disk, and the walks going
                 # further ahead made the disk cell's cold epoch 40% faster)
                 ahead = not pending.demanded and self.disk is None
+                self.publishing += 1
                 self._nursery.start_soon(self._publish, key, pending.data, pending.claim, keep_as,
                                          ahead)  # behind the reader
                 pending.claim = None
@@ -398,6 +400,7 @@ class Fetcher:
                 self.cache.discard(key)
         finally:
             claim.release()
+            self.publishing -= 1
 
     def _keeps(self, key: CacheKey, obj: ObjectInfo) -> bool:
         """Does the cache keep this block past its readers? In a distributed cache only what this node owns: its
