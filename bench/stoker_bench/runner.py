@@ -9,6 +9,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 
+from fusecore.process.template import children
 from fusecore.store.bodies import socket_readinto
 
 from .fixture import StoreProcess
@@ -46,27 +47,16 @@ def _proc_cpu(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     own = sum(int(v) for v in fields[11:15]) / CLK_TCK
-    return own + sum(_proc_cpu(child) for child in _children(pid))
-
-
-def _children(pid: int) -> list[int]:
-    found: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                found.extend(int(c) for c in f.read().split())
-    except OSError:
-        pass
-    return found
+    return own + sum(_proc_cpu(child) for child in children(pid))
 
 
 def _tree_memory_kib(pid: int) -> int:
     """Memory of a mount: its RSS; for one served by several processes, the PSS of each (pages shared between them
     count once) and the block files they share on tmpfs (workers.shared_folder)."""
-    children = _children(pid)
-    if not children:
+    workers = children(pid)
+    if not workers:
         return _proc_rss_kib(pid)
-    total = sum(_pss_kib(p) for p in (pid, *children))
+    total = sum(_pss_kib(p) for p in (pid, *workers))
     folder = f"/dev/shm/stoker-{os.geteuid()}-{pid}/blocks"
     try:
         total += sum(e.stat().st_size for e in os.scandir(folder)) // 1024

@@ -172,7 +172,7 @@ class Strays:
 
     def reap(self, tracked: set[int]) -> int:
         """Reap the strays (not in `tracked`, the hub's workers and template); how many were."""
-        zombies = {pid for pid in _children() if pid not in tracked and _zombie(pid)}
+        zombies = {pid for pid in children() if pid not in tracked and _zombie(pid)}
         for pid in zombies & self._seen:
             try:
                 os.waitpid(pid, os.WNOHANG)
@@ -183,12 +183,13 @@ class Strays:
         return self.reaped
 
 
-def _children() -> set[int]:
-    found: set[int] = set()
+def children(pid: int | str = "self") -> list[int]:
+    """The processes whose parent is `pid` (each of its threads' children), as /proc lists them."""
+    found: list[int] = []
     try:
-        for task in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{task}/children") as f:
-                found.update(int(pid) for pid in f.read().split())
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found.extend(int(child) for child in f.read().split())
     except OSError:
         pass
     return found

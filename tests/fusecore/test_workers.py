@@ -12,6 +12,7 @@ import threading
 
 import pytest
 
+from fusecore.process.template import children
 from tests.conftest import requires_fuse
 from tests.support.waiting import wait_for
 
@@ -160,7 +161,7 @@ def test_workers_are_forked_from_the_hubs_template_which_ends_once_they_serve(s3
     stats = mounts.stats(mp)
     hub, pids = stats["pid"], _worker_pids(stats)
     assert stats["workers"]["template"] is None  # retired once the workers served
-    assert [p for p in _children(hub) if p not in pids] == [], "the template is reaped"
+    assert [p for p in children(hub) if p not in pids] == [], "the template is reaped"
     for pid in pids:  # forked, not a new interpreter; each worker the hub's own child
         assert _cmdline(pid) == _cmdline(hub)
     assert all(_status(pid, "PPid") == hub for pid in pids)
@@ -177,14 +178,6 @@ def test_workers_are_forked_from_the_hubs_template_which_ends_once_they_serve(s3
     fresh = next(p for p in _worker_pids(after) if p not in pids)
     assert b"serve-worker" in _cmdline(fresh)
     assert _epoch(mp, dataset, seed=4) == []
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            found += [int(c) for c in f.read().split()]
-    return found
 
 
 def _disk_files(folder) -> dict[str, bytes]:
