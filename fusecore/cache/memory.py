@@ -312,9 +312,8 @@ class BlockCache:
 
     def give_back(self, spare: Buffer | None) -> None:
         """A spare buffer `reserve` handed out that no GET used (the block came from nearer)."""
-        if spare is not None and len(self._free) < self.MAX_FREE:
-            self._free.append(spare)
-            self._free_bytes += len(spare)
+        if spare is not None:
+            self._keep_spare(spare)
             self._enforce()
 
     def release(self, nbytes: int) -> None:
@@ -416,9 +415,13 @@ class BlockCache:
         entry.data = b""
         # Two references: `data` here and getrefcount's argument. Any reader still holding the
         # buffer (or a memoryview of it) would add one, and then it must not be overwritten.
-        if isinstance(data, mmap.mmap) and len(self._free) < self.MAX_FREE and sys.getrefcount(data) == 2:
-            self._free.append(data)
-            self._free_bytes += len(data)
+        if isinstance(data, mmap.mmap) and sys.getrefcount(data) == 2:
+            self._keep_spare(data)
+
+    def _keep_spare(self, buffer: Buffer) -> None:
+        if len(self._free) < self.MAX_FREE:
+            self._free.append(buffer)
+            self._free_bytes += len(buffer)
 
     def _drop(self, segment: OrderedDict, *, oldest: bool = True) -> None:
         key, entry = segment.popitem(last=not oldest)

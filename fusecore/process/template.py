@@ -170,8 +170,8 @@ class Strays:
         self._seen: set[int] = set()
         self.reaped = 0
 
-    def reap(self, tracked: set[int]) -> int:
-        """Reap the strays (not in `tracked`, the hub's workers and template); how many were."""
+    def reap(self, tracked: set[int]) -> None:
+        """Reap the strays (not in `tracked`, the hub's workers and template); `reaped` counts them."""
         zombies = {pid for pid in children() if pid not in tracked and _zombie(pid)}
         for pid in zombies & self._seen:
             try:
@@ -180,7 +180,6 @@ class Strays:
             except ChildProcessError:
                 pass
         self._seen = zombies - self._seen
-        return self.reaped
 
 
 def children(pid: int | str = "self") -> list[int]:

@@ -405,13 +405,19 @@ class DataPath:
             # Done means held where the mount says it holds them: the disk's writer takes the last blocks first
             # (its queue is bounded, so this is short; a stalled disk is waited for no longer than DISK_SETTLE).
             settle = trio.current_time() + DISK_SETTLE
-            while disk is not None and self.fetcher.publishing and trio.current_time() < settle:
-                await trio.sleep(0.005)  # (a worker's: its last blocks go to the hub behind the warm's tasks)
-            mark = self.shared.mark() if disk is not None and self.shared is not None else None
-            while mark is not None and not SharedBlocks.marked(mark) and trio.current_time() < settle:
-                await trio.sleep(0.005)  # (a worker's: the hub's queue counts the last blocks once it took their news)
-            while disk is not None and disk.queued_bytes and trio.current_time() < settle:
-                await trio.sleep(0.01)
+
+            async def settled(done: Callable[[], bool]) -> None:
+                while not done() and trio.current_time() < settle:
+                    await trio.sleep(0.005)
+
+            if disk is not None:
+                # (a worker's: its last blocks go to the hub behind the warm's tasks, and the hub's queue counts them
+                # once it took their news, which its answer to a mark sent after them says)
+                await settled(lambda: not self.fetcher.publishing)
+                mark = self.shared.mark() if self.shared is not None else None
+                if mark is not None:
+                    await settled(lambda: SharedBlocks.marked(mark))
+                await settled(lambda: not disk.queued_bytes)
             outer.cancel_scope.cancel()
         progress.seconds = round(time.monotonic() - started, 3)
         progress.done = True
