@@ -1,5 +1,6 @@
-"""FUSE passthrough of held files: an OPEN of an object the disk tier holds whole is answered with a backing file,
-and the kernel then reads that file itself (no READ reaches the mount).
+"""FUSE passthrough of held files: an OPEN of an object held whole in a file (the disk tier's, or, for a mount served
+by several workers, the block file in their shared memory) is answered with that file as its backing file, and the
+kernel then reads it itself (no READ reaches the mount).
 
 The kernel's rule (fs/fuse/iomode.c, Linux 6.9+): while an inode has a file open in passthrough, every other open of
 it must be a passthrough open of the same backing file, and an inode with a file open in the page-cache mode takes
@@ -35,17 +36,14 @@ from .session import FuseError
 
 log = logging.getLogger(__name__)
 
-HeldFile = Callable[[ObjectInfo], "int | None"]  # an open descriptor of the object's bytes, checked, or None
+# An open descriptor of the object's bytes, checked, or None; the flag: a file the workers' shared memory holds may
+# be the one (DataPath.held_file)
+HeldFile = Callable[[ObjectInfo, bool], "int | None"]
 BACKED = 1 << 39  # set in a handle open in passthrough (a reader's handles stay below it: 2^39 opens a worker's start)
 
 
 def backed_handle(fh: int) -> int:
     return fh | BACKED
-
-
-def plain_handle(fh: int) -> int:
-    """The reader's handle, as it made it."""
-    return fh & ~BACKED
 
 
 class Backings(Protocol):
@@ -93,6 +91,7 @@ _RECORD = struct.Struct("<QIIIIQ")  # inode (0: a free slot), cached, backed, ba
 MODES = "modes"
 MODE_SLOTS = 1 << 16  # 2 MiB of records, written at start
 WINDOW = 32  # slots an inode's record may take, from its home slot on
+_WINDOW_INODES = struct.Struct("<" + f"Q{_RECORD.size - 8}x" * WINDOW)  # the inode of each record of a window
 
 
 class SharedModes:
@@ -121,15 +120,10 @@ class SharedModes:
 
     def _find(self, inode: int, home: int) -> tuple[int | None, int | None]:
         """The slot holding the inode's record, and the first free slot, in its window."""
-        window = self._table[home * _RECORD.size:(home + WINDOW) * _RECORD.size]
-        free = None
-        for n in range(WINDOW):
-            held = int.from_bytes(window[n * _RECORD.size:n * _RECORD.size + 8], "little")
-            if held == inode:
-                return home + n, None
-            if held == 0 and free is None:
-                free = home + n
-        return None, free
+        held = _WINDOW_INODES.unpack_from(self._table, home * _RECORD.size)
+        if inode in held:
+            return home + held.index(inode), None
+        return None, (home + held.index(0) if 0 in held else None)
 
     def idle(self, inode: int) -> bool:
         return self._find(inode, self._home(inode))[0] is None
@@ -177,12 +171,13 @@ class Passthrough:
         self.closed = 0  # releases of opens in passthrough (answered here: with workers, opened anywhere)
         self.refused = 0  # opens refused: the object changed under a live passthrough open
 
-    def open(self, fh: int, inode: int, info: ObjectInfo) -> int:
+    def open(self, fh: int, inode: int, info: ObjectInfo, memory: bool = True) -> int:
         """The backing id to answer this open with (its handle then `backed_handle(fh)`), or 0 for the page-cache
         mode (reads reach the mount). A held file is checked and registered before the inode's record is locked (a
-        check may read the whole file); a registration another open made unneeded meanwhile is let go."""
+        check may read the whole file); a registration another open made unneeded meanwhile is let go. `memory`: a
+        file the workers' shared memory holds may back it (not where the kernel may hold the file's pages itself)."""
         version = _version(info.etag)
-        prepared = self._register(info) if self.enabled and self._modes.idle(inode) else 0
+        prepared = self._register(info, memory) if self.enabled and self._modes.idle(inode) else 0
         try:
             with self._modes.locked(inode) as state:
                 if state.backed:
@@ -205,8 +200,8 @@ class Passthrough:
             if prepared:
                 self._backings.close_backing(prepared)
 
-    def _register(self, info: ObjectInfo) -> int:
-        fd = self._held(info)
+    def _register(self, info: ObjectInfo, memory: bool) -> int:
+        fd = self._held(info, memory)
         if fd is None:
             return 0
         try:

@@ -316,7 +316,7 @@ async def _serve_worker(cfg: MountConfig, role: workers.WorkerRole, datapath: Da
     writes = relay.Relay(os.path.join(role.shared, relay.SOCKET)) if cfg.writable else None
     fs = _filesystem(cfg, datapath, writes)
     conn = Connection(role.fuse_fd, agreed=role.agreed())
-    if conn.agreed is not None and conn.agreed.passthrough and datapath.disk is not None:
+    if conn.agreed is not None and conn.agreed.passthrough:  # (held files: the shared blocks, the disk tier's)
         # (the modes of an inode's opens are the mount's, kept where every worker sees them)
         fs.passthrough = Passthrough(conn, datapath.held_file, SharedModes(role.shared))
         datapath.passthrough = fs.passthrough
@@ -372,8 +372,9 @@ def _connect(cfg: MountConfig, disk: HeldFiles | None) -> Connection:
 
 
 def _wants(cfg: MountConfig, disk: HeldFiles | None) -> int:
-    """Passthrough needs a disk tier to hold files and CAP_SYS_ADMIN to register them (root, the CSI mounter)."""
-    held = cfg.passthrough and disk is not None and disk.plain
+    """Passthrough needs files that hold objects whole (a disk tier's; the block files several workers share, used
+    where the mount keeps no page cache: StokerFS.open) and CAP_SYS_ADMIN to register them (root, the CSI mounter)."""
+    held = cfg.passthrough and ((disk is not None and disk.plain) or (cfg.workers > 1 and not cfg.kernel_cache))
     # a writable mount: an open with O_TRUNC comes as one OPEN (not an OPEN and a SETATTR to size 0), and a write
     # of up to max_write as one WRITE (without BIG_WRITES the kernel sends one per page: 4 KiB)
     return int(WANT | (Init.PASSTHROUGH if held and os.geteuid() == 0 else 0)

@@ -180,17 +180,20 @@ class DataPath:
         except Exception as exc:  # noqa: BLE001 - whatever failed, the asker is answered FAILED at once
             pending.set_exception(exc)
 
-    def held_file(self, info: ObjectInfo) -> int | None:
-        """An open descriptor of a file holding exactly `info`'s bytes, checked (the disk tier's one-block
-        objects), for the kernel to read itself (FUSE passthrough); counted as served from the cache. None where
-        memory holds the block: the read order is memory first (and a cold epoch's files, fetched ahead into memory
-        and written behind to disk, were 9% slower read back through passthrough than from memory)."""
-        if self.disk is None or not 0 < info.size <= self.cfg.block_size:
+    def held_file(self, info: ObjectInfo, memory: bool = True) -> int | None:
+        """An open descriptor of a file holding exactly `info`'s bytes, for the kernel to read itself (FUSE
+        passthrough), counted as served from the cache: an object of one block that the workers' shared memory holds
+        (a file on tmpfs, where `memory`), else the disk tier's, checked. None where this process's memory holds the
+        block: the read order is memory first (and a cold epoch's files, fetched ahead into memory and written behind
+        to disk, were 9% slower read back through passthrough than from memory), and where neither holds it."""
+        if not 0 < info.size <= self.cfg.block_size:
             return None
         key = BlockKey(info.key, info.etag, 0)
-        if key in self.cache or (self.shared is not None and self.shared.holds(key)):  # (the workers' memory)
+        if key in self.cache:
             return None
-        fd = self.disk.open_whole(key, info.size)
+        fd = self.shared.open_whole(key, info.size) if self.shared is not None and memory else None
+        if fd is None and self.disk is not None and not (self.shared is not None and self.shared.holds(key)):
+            fd = self.disk.open_whole(key, info.size)
         if fd is not None:
             self.metrics.bytes_served.labels(source="cache").inc(info.size)
         return fd

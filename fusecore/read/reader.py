@@ -62,8 +62,13 @@ class Reader:
         self._served_cache = metrics.bytes_served.labels(source="cache")
         self._served_network = metrics.bytes_served.labels(source="network")
 
-    def open(self, info: ObjectInfo) -> int:
-        fh = next(self._handles)
+    def new_handle(self) -> int:
+        """A handle number no open of this mount has (an open the kernel reads itself takes one too)."""
+        return next(self._handles)
+
+    def open(self, info: ObjectInfo, fh: int | None = None) -> int:
+        """Reads of `info` under handle `fh` (a new one where None), for whichever worker gets them."""
+        fh = next(self._handles) if fh is None else fh
         if self.registry is not None:
             self.registry.open_handle(fh, info)
         self._add(fh, info)

@@ -25,17 +25,27 @@ def _read(path: str) -> bytes:
         return b"".join(iter(lambda: f.read(64 * KiB), b""))
 
 
-def _mount_held(s3, bucket, mounts, tmp_path, dataset, *extra, drop: bool = True):
+def _mount_held(s3, bucket, mounts, tmp_path, dataset, *extra, drop: bool = True, disk: bool = True):
+    """A mount that holds every file of `dataset`: on its disk tier (memory dropped where `drop`), or, without a
+    disk tier (`disk=False`, a mount of several workers), in the workers' shared memory."""
     for name, body in dataset.items():
         s3.put_object(Bucket=bucket, Key=name, Body=body)
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mp = mounts.mount(f"s3://{bucket}", "--block-size", "1MiB", "--cache-size", "8MiB", "--no-kernel-cache",
-                      "--disk-cache", str(disk), "--disk-cache-size", "64MiB", *extra)
+    tier = ()
+    if disk:
+        (tmp_path / "disk").mkdir()
+        tier = ("--disk-cache", str(tmp_path / "disk"), "--disk-cache-size", "64MiB")
+    mp = mounts.mount(f"s3://{bucket}", "--block-size", "1MiB", "--cache-size", "8MiB" if disk else "32MiB",
+                      "--no-kernel-cache", *tier, *extra)
     stats = mounts.stats(mp)
     if "passthrough" not in stats:
         pytest.skip("this kernel offers no FUSE passthrough (Linux 6.9+)")
-    for name, body in dataset.items():  # the first pass reads through the mount and fills the disk tier
+    if not disk:  # a warm: a file a worker read into its own memory would be read from there first
+        for _ in control.warm(control.default_control_socket(mp), list(dataset)):
+            pass
+        blocks = sum(-(-len(body) // MiB) for body in dataset.values())
+        assert wait_for(lambda: mounts.stats(mp)["shared"]["blocks"] >= blocks, 30), mounts.stats(mp)["shared"]
+        return mp
+    for name, body in dataset.items():  # the first pass reads through the mount and fills the tier
         assert _read(os.path.join(mp, name)) == body
     assert wait_for(lambda: mounts.stats(mp)["disk"]["written"] >= len(dataset), 30), mounts.stats(mp)["disk"]
     if drop:  # memory is read first: held on disk only from now on
@@ -80,13 +90,15 @@ def test_no_passthrough_flag_answers_every_read_here(s3, bucket, mounts, tmp_pat
     assert "passthrough" not in stats and stats["fuse_reads"]["count"] > reads
 
 
-@pytest.mark.parametrize("workers", ["1", "2"])
-def test_a_changed_object_is_never_answered_with_its_held_old_bytes(s3, bucket, mounts, tmp_path, workers):
+@pytest.mark.parametrize("workers, disk", [("1", True), ("2", True), ("2", False)])
+def test_a_changed_object_is_never_answered_with_its_held_old_bytes(s3, bucket, mounts, tmp_path, workers, disk):
     """The held file is the old version's; after the listing shows the new ETag an open gets the new bytes. While
     the old version is open in passthrough the kernel takes no other mode for the file: a new open is refused
-    (EBUSY) until the old one closes, never answered with old bytes. With two workers, whichever answers the open."""
+    (EBUSY) until the old one closes, never answered with old bytes. With two workers, whichever answers the open,
+    and whether the disk tier or the workers' shared memory holds the old version."""
     old, new = os.urandom(100 * KiB), os.urandom(120 * KiB)
-    mp = _mount_held(s3, bucket, mounts, tmp_path, {"x": old}, "--metadata-ttl", "1", "--workers", workers)
+    mp = _mount_held(s3, bucket, mounts, tmp_path, {"x": old}, "--metadata-ttl", "1", "--workers", workers,
+                     disk=disk)
     path = os.path.join(mp, "x")
     held_open = os.open(path, os.O_RDONLY)
     try:
@@ -189,3 +201,62 @@ def test_held_files_opened_at_once_through_two_workers_share_one_backing_each(s3
 
     modes = SharedModes(f"/dev/shm/stoker-{os.geteuid()}-{after['pid']}")
     assert all(modes.idle(os.stat(os.path.join(mp, name)).st_ino) for name in dataset), "every count back to 0"
+
+
+def test_with_workers_a_file_held_in_their_shared_memory_is_read_by_the_kernel(s3, bucket, mounts, tmp_path):
+    """Several workers share blocks as files on tmpfs (cache/shared.py): a file held whole there is a backing file
+    too, so the kernel reads it itself, without the disk tier (issue 45: bytes the mount holds, read by the kernel).
+    The hub's policy still hears of each such read; a file the policy evicts while open in passthrough is still read
+    right through its open (the kernel holds the file), and a later open reads it through the mount again."""
+    dataset = {f"s/f{i:02d}.jpg": os.urandom(80 * KiB + 1013 * i) for i in range(12)}
+    dataset["s/big"] = os.urandom(2 * MiB + 5)  # two blocks: read through the workers as ever
+    mp = _mount_held(s3, bucket, mounts, tmp_path, dataset, "--workers", "2", disk=False)
+    small = {name: body for name, body in dataset.items() if name != "s/big"}
+    before = mounts.stats(mp)
+    for _ in range(2):  # (the hub's policy keeps a block read twice: the second pass's opens promote them)
+        for name, body in small.items():
+            assert _read(os.path.join(mp, name)) == body
+    after = mounts.stats(mp)
+    assert after["fuse_reads"]["count"] == before["fuse_reads"]["count"], "a held file's reads reach the mount"
+    assert after["passthrough"]["opens"] - before["passthrough"]["opens"] == 2 * len(small), after["passthrough"]
+    assert after["shared"]["backing"] - before["shared"]["backing"] >= len(small), after["shared"]
+    assert after["requests"]["get"] == before["requests"]["get"]
+    assert wait_for(lambda: mounts.stats(mp)["shared"]["hits"] - before["shared"]["hits"] >= len(small), 30), \
+        "the hub's policy heard of the reads"
+    assert _read(os.path.join(mp, "s/big")) == dataset["s/big"]
+    assert mounts.stats(mp)["fuse_reads"]["count"] > after["fuse_reads"]["count"]
+
+    path = os.path.join(mp, "s/f03.jpg")
+    held_open = os.open(path, os.O_RDONLY)
+    try:
+        assert mounts.stats(mp)["passthrough"]["live"] == 1
+        control.call(control.default_control_socket(mp), {"op": "drop"})
+        assert mounts.stats(mp)["shared"]["blocks"] == 0, "every shared block evicted"
+        assert os.pread(held_open, len(small["s/f03.jpg"]) + 1, 0) == small["s/f03.jpg"]
+    finally:
+        os.close(held_open)
+    assert wait_for(lambda: mounts.stats(mp)["passthrough"]["live"] == 0, 30), "every backing file let go"
+    reads, gets = mounts.stats(mp)["fuse_reads"]["count"], mounts.stats(mp)["requests"]["get"]
+    assert _read(path) == small["s/f03.jpg"]
+    assert mounts.stats(mp)["fuse_reads"]["count"] > reads and mounts.stats(mp)["requests"]["get"] > gets
+
+
+def test_with_the_page_cache_the_workers_shared_memory_is_not_passed_through(s3, bucket, mounts):
+    """A mount that keeps the kernel's page cache answers a file the workers hold in memory through READs, and the
+    page cache then serves its next opens: a passthrough open would leave that cache empty, and an open in
+    passthrough costs the workers more than one the page cache serves."""
+    dataset = {f"k/f{i}": os.urandom(60 * KiB + 7 * i) for i in range(4)}
+    for name, body in dataset.items():
+        s3.put_object(Bucket=bucket, Key=name, Body=body)
+    mp = mounts.mount(f"s3://{bucket}", "--workers", "2", "--block-size", "1MiB", "--cache-size", "32MiB")
+    for _ in control.warm(control.default_control_socket(mp), list(dataset)):
+        pass
+    assert wait_for(lambda: mounts.stats(mp)["shared"]["blocks"] >= len(dataset), 30), mounts.stats(mp)["shared"]
+    reads = []
+    for _ in range(2):
+        for name, body in dataset.items():
+            assert _read(os.path.join(mp, name)) == body
+        reads.append(mounts.stats(mp)["fuse_reads"]["count"])
+    stats = mounts.stats(mp)
+    assert stats.get("passthrough", {}).get("opens", 0) == 0, stats.get("passthrough")
+    assert reads[0] > 0 and reads[1] == reads[0], "the second pass was not served by the page cache"

@@ -46,7 +46,7 @@ def held(tmp_path):
     path.write_bytes(b"0123456789")
     holds = {"on": True}
 
-    def held_file(info: ObjectInfo) -> int | None:
+    def held_file(info: ObjectInfo, memory: bool) -> int | None:
         return os.open(path, os.O_RDONLY) if holds["on"] else None
 
     return holds, held_file

@@ -258,7 +258,8 @@ def test_stats_and_metrics_count_every_worker(s3, bucket, mounts):
 
     shown = subprocess.run([sys.executable, "-m", "stoker", "stats", mp], capture_output=True, text=True).stdout
     assert "workers      3 (pids" in shown, shown
-    assert stats["fuse_reads"]["count"] >= len(dataset)  # summed over the workers
+    # summed over the workers; a file the walk published before its open is read by the kernel (passthrough, root)
+    assert stats["fuse_reads"]["count"] + stats.get("passthrough", {}).get("opens", 0) >= len(dataset)
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
