@@ -373,8 +373,10 @@ def _connect(cfg: MountConfig, disk: HeldFiles | None) -> Connection:
 
 def _wants(cfg: MountConfig, disk: HeldFiles | None) -> int:
     """Passthrough needs files that hold objects whole (a disk tier's; the block files several workers share, used
-    where the mount keeps no page cache: StokerFS.open) and CAP_SYS_ADMIN to register them (root, the CSI mounter)."""
-    held = cfg.passthrough and ((disk is not None and disk.plain) or (cfg.workers > 1 and not cfg.kernel_cache))
+    where the mount keeps no page cache and takes no writes: StokerFS.open) and CAP_SYS_ADMIN to register them (root,
+    the CSI mounter)."""
+    shared = cfg.workers > 1 and not cfg.kernel_cache and not cfg.writable
+    held = cfg.passthrough and ((disk is not None and disk.plain) or shared)
     # a writable mount: an open with O_TRUNC comes as one OPEN (not an OPEN and a SETATTR to size 0), and a write
     # of up to max_write as one WRITE (without BIG_WRITES the kernel sends one per page: 4 KiB)
     return int(WANT | (Init.PASSTHROUGH if held and os.geteuid() == 0 else 0)

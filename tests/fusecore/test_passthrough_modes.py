@@ -4,6 +4,7 @@ passthrough opens live; no passthrough open beside a cached one)."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 
@@ -155,3 +156,20 @@ def test_an_inode_whose_window_is_full_is_refused_not_left_uncounted(held, tmp_p
     assert len(kernel.open) == pt.WINDOW, "the refused open's backing was let go"
     one.release(1 | BACKED, 1)
     assert one.open(100, pt.WINDOW + 1, _info()) > 0  # a slot freed: counted
+
+
+@pytest.mark.parametrize("workers, kernel_cache, writable, asked", [
+    (1, False, False, False),  # one process, no disk tier: nothing could back an open
+    (2, False, False, True),  # the blocks the workers share in memory
+    (2, True, False, False),  # the page cache serves a file's later opens instead
+    (2, False, True, False),  # a writable mount's opens for writing are the hub's, counted in no worker's modes
+])
+def test_passthrough_is_asked_at_init_only_where_shared_blocks_may_back_opens(workers, kernel_cache, writable, asked):
+    from fusecore.config import MountConfig, StoreConfig
+    from fusecore.fuse.protocol import Init
+    from fusecore.process.daemon import _wants
+
+    cfg = MountConfig(store=StoreConfig(bucket="b"), mountpoint="/mnt", workers=workers, kernel_cache=kernel_cache,
+                      writable=writable)
+    assert bool(_wants(cfg, None) & Init.PASSTHROUGH) == (asked and os.geteuid() == 0)
+    assert not _wants(dataclasses.replace(cfg, passthrough=False), None) & Init.PASSTHROUGH
