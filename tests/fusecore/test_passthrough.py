@@ -49,7 +49,16 @@ def _mount_held(s3, bucket, mounts, tmp_path, dataset, *extra, drop: bool = True
         assert _read(os.path.join(mp, name)) == body
     assert wait_for(lambda: mounts.stats(mp)["disk"]["written"] >= len(dataset), 30), mounts.stats(mp)["disk"]
     if drop:  # memory is read first: held on disk only from now on
-        control.call(control.default_control_socket(mp), {"op": "drop"})
+        socket = control.default_control_socket(mp)
+
+        def dropped() -> bool:
+            """Memory empty, and nothing on its way into it: a GET of the first pass's walk that lands after a drop
+            leaves its block in some worker's memory, which an open then reads from (a READ, in a CI run)."""
+            control.call(socket, {"op": "drop"})
+            stats = mounts.stats(mp)
+            return stats["cache"]["entries"] == 0 and stats["inflight"]["requests"] == 0
+
+        assert wait_for(dropped, 30), mounts.stats(mp)["cache"]
     return mp
 
 
