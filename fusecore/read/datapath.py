@@ -191,8 +191,13 @@ class DataPath:
         key = BlockKey(info.key, info.etag, 0)
         if key in self.cache:
             return None
-        fd = self.shared.open_whole(key, info.size) if self.shared is not None and memory else None
-        if fd is None and self.disk is not None and not (self.shared is not None and self.shared.holds(key)):
+        fd = None
+        if self.shared is not None:
+            if memory:
+                fd = self.shared.open_whole(key, info.size)
+            elif self.shared.holds(key):
+                return None  # (memory first: the workers read it from the shared blocks)
+        if fd is None and self.disk is not None:
             fd = self.disk.open_whole(key, info.size)
         if fd is not None:
             self.metrics.bytes_served.labels(source="cache").inc(info.size)

@@ -68,7 +68,7 @@ class Reader:
 
     def open(self, info: ObjectInfo, fh: int | None = None) -> int:
         """Reads of `info` under handle `fh` (a new one where None), for whichever worker gets them."""
-        fh = next(self._handles) if fh is None else fh
+        fh = self.new_handle() if fh is None else fh
         if self.registry is not None:
             self.registry.open_handle(fh, info)
         self._add(fh, info)
