@@ -17,7 +17,7 @@ from ..read.writes import WRITE_HANDLES, Writes
 from ..store.errors import StoreError
 from . import protocol as p
 from .errnos import errno_for
-from .passthrough import BACKED, Passthrough, backed_handle
+from .passthrough import BACKED, Passthrough, backed_handle, shared_memory_backs
 from .relay import Relay
 from .session import Buffer, FuseError
 
@@ -175,11 +175,8 @@ class StokerFS:
         fh = self.reader.new_handle()
         self.on_open(node)
         same_version = self.ns.same_version(node)
-        # A file the workers' shared memory holds is handed to the kernel only where the mount keeps no page cache:
-        # the page cache serves a file's later opens at less cost, and it stays empty for a file opened in
-        # passthrough (the small cell's warm pass with two workers: -12% files/s at +42% CPU)
-        backing = self.passthrough.open(fh, node.inode, info, memory=not self.kernel_cache) \
-            if self.passthrough is not None else 0
+        memory = shared_memory_backs(self.kernel_cache, self.writable)
+        backing = self.passthrough.open(fh, node.inode, info, memory=memory) if self.passthrough is not None else 0
         if backing:  # (the kernel reads it: no READ of this handle comes, the reader never learns of it)
             return (p.open_out(backed_handle(fh), p.OpenFlag.PASSTHROUGH, backing),)
         self.reader.open(info, fh)

@@ -21,7 +21,7 @@ from ..cache.disk import HeldFiles
 from ..read.datapath import DataPath
 from ..fuse import relay
 from ..fuse.adapter import StokerFS
-from ..fuse.passthrough import Passthrough, SharedModes
+from ..fuse.passthrough import Passthrough, SharedModes, shared_memory_backs
 from ..fuse.protocol import Init, ProtocolError
 from ..fuse.device import MountFailed, MountOptions, mount, unmount
 from ..fuse.session import Connection
@@ -372,10 +372,9 @@ def _connect(cfg: MountConfig, disk: HeldFiles | None) -> Connection:
 
 
 def _wants(cfg: MountConfig, disk: HeldFiles | None) -> int:
-    """Passthrough needs files that hold objects whole (a disk tier's; the block files several workers share, used
-    where the mount keeps no page cache and takes no writes: StokerFS.open) and CAP_SYS_ADMIN to register them (root,
-    the CSI mounter)."""
-    shared = cfg.workers > 1 and not cfg.kernel_cache and not cfg.writable
+    """Passthrough needs files that hold objects whole (a disk tier's; the block files several workers share, where
+    `shared_memory_backs`) and CAP_SYS_ADMIN to register them (root, the CSI mounter)."""
+    shared = cfg.workers > 1 and shared_memory_backs(cfg.kernel_cache, cfg.writable)
     held = cfg.passthrough and ((disk is not None and disk.plain) or shared)
     # a writable mount: an open with O_TRUNC comes as one OPEN (not an OPEN and a SETATTR to size 0), and a write
     # of up to max_write as one WRITE (without BIG_WRITES the kernel sends one per page: 4 KiB)

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from fusecore.fuse.passthrough import BACKED, Passthrough, SharedModes
+from fusecore.fuse.passthrough import BACKED, Passthrough, SharedModes, shared_memory_backs
 from fusecore.fuse.session import FuseError
 from fusecore.store.objects import ObjectInfo
 
@@ -172,4 +172,6 @@ def test_passthrough_is_asked_at_init_only_where_shared_blocks_may_back_opens(wo
     cfg = MountConfig(store=StoreConfig(bucket="b"), mountpoint="/mnt", workers=workers, kernel_cache=kernel_cache,
                       writable=writable)
     assert bool(_wants(cfg, None) & Init.PASSTHROUGH) == (asked and os.geteuid() == 0)
+    # (the rule each worker's opens follow too, where a disk tier made INIT ask for passthrough anyway: StokerFS.open)
+    assert shared_memory_backs(kernel_cache, writable) == (asked or workers == 1 and not kernel_cache and not writable)
     assert not _wants(dataclasses.replace(cfg, passthrough=False), None) & Init.PASSTHROUGH
