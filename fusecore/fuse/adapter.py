@@ -10,6 +10,8 @@ import os
 import stat
 from typing import Awaitable, Callable, Sequence
 
+import trio
+
 from ..read.namespace import InodeCollision, Namespace, Node
 from ..read.reader import Reader
 from ..read.writer import Refused
@@ -27,6 +29,7 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 _MAX_TIMEOUT = 365 * 24 * 3600.0
 NOTHING: Sequence[Buffer] = ()
 WRITABLE_ROOM = 1 << 50  # the free space a writable mount reports (a bucket has no size)
+RELEASE_LAG = 1.0  # seconds an open for writing waits for the RELEASEs of passthrough opens (sent after their close)
 
 Op = Callable[[p.Request], Awaitable[Sequence[Buffer]]]
 
@@ -40,8 +43,10 @@ class StokerFS:
 
     def __init__(self, namespace: Namespace, reader: Reader, *, block_size: int, kernel_cache: bool,
                  uid: int, gid: int, on_open: Callable[[Node], None] = lambda node: None,
-                 passthrough: Passthrough | None = None, writes: Writes | None = None, relay: Relay | None = None):
+                 passthrough: Passthrough | None = None, writes: Writes | None = None, relay: Relay | None = None,
+                 sleep: Callable[[float], Awaitable[None]] = trio.sleep):
         self.on_open = on_open
+        self.sleep = sleep
         self.writes = writes  # a writable mount's (read/writes.py says what each write-side operation means)
         # A worker of a writable mount served by several: what writes goes to the hub, which answers it with this
         # adapter over its own writes (fuse/relay.py)
@@ -167,7 +172,13 @@ class StokerFS:
         if self.writable:
             if flags & _WRITE_FLAGS:
                 assert self.writes is not None
-                return (p.open_out(await self.writes.open(node, flags, r.pid)),)
+                await self._count_writer(node.inode)
+                try:
+                    fh = await self.writes.open(node, flags, r.pid)
+                except BaseException:
+                    self._uncount_writer(node.inode)
+                    raise
+                return (p.open_out(fh),)
             if node.writing:
                 raise Refused(f"{node.path} is being written: it can be read once closed", "busy")
         info = node.info
@@ -192,6 +203,7 @@ class StokerFS:
             return await self.relay(r)
         if self.writes is not None and self.writes.owns(fh):
             await self.writes.release(fh)
+            self._uncount_writer(r.nodeid)
             return NOTHING
         if not fh & BACKED:
             self.reader.release(fh)
@@ -212,9 +224,42 @@ class StokerFS:
         assert self.writes is not None
         flags = p.CREATE_IN.unpack_from(r.arg)[0]
         name = os.fsdecode(p.name_of(r.arg[p.CREATE_IN.size:]))
-        node, fh = await self.writes.create(r.nodeid, name, flags, r.pid)
+        # counted before anything is made (a name unlinked while a reader holds its file in passthrough comes back at
+        # the same inode): a refusal leaves no trace, not even one the workers could hear of (hubwrites.py's views)
+        parent = await self.ns.resolve(r.nodeid)
+        known = self.ns.file_inode(parent, name) if parent.is_dir else None
+        if known is not None:
+            await self._count_writer(known)
+        try:
+            node, fh = await self.writes.create(r.nodeid, name, flags, r.pid)
+        except BaseException:
+            if known is not None:
+                self._uncount_writer(known)
+            raise
+        if node.inode != known:  # (a number new to the kernel: counted at once)
+            if known is not None:
+                self._uncount_writer(known)
+            await self._count_writer(node.inode)
         self.ns.remember(node)
         return (p.entry_out(self._attr(node), self.timeout), p.open_out(fh))
+
+    async def _count_writer(self, inode: int) -> None:
+        """An open for writing, counted in the inode's modes (Passthrough.open_for_writing); refused (EBUSY) while the
+        file is open in passthrough, once the RELEASEs of opens just closed had time to come."""
+        if self.passthrough is None:
+            return
+        waited = 0.0
+        while not self.passthrough.open_for_writing(inode):
+            if waited >= RELEASE_LAG:
+                self.passthrough.refused += 1
+                raise Refused("a file being read by the kernel itself (passthrough) is written once those opens close",
+                              "busy")
+            await self.sleep(0.02)
+            waited += 0.02
+
+    def _uncount_writer(self, inode: int) -> None:
+        if self.passthrough is not None:
+            self.passthrough.release(0, inode)  # (a handle without BACKED: a page-cache open ends)
 
     async def write(self, r: p.Request) -> Sequence[Buffer]:
         assert self.writes is not None

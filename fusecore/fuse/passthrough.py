@@ -8,7 +8,8 @@ no passthrough open; breaking either fails the user's open(2) with EIO. So this 
 live opens are in and answers every open in that mode: passthrough only when no cached open is live (a RELEASE
 arrives after the kernel let go, so this errs towards the cached mode), and the same backing while passthrough
 opens are live. An object that changed while its old version is open in passthrough is refused (EBUSY) until the
-old opens close: neither mode could serve the new version then, and the old bytes are never served for it.
+old opens close: neither mode could serve the new version then, and the old bytes are never served for it. An open
+for writing (a writable mount's) is a page-cache open: refused (EBUSY) while the inode is open in passthrough.
 
 An inode's modes are counts (cached opens, passthrough opens, the backing id and the version they read), kept where
 every process that answers the mount's requests sees them: in this process (`LocalModes`), or, for a mount served by
@@ -207,6 +208,16 @@ class Passthrough:
         finally:
             if prepared:
                 self._backings.close_backing(prepared)
+
+    def open_for_writing(self, inode: int) -> bool:
+        """An open for writing (never in passthrough), counted as a page-cache open until its release; False (not
+        counted) while the inode is open in passthrough: the kernel would fail it (EIO) only after the mount had
+        begun the write, and that open's release then made the file an empty object."""
+        with self._modes.locked(inode) as state:
+            if state.backed:
+                return False
+            state.cached += 1
+            return True
 
     def _register(self, info: ObjectInfo, memory: bool) -> int:
         fd = self._held(info, memory)

@@ -232,7 +232,7 @@ def _run_hub(cfg: MountConfig, store: S3Store, ready: ReadyCallback, log_level: 
         try:
             hub.open_peers()
             if cfg.writable:
-                hub.writes = _hub_writes(cfg, store, hub)
+                hub.writes = _hub_writes(cfg, store, hub, conn)
             for worker in [hub.start(i) for i in range(1, cfg.workers + 1)]:
                 hub.wait_ready(worker)
             hub.retire_template()
@@ -258,10 +258,11 @@ def _run_hub(cfg: MountConfig, store: S3Store, ready: ReadyCallback, log_level: 
     return 0
 
 
-def _hub_writes(cfg: MountConfig, store: S3Store, hub: workers.Hub) -> HubWrites:
+def _hub_writes(cfg: MountConfig, store: S3Store, hub: workers.Hub, conn: Connection) -> HubWrites:
     """The hub's writes: one data path that writes (its open uploads named beside the control socket, as a single
     process's are, and those a crash left swept now), and the relay socket the workers send write-side requests to,
-    listening before they start."""
+    listening before they start. Where the kernel reads held files itself, its opens for writing are counted in the
+    modes every worker sees (fuse/passthrough.py: a file open in passthrough is not written meanwhile)."""
     writing = dataclasses.replace(hub.worker_cfg, disk_cache="", disk_cache_size=0, peers="", peer_listen="",
                                   peer_key_file="")  # (the tiers and the peers are the workers')
     datapath = DataPath(writing, store, shared=hub.shared, journal=_control_socket(cfg) + ".uploads", writes=True)
@@ -274,7 +275,10 @@ def _hub_writes(cfg: MountConfig, store: S3Store, hub: workers.Hub) -> HubWrites
     except BaseException:
         datapath.close()
         raise
-    return HubWrites(datapath, _filesystem(hub.worker_cfg, datapath), listener, hub.tell, hub.check_workers)
+    fs = _filesystem(hub.worker_cfg, datapath)
+    if conn.agreed is not None and conn.agreed.passthrough:
+        fs.passthrough = Passthrough(conn, lambda info, memory: None, SharedModes(hub.shared))
+    return HubWrites(datapath, fs, listener, hub.tell, hub.check_workers)
 
 
 async def _serve_hub(cfg: MountConfig, hub: workers.Hub, conn: Connection, ready: ReadyCallback) -> None:

@@ -448,6 +448,17 @@ class Namespace:
         parent.set_child(name, node.inode)
         return node
 
+    def file_inode(self, parent: Node, name: str) -> int | None:
+        """The inode number a file at `name` in `parent` would have if added now (add_file), where the kernel may hold
+        it already: a file known here before (unlinked since, maybe), or a number derived from the path; None: a new
+        number."""
+        path = _join(parent.path, name)
+        inode = self._by_path.get(path)
+        node = self._nodes.get(inode) if inode is not None else None
+        if node is not None and not node.is_dir:
+            return node.inode
+        return derived_inode(path, False) if self.registry is not None else None
+
     def add_dir(self, parent: Node, name: str) -> Node:
         """A directory made here (mkdir): it exists in the bucket once a file is written in it (S3 has prefixes, not
         directories), and until then for as long as this mount's listing of its parent is fresh."""

@@ -283,3 +283,41 @@ def test_a_writable_mount_never_hands_the_workers_shared_memory_to_the_kernel(s3
         assert _read(os.path.join(mp, name)) == body
     after = mounts.stats(mp)
     assert after["shared"]["backing"] == before["shared"]["backing"], after["shared"]
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_file_open_in_passthrough_is_not_written_meanwhile_and_keeps_its_bytes(s3, bucket, mounts, tmp_path,
+                                                                                 workers):
+    """A writable mount: an overwrite, or a new file at a name unlinked meanwhile (it comes back at the same inode),
+    while a reader holds the file open in passthrough is refused (EBUSY) and changes nothing. Before, the kernel failed
+    that open (EIO) after the mount had begun the write, and its release made the object empty. Once the reader
+    closed, both work."""
+    dataset = {f"v/f{i}": os.urandom(50 * KiB + 13 * i) for i in range(2)}
+    mp = _mount_held(s3, bucket, mounts, tmp_path, dataset, "--workers", workers, "--writable", "--allow-overwrite",
+                     "--allow-delete")
+    first, second = os.path.join(mp, "v/f0"), os.path.join(mp, "v/f1")
+
+    def stored(key: str) -> bytes | None:
+        try:
+            return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+        except s3.exceptions.NoSuchKey:
+            return None
+
+    with open(first, "rb", buffering=0) as reader:
+        assert mounts.stats(mp)["passthrough"]["live"] == 1
+        with pytest.raises(OSError) as refused:
+            open(first, "wb")
+        assert refused.value.errno == errno.EBUSY
+        assert reader.read() == dataset["v/f0"] and stored("v/f0") == dataset["v/f0"]
+    with open(second, "rb", buffering=0) as reader:
+        os.unlink(second)
+        with pytest.raises(OSError) as refused:
+            os.open(second, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        assert refused.value.errno == errno.EBUSY
+        assert reader.read() == dataset["v/f1"] and stored("v/f1") is None, "no empty object made"
+    with open(first, "wb") as writer:  # (the readers closed: their RELEASEs come after)
+        writer.write(b"new bytes")
+    with open(second, "wb") as writer:
+        writer.write(b"a new file")
+    assert stored("v/f0") == b"new bytes" and _read(first) == b"new bytes"
+    assert stored("v/f1") == b"a new file" and _read(second) == b"a new file"
