@@ -1,9 +1,9 @@
 """The blocks a mount's worker processes share (`--workers N`): one file per whole block in a folder on tmpfs.
 
-Any worker reads any block without a hop to another process (`load`); the worker that fetched a block publishes it
-whole (`publish`: written aside, then renamed into place, so a block file is always complete); a block is fetched
-once per mount whichever worker asked (`try_claim`: an flock'ed file per block being fetched, which the kernel
-releases if its worker dies); and what stays is decided in one place, the hub (`SharedPolicy`), which every worker
+Any worker reads any block without a hop to another process (`load`); a block is fetched once per mount whichever
+worker asked (`try_claim`: an flock'ed file per block being fetched, which the kernel releases if its worker dies);
+the worker that fetched it publishes it whole (`publish`: written into that claim's file, then renamed into place, so
+a block file is always complete); and what stays is decided in one place, the hub (`SharedPolicy`), which every worker
 tells of the blocks it published and read (datagrams on the hub's socket) and which evicts by unlinking. A file
 unlinked while a worker reads it stays readable to that worker: eviction never tears a read.
 
@@ -128,21 +128,22 @@ def _mapped(path: str) -> mmap.mmap:
 
 
 class Claim:
-    """This worker fetches a block: others wait for its file. Released (unlocked, removed) once published or
-    failed; the kernel releases the lock of a worker that died, and a waiter then claims it itself."""
+    """This worker fetches a block: others wait for its file. The claim's file is where the block is written, and
+    renaming it into place publishes the block and ends the claim at once (`SharedBlocks.publish`). Released
+    (closed; removed unless published) once published or failed; the kernel releases the lock of a worker that
+    died, and a waiter then claims it itself (writing over what the dead worker wrote)."""
 
-    __slots__ = ("fd", "path")
+    __slots__ = ("key", "fd", "path", "published")
 
-    def __init__(self, fd: int, path: str):
-        self.fd, self.path = fd, path
+    def __init__(self, key: BlockKey, fd: int, path: str):
+        self.key, self.fd, self.path = key, fd, path
+        self.published = False
 
     def release(self) -> None:
         if self.fd < 0:
             return
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
+        if not self.published:
+            _unlink(self.path)
         os.close(self.fd)  # (closing drops the lock)
         self.fd = -1
 
@@ -276,8 +277,11 @@ class SharedBlocks:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if _same_file(fd, path):
-                    return Claim(fd, path)
+                mine = os.fstat(fd)
+                if mine.st_ino == _inode(path):
+                    if mine.st_size:  # (bytes of a worker that died writing them)
+                        os.ftruncate(fd, 0)
+                    return Claim(key, fd, path)
             except BlockingIOError:
                 os.close(fd)
                 return None
@@ -287,30 +291,25 @@ class SharedBlocks:
             os.close(fd)  # a claim file its worker removed between our open and our lock: open the current one
         return None
 
-    def publish(self, key: BlockKey, data: bytes | bytearray | memoryview | mmap.mmap, keep: str = "",
+    def publish(self, claim: Claim, data: bytes | bytearray | memoryview | mmap.mmap, keep: str = "",
                 ahead: bool = False) -> bool:
-        """Make a fetched block readable by every worker: written aside, renamed into place. False where the folder
-        had no room (the block stays this worker's own). `keep`: the name the hub's disk tier keeps it under (the
-        hub writes it from this file: diskview.py); `ahead`: read ahead, no reader has it yet (`ahead_bytes`)."""
-        name = block_name(key)
-        final = os.path.join(self._blocks, name)
-        aside = os.path.join(self._claims, f"{name}.{os.getpid()}.part")
+        """Make a fetched block readable by every worker: written into its claim's file, which is renamed into place
+        (so a block file is always whole, and the claim ends with it). False where the folder had no room (the block
+        stays this worker's own). `keep`: the name the hub's disk tier keeps it under (the hub writes it from this
+        file: diskview.py); `ahead`: read ahead, no reader has it yet (`ahead_bytes`)."""
+        name = block_name(claim.key)
         try:
-            fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-            try:
-                view = memoryview(data)
-                done = 0
-                while done < len(view):
-                    done += os.write(fd, view[done:])
-            finally:
-                os.close(fd)
-            os.rename(aside, final)
-        except OSError as exc:  # a full tmpfs: the block stays this worker's only
-            _unlink(aside)
+            view = memoryview(data)
+            done = 0
+            while done < len(view):
+                done += os.pwrite(claim.fd, view[done:], done)
+            os.rename(claim.path, os.path.join(self._blocks, name))
+        except OSError as exc:  # a full tmpfs: the block stays this worker's only (its claim's file is removed)
             if exc.errno not in (errno.ENOSPC, errno.ENOENT):
                 raise
             log.debug("shared block %s not published: %s", name, exc.strerror)
             return False
+        claim.published = True
         self.stats.published += 1
         verb = b"ahead" if ahead else b"add"
         if keep:
@@ -396,11 +395,12 @@ class SharedBlocks:
         self._events.close()
 
 
-def _same_file(fd: int, path: str) -> bool:
+def _inode(path: str) -> int:
+    """The inode at `path` now (0: none)."""
     try:
-        return os.fstat(fd).st_ino == os.stat(path).st_ino
+        return os.stat(path).st_ino
     except FileNotFoundError:
-        return False
+        return 0
 
 
 def _unlink(path: str) -> None:

@@ -388,9 +388,9 @@ class Fetcher:
         assert shared is not None
         try:
             if len(data) < MMAP_MIN:
-                published = shared.publish(key, data, keep_as, ahead)
+                published = shared.publish(claim, data, keep_as, ahead)
             else:
-                published = await trio.to_thread.run_sync(shared.publish, key, data, keep_as, ahead,
+                published = await trio.to_thread.run_sync(shared.publish, claim, data, keep_as, ahead,
                                                           limiter=self._disk_readers)
         except OSError as exc:
             log.warning("block %d of %s not shared with the other workers: %s", key.index, key.key, exc)

@@ -690,7 +690,7 @@ def test_a_block_another_worker_fetches_is_waited_for_and_read_from_its_file(tmp
 
         nursery.start_soon(reader)
         await until(lambda: fetcher.shared.stats.waits == 1)
-        other.publish(block, data[BLOCK:2 * BLOCK])
+        other.publish(claim, data[BLOCK:2 * BLOCK])
         claim.release()
         await until(lambda: got)
 

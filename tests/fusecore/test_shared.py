@@ -25,6 +25,16 @@ def _root(tmp_path) -> str:
     return root
 
 
+def _publish(worker: shared.SharedBlocks, key: BlockKey, data: bytes) -> bool:
+    """A fetch's end in a worker: claimed, published, let go."""
+    claim = worker.try_claim(key)
+    assert claim is not None
+    try:
+        return worker.publish(claim, data)
+    finally:
+        claim.release()
+
+
 def test_a_published_block_is_read_by_another_worker_and_a_wrong_length_never(tmp_path):
     root = _root(tmp_path)
     hub = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -32,7 +42,7 @@ def test_a_published_block_is_read_by_another_worker_and_a_wrong_length_never(tm
     one, two = shared.SharedBlocks(root), shared.SharedBlocks(root)
     key = BlockKey("data/a.jpg", '"etag1"', 0)
     assert two.load(key, 100) is None
-    one.publish(key, b"x" * 100)
+    _publish(one, key, b"x" * 100)
     assert bytes(two.load(key, 100)) == b"x" * 100
     assert two.load(BlockKey("data/a.jpg", '"etag2"', 0), 100) is None  # another version: another name
     assert two.load(key, 99) is None and not two.holds(key)  # the length it must have, or removed
@@ -51,7 +61,7 @@ def test_news_of_published_bytes_leave_at_once_past_a_block_and_small_news_wait(
     hub.setblocking(False)
     worker = shared.SharedBlocks(root)
     small = BlockKey("data/small", '"e"', 0)
-    worker.publish(small, b"s" * (100 * KiB))
+    _publish(worker, small, b"s" * (100 * KiB))
     assert worker.load(small, 100 * KiB) is not None
     try:
         hub.recv(65536)
@@ -59,7 +69,7 @@ def test_news_of_published_bytes_leave_at_once_past_a_block_and_small_news_wait(
     except BlockingIOError:
         pass
     big = BlockKey("data/big", '"e"', 0)
-    worker.publish(big, b"b" * (shared.FLUSH_PUBLISHED - 100 * KiB))  # together: a block's worth published
+    _publish(worker, big, b"b" * (shared.FLUSH_PUBLISHED - 100 * KiB))  # together: a block's worth published
     news = hub.recv(65536).split(b"\n")
     assert [n.split()[0] for n in news] == [b"add", b"hit", b"add"], news
     assert news[2].split()[2] == str(shared.FLUSH_PUBLISHED - 100 * KiB).encode()
@@ -79,6 +89,29 @@ def test_one_worker_claims_a_block_and_a_dead_claim_is_taken_over(tmp_path):
     os.close(fd)  # (a worker that only looked, then closed, takes nobody's claim away)
     assert one.try_claim(key) is None
     again.release()
+
+
+def test_a_block_is_written_into_its_claim_and_a_dead_workers_bytes_there_are_written_over(tmp_path):
+    """Publishing renames the claim's file into place (the claim ends with it, nothing is left in the claims);
+    a claim whose worker died mid-write is taken with its bytes, which never reach a block file."""
+    root = _root(tmp_path)
+    one, two = shared.SharedBlocks(root), shared.SharedBlocks(root)
+    key = BlockKey("k", "e", 0)
+    dead = one.try_claim(key)
+    assert dead is not None
+    os.write(dead.fd, b"partial bytes of a worker that died, longer than the block")
+    os.close(dead.fd)  # (its lock goes with it, its file stays)
+    claim = two.try_claim(key)
+    assert claim is not None and os.fstat(claim.fd).st_size == 0
+    assert two.publish(claim, b"block")
+    claim.release()
+    claims = os.path.join(root, shared.CLAIMS)
+    assert os.listdir(claims) == []  # (renamed into place)
+    assert bytes(one.load(key, 5)) == b"block"
+    failed = one.try_claim(BlockKey("k", "e", 1))
+    assert failed is not None
+    failed.release()  # (its GET failed: its file goes)
+    assert os.listdir(claims) == []
 
 
 def test_the_policy_keeps_what_was_read_twice_within_its_budget():
@@ -187,7 +220,7 @@ def test_a_workers_mark_is_made_by_the_hub_only_after_the_news_sent_before_it(tm
     hub = Hub(MountConfig(StoreConfig(bucket="b"), cache_size=16 * 1024 * KiB, block_size=1024 * KiB, workers=2), -1,
               Agreed(31, 0, 1 << 20, 256), root, "INFO")
     worker = shared.SharedBlocks(root)
-    worker.publish(BlockKey("data/a", '"e"', 0), b"a" * 100)  # (news gathered, not sent yet)
+    _publish(worker, BlockKey("data/a", '"e"', 0), b"a" * 100)  # (news gathered, not sent yet)
     mark = worker.mark()
     assert mark is not None and not shared.SharedBlocks.marked(mark)
     taken = []
@@ -225,7 +258,7 @@ def test_a_published_block_for_the_disk_tier_is_kept_even_where_the_policy_evict
     worker = shared.SharedBlocks(root)
     key = BlockKey("data/big", '"e"', 0)
     body = os.urandom(hub.policy.budget + 1)  # more than the shared blocks' budget: evicted as soon as admitted
-    worker.publish(key, body)
+    _publish(worker, key, body)
     keep = "ab" * 32
     hub._news(b"add %s %d %s" % (shared.block_name(key).encode(), len(body), keep.encode()))
     assert not worker.holds(key), "evicted"
