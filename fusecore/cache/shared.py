@@ -395,6 +395,31 @@ class SharedBlocks:
         self._events.close()
 
 
+def sweep_claims(root: str) -> int:
+    """Remove the claim files no live worker holds, and say how many: a worker that died leaves its claims, with the
+    bytes of a block it was writing into one, in memory the budget does not count. A claim is held from moments
+    after its file is opened (try_claim); one swept between the two is found gone by its taker, which opens the
+    current one."""
+    claims = os.path.join(root, CLAIMS)
+    swept = 0
+    for name in os.listdir(claims):
+        path = os.path.join(claims, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(fd).st_ino == _inode(path):
+                _unlink(path)
+                swept += 1
+        except BlockingIOError:
+            pass  # (a live worker's)
+        finally:
+            os.close(fd)
+    return swept
+
+
 def _inode(path: str) -> int:
     """The inode at `path` now (0: none)."""
     try:

@@ -304,6 +304,9 @@ class Hub:
                 now = trio.current_time()
                 if now < self._next_try.get(index, 0.0):
                     continue
+                swept = blocks.sweep_claims(self.shared)  # (its descriptors are closed: its claims are free)
+                if swept:
+                    log.info("removed %d claim(s) of blocks a worker that died was fetching", swept)
                 try:
                     replacement = self.start(index)
                     await trio.to_thread.run_sync(self.wait_ready, replacement)

@@ -114,6 +114,24 @@ def test_a_block_is_written_into_its_claim_and_a_dead_workers_bytes_there_are_wr
     assert os.listdir(claims) == []
 
 
+def test_claims_a_dead_worker_left_are_swept_and_live_ones_kept(tmp_path):
+    """A worker that died leaves its claims' files, one with bytes of a block it was writing: memory no budget counts,
+    removed when the hub starts it again; a live worker's claim stays, and its block is still published."""
+    root = _root(tmp_path)
+    dead, live = shared.SharedBlocks(root), shared.SharedBlocks(root)
+    left = [dead.try_claim(BlockKey("k", "e", i)) for i in range(2)]
+    os.write(left[0].fd, b"half a block")
+    for claim in left:
+        os.close(claim.fd)  # (died: the kernel drops its locks with its descriptors)
+    held = live.try_claim(BlockKey("k", "e", 2))
+    assert held is not None
+    assert shared.sweep_claims(root) == 2
+    assert os.listdir(os.path.join(root, shared.CLAIMS)) == [shared.block_name(BlockKey("k", "e", 2))]
+    assert live.publish(held, b"block")
+    held.release()
+    assert bytes(dead.load(BlockKey("k", "e", 2), 5)) == b"block"
+
+
 def test_the_policy_keeps_what_was_read_twice_within_its_budget():
     policy = shared.SharedPolicy(budget=10 * KiB)
     for name in ("a", "b", "c"):
