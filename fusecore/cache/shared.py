@@ -399,7 +399,8 @@ def sweep_claims(root: str) -> int:
     """Remove the claim files no live worker holds, and say how many: a worker that died leaves its claims, with the
     bytes of a block it was writing into one, in memory the budget does not count. A claim is held from moments
     after its file is opened (try_claim); one swept between the two is found gone by its taker, which opens the
-    current one."""
+    current one. A dead worker's claim that a look (being_fetched) holds for that moment stays until the next sweep
+    or until its block is claimed again (which writes over it)."""
     claims = os.path.join(root, CLAIMS)
     swept = 0
     for name in os.listdir(claims):

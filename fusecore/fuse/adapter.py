@@ -29,7 +29,7 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 _MAX_TIMEOUT = 365 * 24 * 3600.0
 NOTHING: Sequence[Buffer] = ()
 WRITABLE_ROOM = 1 << 50  # the free space a writable mount reports (a bucket has no size)
-RELEASE_LAG = 1.0  # seconds an open for writing waits for the RELEASEs of passthrough opens (sent after their close)
+RELEASE_LAG = 2.0  # seconds an open for writing waits for the RELEASEs of passthrough opens (sent after their close)
 
 Op = Callable[[p.Request], Awaitable[Sequence[Buffer]]]
 
@@ -202,8 +202,10 @@ class StokerFS:
         if self.relay is not None and fh >= WRITE_HANDLES:
             return await self.relay(r)
         if self.writes is not None and self.writes.owns(fh):
-            await self.writes.release(fh)
-            self._uncount_writer(r.nodeid)
+            try:
+                await self.writes.release(fh)
+            finally:
+                self._uncount_writer(r.nodeid)
             return NOTHING
         if not fh & BACKED:
             self.reader.release(fh)
@@ -236,11 +238,21 @@ class StokerFS:
             if known is not None:
                 self._uncount_writer(known)
             raise
-        if node.inode != known:  # (a number new to the kernel: counted at once)
-            if known is not None:
-                self._uncount_writer(known)
-            await self._count_writer(node.inode)
-        self.ns.remember(node)
+        counted = known
+        try:
+            if node.inode != known:  # (a number new to the kernel: nothing of it is open in passthrough)
+                if known is not None:
+                    self._uncount_writer(known)
+                counted = None
+                if self.passthrough is not None and not self.passthrough.open_for_writing(node.inode):
+                    raise Refused(f"{node.path}: inode {node.inode} is open in passthrough", "busy")
+                counted = node.inode
+            self.ns.remember(node)
+        except BaseException:  # (no handle reaches the kernel, so no RELEASE comes: nothing is made, nothing stays)
+            if counted is not None:
+                self._uncount_writer(counted)
+            await self.writes.abandon(fh)
+            raise
         return (p.entry_out(self._attr(node), self.timeout), p.open_out(fh))
 
     async def _count_writer(self, inode: int) -> None:
@@ -250,8 +262,7 @@ class StokerFS:
             return
         waited = 0.0
         while not self.passthrough.open_for_writing(inode):
-            if waited >= RELEASE_LAG:
-                self.passthrough.refused += 1
+            if waited >= RELEASE_LAG:  # (logged at the boundary, as every refusal of a write-side request)
                 raise Refused("a file being read by the kernel itself (passthrough) is written once those opens close",
                               "busy")
             await self.sleep(0.02)

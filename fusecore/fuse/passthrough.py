@@ -46,8 +46,9 @@ BACKED = 1 << 39  # set in a handle open in passthrough (a reader's handles stay
 def shared_memory_backs(kernel_cache: bool, writable: bool) -> bool:
     """May a block file the workers share in memory back an open? Not where the mount keeps the page cache (it serves
     a file's later opens for less, and stays empty for a file opened in passthrough: the small cell's warm pass with
-    two workers lost 12-17% files/s at +29-42% CPU), nor on a writable mount (its opens for writing are the hub's,
-    counted in no worker's modes, so a passthrough open beside one could break the kernel's rule)."""
+    two workers lost 12-17% files/s at +29-42% CPU), nor on a writable mount (decided while its opens for writing,
+    the hub's, were counted in no worker's modes; they are since Passthrough.open_for_writing, so that reason is gone,
+    and the rule stays until a writable mount's reads are measured without it)."""
     return not kernel_cache and not writable
 
 

@@ -304,9 +304,7 @@ class Hub:
                 now = trio.current_time()
                 if now < self._next_try.get(index, 0.0):
                     continue
-                swept = blocks.sweep_claims(self.shared)  # (its descriptors are closed: its claims are free)
-                if swept:
-                    log.info("removed %d claim(s) of blocks a worker that died was fetching", swept)
+                self._sweep_claims()
                 try:
                     replacement = self.start(index)
                     await trio.to_thread.run_sync(self.wait_ready, replacement)
@@ -316,6 +314,16 @@ class Hub:
                     delay = self._delay[index] = min(RESTART_MAX, self._delay.get(index, RESTART_FIRST) * 2)
                     self._next_try[index] = trio.current_time() + delay
                     log.error("worker %d did not start again (%s): next try in %gs", index, exc, delay)
+
+    def _sweep_claims(self) -> None:
+        """Before a worker that died starts again: its claims (its descriptors are closed, their locks free) go."""
+        try:
+            swept = blocks.sweep_claims(self.shared)
+        except OSError as exc:
+            log.warning("the claims of a worker that died were not removed: %s", exc)
+            return
+        if swept:
+            log.info("removed %d claim(s) of blocks a worker that died was fetching", swept)
 
     async def _tell_cluster(self, worker: Worker) -> None:
         """A worker started again is told the distributed cache it serves as it is now (a join, new members)."""

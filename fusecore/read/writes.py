@@ -198,6 +198,15 @@ class Writes:
         finally:
             self._open.pop(fh, None)
 
+    async def abandon(self, fh: int) -> None:
+        """A file opened here whose open never reached its opener (the FUSE layer failed it after all): no object is
+        made, it shows as before."""
+        o = self._open.pop(fh, None)
+        if o is None:
+            return
+        self._failed(o)
+        await self.writer.abandon(o.writing)
+
     def _failed(self, o: _Open) -> None:
         """No object was made: the file shows as before (the old object, or no file)."""
         o.node.writing = False

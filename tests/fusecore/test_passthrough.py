@@ -315,9 +315,9 @@ def test_a_file_open_in_passthrough_is_not_written_meanwhile_and_keeps_its_bytes
             os.open(second, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         assert refused.value.errno == errno.EBUSY
         assert reader.read() == dataset["v/f1"] and stored("v/f1") is None, "no empty object made"
-    with open(first, "wb") as writer:  # (the readers closed: their RELEASEs come after)
+    with open(first, "wb") as writer:
         writer.write(b"new bytes")
-    with open(second, "wb") as writer:
+    with open(second, "wb") as writer:  # (its reader closed just now: the open waits for that RELEASE, up to 2 s)
         writer.write(b"a new file")
     assert stored("v/f0") == b"new bytes" and _read(first) == b"new bytes"
     assert stored("v/f1") == b"a new file" and _read(second) == b"a new file"
