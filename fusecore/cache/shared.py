@@ -276,9 +276,8 @@ class SharedBlocks:
         for _ in range(3):
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                mine = os.fstat(fd)
-                if mine.st_ino == _inode(path):
+                mine = _locked_current(fd, path)
+                if mine is not None:
                     if mine.st_size:  # (bytes of a worker that died writing them)
                         os.ftruncate(fd, 0)
                     return Claim(key, fd, path)
@@ -410,8 +409,7 @@ def sweep_claims(root: str) -> int:
         except OSError:
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.fstat(fd).st_ino == _inode(path):
+            if _locked_current(fd, path) is not None:
                 _unlink(path)
                 swept += 1
         except BlockingIOError:
@@ -421,12 +419,16 @@ def sweep_claims(root: str) -> int:
     return swept
 
 
-def _inode(path: str) -> int:
-    """The inode at `path` now (0: none)."""
+def _locked_current(fd: int, path: str) -> os.stat_result | None:
+    """Lock `fd`'s claim file for this process (BlockingIOError: a live process holds it); its stat where it is still
+    the file at `path`, else None (its worker removed it between the open and the lock)."""
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    mine = os.fstat(fd)
     try:
-        return os.stat(path).st_ino
+        current = os.stat(path).st_ino
     except FileNotFoundError:
-        return 0
+        return None
+    return mine if mine.st_ino == current else None
 
 
 def _unlink(path: str) -> None:

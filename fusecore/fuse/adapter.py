@@ -43,10 +43,8 @@ class StokerFS:
 
     def __init__(self, namespace: Namespace, reader: Reader, *, block_size: int, kernel_cache: bool,
                  uid: int, gid: int, on_open: Callable[[Node], None] = lambda node: None,
-                 passthrough: Passthrough | None = None, writes: Writes | None = None, relay: Relay | None = None,
-                 sleep: Callable[[float], Awaitable[None]] = trio.sleep):
+                 passthrough: Passthrough | None = None, writes: Writes | None = None, relay: Relay | None = None):
         self.on_open = on_open
-        self.sleep = sleep
         self.writes = writes  # a writable mount's (read/writes.py says what each write-side operation means)
         # A worker of a writable mount served by several: what writes goes to the hub, which answers it with this
         # adapter over its own writes (fuse/relay.py)
@@ -260,13 +258,12 @@ class StokerFS:
         file is open in passthrough, once the RELEASEs of opens just closed had time to come."""
         if self.passthrough is None:
             return
-        waited = 0.0
+        deadline = trio.current_time() + RELEASE_LAG
         while not self.passthrough.open_for_writing(inode):
-            if waited >= RELEASE_LAG:  # (logged at the boundary, as every refusal of a write-side request)
+            if trio.current_time() >= deadline:  # (logged at the boundary, as every refusal of a write-side request)
                 raise Refused("a file being read by the kernel itself (passthrough) is written once those opens close",
                               "busy")
-            await self.sleep(0.02)
-            waited += 0.02
+            await trio.sleep(0.02)
 
     def _uncount_writer(self, inode: int) -> None:
         if self.passthrough is not None:

@@ -405,10 +405,15 @@ class Namespace:
         parent.set_child(name, node.inode)
         return node
 
-    def _upsert(self, path: str, is_dir: bool, info: ObjectInfo | None, now: float) -> Node:
+    def _known(self, path: str, is_dir: bool) -> Node | None:
+        """The node this namespace holds at `path` (unlinked since, maybe), where it is of that kind."""
         inode = self._by_path.get(path)
         node = self._nodes.get(inode) if inode is not None else None
-        if node is None or node.is_dir != is_dir:
+        return node if node is not None and node.is_dir == is_dir else None
+
+    def _upsert(self, path: str, is_dir: bool, info: ObjectInfo | None, now: float) -> Node:
+        node = self._known(path, is_dir)
+        if node is None:
             inode = self._new_inode(path, is_dir)
             node = Node(inode, path, is_dir)
             self._nodes[inode] = node
@@ -453,9 +458,8 @@ class Namespace:
         it already: a file known here before (unlinked since, maybe), or a number derived from the path; None: a new
         number."""
         path = _join(parent.path, name)
-        inode = self._by_path.get(path)
-        node = self._nodes.get(inode) if inode is not None else None
-        if node is not None and not node.is_dir:
+        node = self._known(path, False)
+        if node is not None:
             return node.inode
         return derived_inode(path, False) if self.registry is not None else None
 

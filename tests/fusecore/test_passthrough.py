@@ -272,8 +272,9 @@ def test_with_the_page_cache_the_workers_shared_memory_is_not_passed_through(s3,
 
 
 def test_a_writable_mount_never_hands_the_workers_shared_memory_to_the_kernel(s3, bucket, mounts, tmp_path):
-    """A writable mount's opens for writing are relayed to the hub and counted in no worker's modes: a passthrough
-    open of a shared block beside one could break the kernel's per-inode rule. Its disk tier's files still pass."""
+    """A writable mount hands no shared block to the kernel (passthrough.shared_memory_backs: decided while its opens
+    for writing went uncounted in the workers' modes, and kept until measured without it). Its disk tier's files
+    still pass."""
     dataset = {f"v/f{i}": os.urandom(50 * KiB + 13 * i) for i in range(4)}
     mp = _mount_held(s3, bucket, mounts, tmp_path, dataset, "--workers", "2", "--writable", drop=False)
     for _ in control.warm(control.default_control_socket(mp), list(dataset)):  # (held in shared memory again)
