@@ -11,7 +11,8 @@ What a join or a leave moves, measured (tests/fusecore/test_ownership.py): ~1.5/
 100 members, 6-7.5/N at 1,000 (Maglev trades extra moves for its balance; rendezvous hashing moves the
 minimum 1/N but costs a hash per member per lookup, ~2 ms at 1,000 members in Python, and a ring
 needs ~1,500 points per member for 10% balance at 1,000 members). The blocks that move are re-warmed
-by their new owners, from a replica where there is one.
+by their new owners, from a replica where there is one, else from the member that owned them before
+(cluster/tier.py: Cluster.plan).
 
 With R replicas, a block's owners are R distinct members drawn by R independent probes of the table
 (a probe that lands on a member already drawn probes again), so each replica is spread like the

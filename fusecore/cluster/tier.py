@@ -7,13 +7,15 @@ it does not hold reads them through: it fetches them from the store (one fetch h
 block in parts: Fetcher.forward), keeps them and answers, so the cluster fills as it is read, with or without
 a warm. Knows nothing of FUSE or Kubernetes: the members come from the mount's
 configuration (`--peers`) and can be replaced while it runs (the control API's `peers`, `stoker peers`):
-blocks then change owners, and a warm after the change fetches what this node now owns (from another
-owner when R > 1, else from the store).
+blocks then change owners, and a read or a warm after the change fetches a block this node now owns from
+another owner when R > 1, then from the member that owned it before (it keeps what it owned until its cache
+evicts it), and only then from the store.
 """
 
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import trio
 
@@ -37,6 +39,25 @@ def read_key(path: str) -> bytes:
     return key
 
 
+# Asks in a row of the members that owned blocks before that found none held: those members hold nothing of what
+# moved (a cluster that starts cold, or caches that turned over since), so they are asked no more.
+MOVED_MISSES = 32
+
+
+class Plan(NamedTuple):
+    """Whom a node asks for a block before the store, in order, and how."""
+
+    peers: list[str]
+    through: bool  # they may read it through (asked as the block's owners: this node is not one)
+    moved: int = 0  # the last `moved` of them owned the block before the membership changed (asked what they hold)
+
+
+def _without(me: str, owners: Owners) -> Owners | None:
+    """The owners among the other members: as they were before `me` joined them."""
+    others = [m for m in owners.members if m != me]
+    return Owners(others, owners.replicas) if others else None
+
+
 class Cluster:
     def __init__(self, me: str, members: list[str], replicas: int, key: bytes, metrics: MountMetrics | None = None,
                  *, timeout: float = 0.3, name: str = ""):
@@ -45,12 +66,18 @@ class Cluster:
         self.key = key
         self.metrics = metrics or MountMetrics()
         self.owners = Owners(members, replicas)
+        self._members = frozenset(self.owners.members)
+        # Who owned each block before this node's last membership change (for a node that started among its members,
+        # before it joined them): a block this node now owns is asked of them before the store
+        self.before = _without(me, self.owners)
+        self._moved_misses = 0
         self.changes = 0  # membership changes since the mount started
         self.prefix = cache_prefix(name) if name else ""
         self.client = PeerClient(key, PeerTimeouts(connect=timeout, first_byte=timeout, body=timeout + 2.0),
                                  prefix=self.prefix)  # (a read-through beats within first_byte: see peers.py)
         self.server: PeerServer | None = None
         self.peer_misses = 0
+        self.moved_bytes = 0  # bytes of blocks this node took over, received from the members that owned them before
         self.asks_disagreeing = 0  # asks read through for no one: their size or ETag is not what this node lists
         self._show_owners()
 
@@ -59,9 +86,9 @@ class Cluster:
         """A member configured at start (`--peers`, `--peer-listen`): it listens on its own address."""
         return cls(cfg.peer_listen, cfg.peer_members, cfg.peer_replicas, key, metrics, timeout=cfg.peer_timeout)
 
-    def set_members(self, members: list[str], replicas: int | None = None) -> dict:
-        """Replace the member list (a node joined or left); this node must stay among them. Building the
-        table takes ~0.15 s: call it from a worker thread."""
+    def set_members(self, members: list[str], replicas: int | None = None, *, entering: bool = False) -> dict:
+        """Replace the member list (a node joined or left); this node must stay among them (`entering`: it joins
+        them now). Building a table takes ~0.15 s: call it from a worker thread."""
         members = sorted({m.strip() for m in members if m.strip()})
         for member in members:
             check_member(member)
@@ -72,7 +99,8 @@ class Cluster:
             raise ValueError(f"replicas must be between 1 and the members ({len(members)})")
         owners = Owners(members, replicas)
         if (owners.members, owners.replicas) != (self.owners.members, self.owners.replicas):
-            self.owners = owners
+            self.before = _without(self.me, owners) if entering else self.owners
+            self.owners, self._members, self._moved_misses = owners, frozenset(owners.members), 0
             self.changes += 1
             self.client.close()  # idle connections to members that left
             self._show_owners()
@@ -98,18 +126,31 @@ class Cluster:
     def owns(self, key: str, etag: str, index: int) -> bool:
         return self.owners.owns(self.me, block_id(key, etag, index))
 
-    def plan(self, key: str, etag: str, index: int) -> tuple[list[str], bool]:
+    def plan(self, key: str, etag: str, index: int) -> Plan:
         """Whom to ask for a block before the store: its owners other than this node (a replica when this node
-        is an owner), primary first, skipping peers being avoided; and whether they may read it through (not for
-        an owner: it asks the other owners only for what they hold)."""
-        owners = self.owners.of(block_id(key, etag, index))
-        return [o for o in owners if o != self.me and not self.client.avoided(o)], self.me not in owners
+        is an owner), primary first, skipping peers being avoided, asked to read it through unless this node is an
+        owner (it asks the others only for what they hold). An owner then asks the member that owned the block
+        before the membership changed: after a join the newcomer's share, and the few blocks Maglev deals anew
+        between members that stay, come from the members that hold them rather than from the store again."""
+        block = block_id(key, etag, index)
+        owners = self.owners.of(block)
+        peers = [o for o in owners if o != self.me and not self.client.avoided(o)]
+        if self.me not in owners:
+            return Plan(peers, True)
+        moved = [o for o in self._moved_from(block, owners) if not self.client.avoided(o)]
+        return Plan(peers + moved, False, len(moved))
 
-    async def fetch(self, peers: list[str], want: BlockAsk) -> bytearray | None:
-        """On the event loop: the bytes `want` from the first of `peers` (its block's `plan`) that answers with
-        them, or None (then the store)."""
+    def _moved_from(self, block: bytes, owners: tuple[str, ...]) -> list[str]:
+        """The members that owned `block` before and do not now (one that left is gone: not asked)."""
+        if self.before is None or self._moved_misses >= MOVED_MISSES:
+            return []
+        return [o for o in self.before.of(block) if o not in owners and o in self._members]
+
+    async def fetch(self, plan: Plan, want: BlockAsk) -> bytearray | None:
+        """On the event loop: the bytes `want` from the first of `plan`'s peers that answers with them, or None
+        (then the store)."""
         m = self.metrics
-        for peer in peers:
+        for position, peer in enumerate(plan.peers):
             began = time.monotonic()
             outcome, data = await self.client.ask(peer, want)
             if outcome == "avoided":  # failed since `plan` was read: not asked
@@ -118,8 +159,12 @@ class Cluster:
             m.peer_requests.labels(peer=peer, outcome=outcome).inc()
             m.peer_seconds.labels(peer=peer).inc(seconds)
             m.peer_latency.observe(seconds)
+            former = position >= len(plan.peers) - plan.moved  # (an owner before the change)
+            if former:
+                self._moved_misses = 0 if data is not None else self._moved_misses + 1
             if data is not None:
                 m.peer_bytes.labels(peer=peer).inc(len(data))
+                self.moved_bytes += len(data) if former else 0
                 return data
         self.peer_misses += 1  # (on the event loop)
         return None
@@ -167,6 +212,7 @@ class Cluster:
                 "name": self.name,
                 "share": round(self.owners.share(self.me), 4), "membership_changes": self.changes,
                 "bytes_from_peers": self.bytes_from_peers, "peer_misses": self.peer_misses,
+                "bytes_from_former_owners": self.moved_bytes,
                 "peer_failures": dict(self.client.failures), "peers": self.per_peer(),
                 "served_to_peers": server.served if server else 0,
                 # of those, read through for a peer (fetched from the store by this owner) rather than held

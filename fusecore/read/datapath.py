@@ -325,7 +325,8 @@ class DataPath:
         if cluster is None:
             cluster = Cluster(request.me, [request.me], 1, request.key, self.metrics, timeout=self.cfg.peer_timeout,
                               name=request.name)
-            answer = await trio.to_thread.run_sync(cluster.set_members, list(request.members), request.replicas)
+            answer = await trio.to_thread.run_sync(
+                lambda: cluster.set_members(list(request.members), request.replicas, entering=True))
             cluster.changes = 0
             cluster.serve(self._for_peer, self._nursery, handoff=request.handoff)
             self.cluster = self.fetcher.cluster = cluster

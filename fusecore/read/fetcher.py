@@ -516,12 +516,12 @@ class Fetcher:
         """Bytes [start, stop) (block `index`, or a range inside it) from an owner of the block that answers with
         exactly them, reading them through if it does not hold them (else the store)."""
         assert self.cluster is not None
-        peers, through = self.cluster.plan(obj.key, obj.etag, index)
-        if not peers:  # this node is the only owner (or the others are avoided): nobody to ask
+        plan = self.cluster.plan(obj.key, obj.etag, index)
+        if not plan.peers:  # this node is the only owner (or the others are avoided): nobody to ask
             return None
-        want = BlockAsk(obj.key, obj.etag, index, start, stop, obj.size, through)
+        want = BlockAsk(obj.key, obj.etag, index, start, stop, obj.size, plan.through)
         async with self._threads:  # the same bound on what is in flight as the store's GETs
-            data = await self.cluster.fetch(peers, want)
+            data = await self.cluster.fetch(plan, want)
         pending.peer_missed = data is None
         return data
 

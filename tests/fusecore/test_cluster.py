@@ -69,10 +69,10 @@ def owned_bytes(s3, bucket: str, files: dict[str, bytes], members: list[str]) ->
 
 def gained_bytes(s3, bucket: str, files: dict[str, bytes], before: list[str], after: list[str]) -> dict[str, int]:
     """The bytes of `files` each member of `after` owns and did not own among `before`: what its warm after the
-    change fetches from the store (one replica: no other owner to ask). Not only a newcomer's share: Maglev deals
-    a few entries anew between members that stay (ownership.py), ~0.03% of them when a third joins two, so a
-    block of this dataset changes hands between the two in about one run in 75 (the 17-byte tail of shard-0 once,
-    in CI) and the new owner fetches it."""
+    change takes from the blocks' owners before (from the store, where those left). Not only a newcomer's share:
+    Maglev deals a few entries anew between members that stay (ownership.py), ~0.03% of them when a third joins two,
+    so a block of this dataset changes hands between the two in about one run in 75 (the 17-byte tail of shard-0
+    once, in CI) and the new owner takes it."""
     old, new = Owners(before), Owners(after)
     gained = dict.fromkeys(after, 0)
     for block, length in blocks(s3, bucket, files):
@@ -208,10 +208,10 @@ def warm_all(mps) -> None:
 
 
 def test_a_joining_and_a_leaving_member_re_home_their_shares(mounts, s3, bucket, dataset, tmp_path):
-    """Membership changes on running mounts (`stoker peers`): after a join the new member owns a third and
-    fetches it (and a member that stays, the rare block the new table deals it from the other); after a leave the
-    others take the leaver's share; each time, once re-warmed, every read on every member is answered by the cluster
-    (no store bytes), with the objects' bytes."""
+    """Membership changes on running mounts (`stoker peers`): after a join the new member owns a third and takes it
+    from the members that owned it before (and a member that stays, the rare block the new table deals it from the
+    other), so the store sends nothing again; after a leave the others take the leaver's share from the store; each
+    time, once re-warmed, every read on every member is answered by the cluster, with the objects' bytes."""
     mps, members = start_cluster(mounts, bucket, tmp_path)
     total = sum(len(b) for b in dataset.values())
     a, b, c = mps
@@ -227,16 +227,18 @@ def test_a_joining_and_a_leaving_member_re_home_their_shares(mounts, s3, bucket,
     for mp in (a, b):  # the join
         reply = control.set_peers(control.default_control_socket(mp), members)
         assert reply["members"] == 3 and abs(reply["share"] - 1 / 3) < 0.05
-    prior = [stats(mp)["bytes_fetched"] for mp in mps]
+    prior = [stats(mp) for mp in mps]
     warm_all(mps)
+    after = [stats(mp) for mp in mps]
+    assert [s["bytes_fetched"] for s in after] == [s["bytes_fetched"] for s in prior], \
+        "the blocks that changed owners came from the members that owned them before, not from the store"
     gained = gained_bytes(s3, bucket, dataset, pair, members)
     assert gained[members[2]] == owned_bytes(s3, bucket, dataset, members)[members[2]]
-    assert [stats(mp)["bytes_fetched"] - was for mp, was in zip(mps, prior)] == [gained[m] for m in members], \
-        "each member fetched the blocks it owns now and did not own before (c: its whole share), no other"
-    fetched = sum(stats(mp)["bytes_fetched"] for mp in mps)
+    assert [s["cluster"]["bytes_from_peers"] - was["cluster"]["bytes_from_peers"] for s, was in zip(after, prior)] \
+        == [gained[m] for m in members], "each member took the blocks it owns now and did not own before, no other"
     for mp in mps:
         read_all(mp, dataset)
-    assert sum(stats(mp)["bytes_fetched"] for mp in mps) == fetched, "every read was answered by an owner"
+    assert sum(stats(mp)["bytes_fetched"] for mp in mps) == total, "every read was answered by an owner"
     assert stats(a)["cluster"]["membership_changes"] == 2
 
     os.kill(stats(b)["pid"], signal.SIGKILL)  # the leave: b dies, a and c are told

@@ -71,3 +71,74 @@ def test_no_members_or_no_replicas_is_refused():
         Owners([])
     with pytest.raises(ValueError):
         Owners(["a"], replicas=0)
+
+
+def test_an_owner_asks_the_member_that_owned_a_block_before_the_membership_changed_and_only_a_member():
+    """Cluster.plan after a change, one replica: a newcomer asks the member that owned each of its blocks among the
+    others; a member that stays asks for the rare block Maglev dealt it from another member that stays; a block a
+    leaver owned is asked of nobody (it is gone); a non-owner's plan is unchanged (its owners, who read through)."""
+    from fusecore.cluster.tier import Cluster, Plan
+
+    a, b, c = "127.0.0.2:1", "127.0.0.3:1", "127.0.0.4:1"
+    pair, trio_ = Owners([a, b]), Owners([a, b, c])
+    ids = [(f"train/{i:05d}.jpg", "etag", i % 3) for i in range(20000)]
+    newcomer = Cluster(c, [a, b, c], 1, b"a key of sixteen bytes")
+    stayer = Cluster(a, [a, b], 1, b"a key of sixteen bytes")
+    stayer.set_members([a, b, c])
+    assert Cluster(a, [a], 1, b"a key of sixteen bytes").before is None, "alone: nobody owned anything before"
+    dealt = 0
+    for key, etag, index in ids:
+        block = block_id(key, etag, index)
+        owner, before = trio_.of(block)[0], pair.of(block)[0]
+        assert newcomer.plan(key, etag, index) == (Plan([before], False, 1) if owner == c else Plan([owner], True))
+        if owner == a:
+            dealt += before == b
+            assert stayer.plan(key, etag, index) == (Plan([b], False, 1) if before == b else Plan([], False))
+    assert dealt > 0, "the sample holds a block Maglev dealt anew between the two that stay"
+
+    stayer.set_members([a, c])  # b leaves: what it owned is asked of nobody; what c owned and a owns now, of c
+    after = Owners([a, c])
+    for key, etag, index in ids[:2000]:
+        block = block_id(key, etag, index)
+        was = trio_.of(block)[0]
+        if after.of(block)[0] == a:
+            assert stayer.plan(key, etag, index) == (Plan([c], False, 1) if was == c else Plan([], False))
+
+
+def test_former_owners_that_hold_nothing_are_asked_no_more_and_a_change_asks_them_again():
+    """A cluster that starts cold: every member's former owners miss. After MOVED_MISSES misses in a row they are
+    not asked (no round trip before each of an owner's GETs); a hit in between starts the count again."""
+    import trio
+
+    from fusecore.cluster.peers import BlockAsk
+    from fusecore.cluster.tier import MOVED_MISSES, Cluster
+
+    a, b = "127.0.0.2:1", "127.0.0.3:1"
+    node = Cluster(b, [a, b], 1, b"a key of sixteen bytes")
+    mine = [(f"f{i}", "e", 0) for i in range(400) if node.owners.of(block_id(f"f{i}", "e", 0))[0] == b]
+    answers: list[tuple[str, bytearray | None]] = []
+
+    async def ask(peer, want):
+        return answers.pop(0)
+
+    node.client.ask = ask  # type: ignore[method-assign]
+
+    async def asked(n: int, outcome: str) -> int:
+        count = 0
+        for key, etag, index in mine[:n]:
+            plan = node.plan(key, etag, index)
+            if plan.moved:
+                count += 1
+                answers.append((outcome, bytearray(b"x") if outcome == "hit" else None))
+                await node.fetch(plan, BlockAsk(key, etag, index, 0, 1, 1, plan.through))
+        return count
+
+    async def go() -> None:
+        assert await asked(MOVED_MISSES - 1, "miss") == MOVED_MISSES - 1
+        assert await asked(1, "hit") == 1 and node.moved_bytes == 1
+        assert await asked(MOVED_MISSES, "miss") == MOVED_MISSES
+        assert await asked(10, "miss") == 0, "former owners that held nothing are no longer asked"
+        node.set_members([a, b, "127.0.0.4:1"], entering=True)  # (the control API's join: its owners without it)
+        assert all(node.plan(*one).moved for one in mine if node.owns(*one)), "a membership change asks again"
+
+    trio.run(go)
