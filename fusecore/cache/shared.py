@@ -256,6 +256,10 @@ class SharedBlocks:
             self._tell(b"hit " + block_name(key).encode())
         return fd
 
+    def let_go(self, key: BlockKey) -> None:
+        """The hub evicts this block (one handed over to its new owner on another node)."""
+        self._tell(b"drop " + block_name(key).encode())
+
     def being_fetched(self, key: BlockKey) -> bool:
         """Does a live worker hold the block's claim now (a claim whose worker died is held by no one)?"""
         try:

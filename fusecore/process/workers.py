@@ -395,9 +395,10 @@ class Hub:
                         self._news(message)
 
     def _news(self, message: bytes) -> None:
-        """"hit NAME", "add NAME SIZE [KEEP]" (a block published, and the name the disk tier keeps it under), "dhit
-        KEEP" or "ddrop KEEP" (a worker used, or removed as damaged, a file of the disk tier); anything else (a block
-        name is 32 hex digits, a disk tier's file 64) is ignored."""
+        """"hit NAME", "add NAME SIZE [KEEP]" (a block published, and the name the disk tier keeps it under), "drop
+        NAME" (a block handed over to its new owner on another node: let go), "dhit KEEP" or "ddrop KEEP" (a worker
+        used, or removed as damaged, a file of the disk tier); anything else (a block name is 32 hex digits, a disk
+        tier's file 64) is ignored."""
         verb, _, rest = message.partition(b" ")
         name, _, rest = rest.partition(b" ")
         if verb == b"mark":
@@ -413,6 +414,11 @@ class Hub:
             return
         if verb == b"hit":
             self.policy.hit(name.decode())
+            self._show_ahead(self.policy.ahead_bytes)
+            return
+        if verb == b"drop":
+            self.policy.forget(name.decode())
+            self._evict([name.decode()])
             self._show_ahead(self.policy.ahead_bytes)
             return
         size, _, keep = rest.partition(b" ")

@@ -139,11 +139,19 @@ class DataPath:
         through (its own block), or None; ValueError for an ask outside this node's dataset or blocks."""
         check_ask(want, self.cfg.block_size, self.cfg.store.prefix)
         found = held(self.cache, want, self.cfg.block_size)
+        cluster = self.cluster
+        block = BlockKey(want.key, want.etag, want.index)
+        # Asked by an owner, of a block this node does not own: one it owned before the members changed, handed over
+        # now. It leaves this node's memory once answered (the answer keeps its bytes), so that serving it never
+        # keeps it over the share this node owns now
+        handed = not want.through and cluster is not None and not cluster.owns(want.key, want.etag, want.index)
         if found is None and self.shared is not None:  # (a worker: the blocks any worker of the mount published)
             lo, hi = block_extent(want.index, want.size, self.cfg.block_size)
-            found = self.shared.read(BlockKey(want.key, want.etag, want.index), hi - lo, want.start - lo,
-                                     want.stop - lo, asked=True)
-        cluster = self.cluster
+            found = self.shared.read(block, hi - lo, want.start - lo, want.stop - lo, asked=True)
+        if found is not None and handed:
+            self.cache.discard(block)
+            if self.shared is not None:  # (and the workers' shared memory: its hub evicts it)
+                self.shared.let_go(block)
         if found is not None or not want.through or cluster is None \
                 or not cluster.owns(want.key, want.etag, want.index):
             return found  # another owner asks only for what is held (peers.py: no owner waits on another)
@@ -388,7 +396,10 @@ class DataPath:
                     await trio.sleep(0.005)
                 fetching += nbytes
                 try:
-                    await self.fetcher.block(info, index, visit="warm")
+                    if self.shared is None or not self.shared.holds(BlockKey(info.key, info.etag, index)):
+                        # (a worker: a block the workers' shared memory holds is warm; loading it would copy it
+                        # into this worker's own memory too)
+                        await self.fetcher.block(info, index, visit="warm")
                 except StoreError:
                     progress.errors += 1
                     return

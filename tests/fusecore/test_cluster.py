@@ -82,6 +82,13 @@ def gained_bytes(s3, bucket: str, files: dict[str, bytes], before: list[str], af
     return gained
 
 
+def held_bytes(mp: str) -> int:
+    """The bytes a member holds in memory: with workers, their shared memory (a worker's own cache holds copies of
+    what its readers read from there)."""
+    s = stats(mp)
+    return s["shared"]["bytes"] if "shared" in s else s["cache"]["bytes"]
+
+
 def start_cluster(mounts, bucket, tmp_path, key: bytes = b"a shared cache key, 32 bytes....", extra=(),
                   each=lambda i: ()):
     """Three members on 127.0.0.2-4; `extra` flags for all, `each(i)` for member i alone."""
@@ -207,12 +214,15 @@ def warm_all(mps) -> None:
             pass
 
 
-def test_a_joining_and_a_leaving_member_re_home_their_shares(mounts, s3, bucket, dataset, tmp_path):
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_joining_and_a_leaving_member_re_home_their_shares(mounts, s3, bucket, dataset, tmp_path, workers):
     """Membership changes on running mounts (`stoker peers`): after a join the new member owns a third and takes it
     from the members that owned it before (and a member that stays, the rare block the new table deals it from the
-    other), so the store sends nothing again; after a leave the others take the leaver's share from the store; each
-    time, once re-warmed, every read on every member is answered by the cluster, with the objects' bytes."""
-    mps, members = start_cluster(mounts, bucket, tmp_path)
+    other), so the store sends nothing again, and they let go of what they handed over; after a leave the others take
+    the leaver's share from the store; each time, once re-warmed, every read on every member is answered by the
+    cluster, with the objects' bytes. With "2", the first member is served by two workers (its blocks in their
+    shared memory)."""
+    mps, members = start_cluster(mounts, bucket, tmp_path, each=lambda i: ("--workers", workers) if i == 0 else ())
     total = sum(len(b) for b in dataset.values())
     a, b, c = mps
     pair = members[:2]
@@ -236,6 +246,10 @@ def test_a_joining_and_a_leaving_member_re_home_their_shares(mounts, s3, bucket,
     assert gained[members[2]] == owned_bytes(s3, bucket, dataset, members)[members[2]]
     assert [s["cluster"]["bytes_from_peers"] - was["cluster"]["bytes_from_peers"] for s, was in zip(after, prior)] \
         == [gained[m] for m in members], "each member took the blocks it owns now and did not own before, no other"
+    if workers == "2":
+        assert stats(a)["shared"]["loaded"] == 0, "a warm copies no block the workers hold into a worker's own memory"
+    assert wait_for(lambda: sum(map(held_bytes, mps)) == total, 10), \
+        ("each block is held once: the former owners let go of what they handed over", list(map(held_bytes, mps)))
     for mp in mps:
         read_all(mp, dataset)
     assert sum(stats(mp)["bytes_fetched"] for mp in mps) == total, "every read was answered by an owner"

@@ -747,3 +747,44 @@ def test_a_workers_file_handles_stay_below_a_writes_through_every_spawn_number()
     assert MAX_SPAWN > 4_000_000  # millions of restarts before a number comes back
     with pytest.raises(ValueError):
         Reader(dp.fetcher, dp.metrics, block_size=256 * KiB, prefetch_limit=MiB, worker=MAX_SPAWN + 1)
+
+
+def test_a_block_handed_over_to_its_new_owner_leaves_the_former_owners_memory():
+    """After a membership change the new owner asks the former one (through=False) for what it holds: the former
+    owner answers the exact bytes and lets the block go, so serving it never keeps it over its own share. A block
+    it still owns (an owner's ask with R = 2), or one a member reads through it, stays."""
+    from fusecore.cluster.tier import Cluster
+    from fusecore.cluster.ownership import Owners, block_id
+    from fusecore.cluster.peers import BlockAsk
+    from fusecore.cache.blocks import BlockKey
+
+    store = FakeStore()
+    me, other = "127.0.0.1:1", "127.0.0.2:1"  # nothing listens at the other member
+    pair = Owners([me, other])
+    infos = [store.put(f"data/f{i}.bin", random.Random(40 + i).randbytes(100 * KiB)) for i in range(40)]
+    theirs = next(i for i in infos if pair.of(block_id(i.key, i.etag, 0))[0] == other)
+    mine = next(i for i in infos if pair.of(block_id(i.key, i.etag, 0))[0] == me)
+    dp = datapath(store, cache=16 * MiB, block=256 * KiB)
+    out: dict[str, object] = {}
+
+    async def go():
+        for info in (theirs, mine):
+            assert await read_all(dp, info, 256 * KiB)() == store.objects[info.key][0]  # held, before any cluster
+        await settled(dp)
+        dp.cluster = dp.fetcher.cluster = Cluster(me, [me, other], 1, b"a key of sixteen bytes")
+        ask = BlockAsk.block(theirs.key, theirs.etag, 0, theirs.size, 256 * KiB, theirs.size, through=False)
+        out["mine kept"] = bytes(dp._for_peer(BlockAsk.block(mine.key, mine.etag, 0, mine.size, 256 * KiB,
+                                                             mine.size, through=False)))
+        out["read through kept"] = bytes(dp._for_peer(BlockAsk.block(theirs.key, theirs.etag, 0, theirs.size,
+                                                                     256 * KiB, theirs.size)))
+        out["was held"] = BlockKey(theirs.key, theirs.etag, 0) in dp.cache
+        out["handed"] = bytes(dp._for_peer(ask))
+        out["held after"] = BlockKey(theirs.key, theirs.etag, 0) in dp.cache
+        out["mine held"] = BlockKey(mine.key, mine.etag, 0) in dp.cache
+        out["again"] = dp._for_peer(ask)
+
+    run(dp, go)
+    assert out["mine kept"] == store.objects[mine.key][0] and out["mine held"], "its own share stays"
+    assert out["read through kept"] == out["handed"] == store.objects[theirs.key][0]
+    assert out["was held"] and not out["held after"], "handed over: gone from the former owner's memory"
+    assert out["again"] is None
