@@ -256,6 +256,15 @@ class SharedBlocks:
             self._tell(b"hit " + block_name(key).encode())
         return fd
 
+    def touch(self, key: BlockKey) -> bool:
+        """Is the block published? If so it counts as read for the hub's policy (a warm's wish to keep it), and
+        nothing is copied."""
+        name = block_name(key)
+        if not os.path.exists(os.path.join(self._blocks, name)):
+            return False
+        self._tell(b"hit " + name.encode())
+        return True
+
     def let_go(self, key: BlockKey) -> None:
         """The hub evicts this block (one handed over to its new owner on another node)."""
         self._tell(b"drop " + block_name(key).encode())

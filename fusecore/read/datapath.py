@@ -396,9 +396,9 @@ class DataPath:
                     await trio.sleep(0.005)
                 fetching += nbytes
                 try:
-                    if self.shared is None or not self.shared.holds(BlockKey(info.key, info.etag, index)):
-                        # (a worker: a block the workers' shared memory holds is warm; loading it would copy it
-                        # into this worker's own memory too)
+                    if self.shared is None or not self.shared.touch(BlockKey(info.key, info.etag, index)):
+                        # (a worker: a block the workers' shared memory holds is warm, and its hub's policy told so;
+                        # loading it would copy it into this worker's own memory too)
                         await self.fetcher.block(info, index, visit="warm")
                 except StoreError:
                     progress.errors += 1

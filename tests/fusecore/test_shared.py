@@ -225,9 +225,10 @@ def test_the_hub_ignores_news_it_cannot_parse_and_never_leaves_its_folder(tmp_pa
     assert hub.policy.bytes == 5
 
 
-def test_a_block_a_worker_handed_over_to_another_node_is_evicted_by_the_hub(tmp_path):
+def test_a_block_a_worker_handed_over_to_another_node_is_evicted_by_the_hub_and_one_warmed_is_a_hit(tmp_path):
     """A worker that served a block to its new owner on another node (DataPath._for_peer) tells the hub to let it go:
-    its file is removed and the budget no longer counts it; a name that is not a block's changes nothing."""
+    its file is removed and the budget no longer counts it; a name that is not a block's changes nothing. A warm of a
+    held block (DataPath.warm) tells the hub's policy it was read, and copies nothing."""
     from fusecore.config import MountConfig, StoreConfig
     from fusecore.fuse.protocol import Agreed
     from fusecore.process.workers import Hub
@@ -248,6 +249,13 @@ def test_a_block_a_worker_handed_over_to_another_node_is_evicted_by_the_hub(tmp_
     hub._news(b"drop ../../" + shared.block_name(kept).encode())
     assert not worker.holds(handed) and worker.holds(kept)
     assert hub.policy.bytes == 100 and list(hub.policy.names()) == [shared.block_name(kept)]
+    # a warm of a held block: a hit for the policy, nothing copied; of one not held: nothing told
+    hits = hub.policy.hits
+    assert worker.touch(kept) and not worker.touch(handed) and worker.stats.loaded == 0
+    worker.flush()
+    for news in events.recv(65536).split(b"\n"):
+        hub._news(news)
+    assert hub.policy.hits == hits + 1
 
 
 def test_a_workers_mark_is_made_by_the_hub_only_after_the_news_sent_before_it(tmp_path):
