@@ -256,13 +256,14 @@ class SharedBlocks:
             self._tell(b"hit " + block_name(key).encode())
         return fd
 
-    def touch(self, key: BlockKey) -> bool:
-        """Is the block published? If so it counts as read for the hub's policy (a warm's wish to keep it), and
-        nothing is copied."""
-        name = block_name(key)
-        if not os.path.exists(os.path.join(self._blocks, name)):
+    def touch(self, key: BlockKey, size: int) -> bool:
+        """Is the block published at `size` bytes? If so it counts as read for the hub's policy (a warm's wish to
+        keep it), and nothing is copied (a file of another length is removed, as a load removes it)."""
+        fd = self._opened(key, size)
+        if fd is None:
             return False
-        self._tell(b"hit " + name.encode())
+        os.close(fd)
+        self._tell(b"hit " + block_name(key).encode())
         return True
 
     def let_go(self, key: BlockKey) -> None:

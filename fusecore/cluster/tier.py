@@ -142,7 +142,7 @@ class Cluster:
 
     def _moved_from(self, block: bytes, owners: tuple[str, ...]) -> list[str]:
         """The members that owned `block` before and do not now (one that left is gone: not asked)."""
-        if self.before is None or self._moved_misses >= MOVED_MISSES:
+        if self.before is None:
             return []
         return [o for o in self.before.of(block) if o not in owners and o in self._members]
 
@@ -162,6 +162,8 @@ class Cluster:
             former = position >= len(plan.peers) - plan.moved  # (an owner before the change)
             if former:
                 self._moved_misses = 0 if data is not None else self._moved_misses + 1
+                if self._moved_misses >= MOVED_MISSES:
+                    self.before = None  # (and its table's memory with it)
             if data is not None:
                 m.peer_bytes.labels(peer=peer).inc(len(data))
                 self.moved_bytes += len(data) if former else 0

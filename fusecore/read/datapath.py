@@ -139,25 +139,29 @@ class DataPath:
         through (its own block), or None; ValueError for an ask outside this node's dataset or blocks."""
         check_ask(want, self.cfg.block_size, self.cfg.store.prefix)
         found = held(self.cache, want, self.cfg.block_size)
-        cluster = self.cluster
         block = BlockKey(want.key, want.etag, want.index)
-        # Asked by an owner, of a block this node does not own: one it owned before the members changed, handed over
-        # now. It leaves this node's memory once answered (the answer keeps its bytes), so that serving it never
-        # keeps it over the share this node owns now
-        handed = not want.through and cluster is not None and not cluster.owns(want.key, want.etag, want.index)
         if found is None and self.shared is not None:  # (a worker: the blocks any worker of the mount published)
             lo, hi = block_extent(want.index, want.size, self.cfg.block_size)
             found = self.shared.read(block, hi - lo, want.start - lo, want.stop - lo, asked=True)
-        if found is not None and handed:
-            self.cache.discard(block)
-            if self.shared is not None:  # (and the workers' shared memory: its hub evicts it)
-                self.shared.let_go(block)
-        if found is not None or not want.through or cluster is None \
-                or not cluster.owns(want.key, want.etag, want.index):
+        cluster = self.cluster
+        owned = cluster is not None and cluster.owns(want.key, want.etag, want.index)
+        if found is not None and not want.through and cluster is not None and not owned:
+            self._hand_over(want, block)
+        if found is not None or not want.through or not owned:
             return found  # another owner asks only for what is held (peers.py: no owner waits on another)
         pending: Future = Future()
         self._nursery.start_soon(self._read_through, want, pending)
         return pending
+
+    def _hand_over(self, want: BlockAsk, block: BlockKey) -> None:
+        """An owner asked this node (not one) for a whole block it holds: one it owned before the members changed,
+        now the asker's. It leaves this node's memory (the answer keeps its bytes), so that serving it never keeps it
+        over the share this node owns now; a range asked leaves the block (the asker keeps only that range)."""
+        if (want.start, want.stop) != block_extent(want.index, want.size, self.cfg.block_size):
+            return
+        self.cache.discard(block)
+        if self.shared is not None:  # (and the workers' shared memory: its hub evicts it)
+            self.shared.let_go(block)
 
     async def _read_through(self, want: BlockAsk, pending: Future) -> None:
         """Fetch bytes of a block this node owns for a peer (joining any GET of it already running here) and keep
@@ -396,7 +400,7 @@ class DataPath:
                     await trio.sleep(0.005)
                 fetching += nbytes
                 try:
-                    if self.shared is None or not self.shared.touch(BlockKey(info.key, info.etag, index)):
+                    if self.shared is None or not self.shared.touch(BlockKey(info.key, info.etag, index), nbytes):
                         # (a worker: a block the workers' shared memory holds is warm, and its hub's policy told so;
                         # loading it would copy it into this worker's own memory too)
                         await self.fetcher.block(info, index, visit="warm")

@@ -522,7 +522,7 @@ class Fetcher:
         want = BlockAsk(obj.key, obj.etag, index, start, stop, obj.size, plan.through)
         async with self._threads:  # the same bound on what is in flight as the store's GETs
             data = await self.cluster.fetch(plan, want)
-        pending.peer_missed = data is None
+        pending.peer_missed = data is None and len(plan.peers) > plan.moved  # (an owner's miss; a former owner's is not)
         return data
 
     def _receive(self, obj: ObjectInfo, start: int, lo: int, hi: int, pending: _Pending, progress: Progress) -> None:

@@ -778,6 +778,9 @@ def test_a_block_handed_over_to_its_new_owner_leaves_the_former_owners_memory():
         out["read through kept"] = bytes(dp._for_peer(BlockAsk.block(theirs.key, theirs.etag, 0, theirs.size,
                                                                      256 * KiB, theirs.size)))
         out["was held"] = BlockKey(theirs.key, theirs.etag, 0) in dp.cache
+        part = BlockAsk(theirs.key, theirs.etag, 0, 4 * KiB, 68 * KiB, theirs.size, through=False)
+        out["range"] = bytes(dp._for_peer(part))  # (a random reader's range: the block stays)
+        out["held after range"] = BlockKey(theirs.key, theirs.etag, 0) in dp.cache
         out["handed"] = bytes(dp._for_peer(ask))
         out["held after"] = BlockKey(theirs.key, theirs.etag, 0) in dp.cache
         out["mine held"] = BlockKey(mine.key, mine.etag, 0) in dp.cache
@@ -786,5 +789,41 @@ def test_a_block_handed_over_to_its_new_owner_leaves_the_former_owners_memory():
     run(dp, go)
     assert out["mine kept"] == store.objects[mine.key][0] and out["mine held"], "its own share stays"
     assert out["read through kept"] == out["handed"] == store.objects[theirs.key][0]
+    assert out["range"] == store.objects[theirs.key][0][4 * KiB:68 * KiB] and out["held after range"], \
+        "a range asked leaves the block where it is: the asker keeps only the range"
     assert out["was held"] and not out["held after"], "handed over: gone from the former owner's memory"
     assert out["again"] is None
+
+
+def test_store_bytes_after_a_former_owners_miss_are_an_owners_own_not_a_fallback():
+    """An owner asks the member that owned a block before (Cluster.plan's `moved`), which no longer holds it: the
+    store's bytes are counted as the owner's own demand, not as a fallback (an owner that failed to give a block)."""
+    from fusecore.cluster.tier import Plan
+
+    class FormerOwnerMisses:
+        asked = 0
+
+        def plan(self, key, etag, index):
+            return Plan(["127.0.0.9:1"], False, 1)
+
+        async def fetch(self, plan, want):
+            self.asked += 1
+            return None
+
+        def owns(self, key, etag, index):
+            return True
+
+    store = FakeStore()
+    info = store.put("data/x.bin", random.Random(3).randbytes(200 * KiB))
+    dp = datapath(store, cache=16 * MiB, block=256 * KiB)
+    former = FormerOwnerMisses()
+    causes: dict[str, int] = {}
+
+    async def go():
+        dp.fetcher.cluster = former  # type: ignore[assignment]
+        assert await read_all(dp, info, 256 * KiB)() == store.objects[info.key][0]
+        await settled(dp)
+        causes.update(dp.stats()["store_bytes_by_cause"])
+
+    run(dp, go)
+    assert former.asked == 1 and causes.get("fallback", 0) == 0 and causes["demand"] == 200 * KiB, causes

@@ -225,10 +225,8 @@ def test_the_hub_ignores_news_it_cannot_parse_and_never_leaves_its_folder(tmp_pa
     assert hub.policy.bytes == 5
 
 
-def test_a_block_a_worker_handed_over_to_another_node_is_evicted_by_the_hub_and_one_warmed_is_a_hit(tmp_path):
-    """A worker that served a block to its new owner on another node (DataPath._for_peer) tells the hub to let it go:
-    its file is removed and the budget no longer counts it; a name that is not a block's changes nothing. A warm of a
-    held block (DataPath.warm) tells the hub's policy it was read, and copies nothing."""
+def _hub_and_worker(tmp_path):
+    """A hub (its news taken by the test, from `events`) and a worker's view of the shared blocks."""
     from fusecore.config import MountConfig, StoreConfig
     from fusecore.fuse.protocol import Agreed
     from fusecore.process.workers import Hub
@@ -238,7 +236,14 @@ def test_a_block_a_worker_handed_over_to_another_node_is_evicted_by_the_hub_and_
     events.bind(os.path.join(root, shared.HUB_SOCKET))
     hub = Hub(MountConfig(StoreConfig(bucket="b"), cache_size=16 * 1024 * KiB, block_size=1024 * KiB, workers=2), -1,
               Agreed(31, 0, 1 << 20, 256), root, "INFO")
-    worker = shared.SharedBlocks(root)
+    return root, events, hub, shared.SharedBlocks(root)
+
+
+def test_a_block_a_worker_handed_over_to_another_node_is_evicted_by_the_hub_and_one_warmed_is_a_hit(tmp_path):
+    """A worker that served a block to its new owner on another node (DataPath._for_peer) tells the hub to let it go:
+    its file is removed and the budget no longer counts it; a name that is not a block's changes nothing. A warm of a
+    held block (DataPath.warm) tells the hub's policy it was read, and copies nothing."""
+    root, events, hub, worker = _hub_and_worker(tmp_path)
     handed, kept = BlockKey("data/a", '"e"', 0), BlockKey("data/b", '"e"', 0)
     for key in (handed, kept):
         assert _publish(worker, key, b"x" * 100)
@@ -251,7 +256,8 @@ def test_a_block_a_worker_handed_over_to_another_node_is_evicted_by_the_hub_and_
     assert hub.policy.bytes == 100 and list(hub.policy.names()) == [shared.block_name(kept)]
     # a warm of a held block: a hit for the policy, nothing copied; of one not held: nothing told
     hits = hub.policy.hits
-    assert worker.touch(kept) and not worker.touch(handed) and worker.stats.loaded == 0
+    assert worker.touch(kept, 100) and not worker.touch(handed, 100) and not worker.touch(kept, 99)
+    assert worker.stats.loaded == 0 and not worker.holds(kept), "touched, copied nothing; one of another length removed"
     worker.flush()
     for news in events.recv(65536).split(b"\n"):
         hub._news(news)
@@ -261,16 +267,7 @@ def test_a_block_a_worker_handed_over_to_another_node_is_evicted_by_the_hub_and_
 def test_a_workers_mark_is_made_by_the_hub_only_after_the_news_sent_before_it(tmp_path):
     """A warm's end waits on its mark: the blocks it gave the disk tier are in the hub's queue by then (the news were
     sent, but the hub might not have taken them, and the queue it shows would not count them yet)."""
-    from fusecore.config import MountConfig, StoreConfig
-    from fusecore.fuse.protocol import Agreed
-    from fusecore.process.workers import Hub
-
-    root = _root(tmp_path)
-    events = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    events.bind(os.path.join(root, shared.HUB_SOCKET))
-    hub = Hub(MountConfig(StoreConfig(bucket="b"), cache_size=16 * 1024 * KiB, block_size=1024 * KiB, workers=2), -1,
-              Agreed(31, 0, 1 << 20, 256), root, "INFO")
-    worker = shared.SharedBlocks(root)
+    root, events, hub, worker = _hub_and_worker(tmp_path)
     _publish(worker, BlockKey("data/a", '"e"', 0), b"a" * 100)  # (news gathered, not sent yet)
     mark = worker.mark()
     assert mark is not None and not shared.SharedBlocks.marked(mark)
