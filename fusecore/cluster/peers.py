@@ -148,9 +148,15 @@ class BlockAsk:
         return ask
 
 
+class HandOver(Future):
+    """The bytes of a block a node holds on its disk, read for an owner's ask (a block it owned before the members
+    changed): answered as held (HELD), or MISS where the read finds nothing; never counted as read through."""
+
+
 # A node's answer to an ask: the bytes it holds, a Future of the bytes it reads through for the asker
-# (its block, owned here), or None (neither). ValueError: the ask does not fit this node's dataset or blocks.
-# Called on the server's event loop (the mount's own): it must answer at once, never block.
+# (its block, owned here) or reads from its disk (a HandOver), or None (neither). ValueError: the ask does not fit
+# this node's dataset or blocks. Called on the server's event loop (the mount's own): it must answer at once, never
+# block.
 Lookup = Callable[[BlockAsk], "Buffer | Future | None"]
 
 
@@ -542,6 +548,8 @@ class PeerServer:
                 await send(head, *_frame(session, FETCHING))
                 head = b""
         data = pending.result() if pending.done() and not pending.cancelled() and pending.exception() is None else None
+        if isinstance(pending, HandOver):
+            return await self._hand_over(sock, session, ask, data, head)
         # (a GET that failed was logged where it ran: the asker reads the store)
         if data is None or len(data) != ask.length:
             self.through_failed += 1
@@ -553,6 +561,14 @@ class PeerServer:
             self.metrics.peer_read_through.labels(outcome="served").inc()
         self._count(len(data))
         await self._send_bytes(sock, session, OK, memoryview(data), head)
+
+    async def _hand_over(self, sock: socket.socket, session: Session, ask: BlockAsk, data: "Buffer | None",
+                         head: bytes) -> None:
+        if data is None or len(data) != ask.length:
+            self.missed += 1
+            return await _send(sock, head, *_frame(session, MISS), _END, timeout=self.idle_timeout)
+        self._count(len(data))
+        await self._send_bytes(sock, session, HELD, memoryview(data), head)
 
     async def _send_bytes(self, sock: socket.socket, session: Session, kind: bytes, body: memoryview,
                           head: bytes) -> None:

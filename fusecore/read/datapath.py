@@ -31,7 +31,7 @@ from .writes import Writes
 from ..store.uploads import Uploads, WithClient
 from ..cache.shared import FLUSH_EVERY, SharedBlocks
 from ..store.objects import ObjectInfo, ObjectStore
-from ..cluster.peers import BlockAsk
+from ..cluster.peers import BlockAsk, HandOver
 from ..cache.pages import choose as choose_pages
 from ..store.errors import StoreError
 from .walk import DirectoryPrefetcher
@@ -145,23 +145,41 @@ class DataPath:
             found = self.shared.read(block, hi - lo, want.start - lo, want.stop - lo, asked=True)
         cluster = self.cluster
         owned = cluster is not None and cluster.owns(want.key, want.etag, want.index)
-        if found is not None and not want.through and cluster is not None and not owned:
-            self._hand_over(want, block)
+        # Asked by an owner for a whole block this node does not own: one it owned before the members changed, now
+        # the asker's (a range asked stays where it is: the asker keeps only the range)
+        whole = (want.start, want.stop) == block_extent(want.index, want.size, self.cfg.block_size)
+        handed = whole and not want.through and cluster is not None and not owned
+        if found is not None and handed:
+            self._let_go(block)
+        if found is None and handed and self.disk is not None and self.disk.where(block) is not None:
+            handing: Future = HandOver()
+            self._nursery.start_soon(self._hand_over_from_disk, want, block, handing)
+            return handing
         if found is not None or not want.through or not owned:
             return found  # another owner asks only for what is held (peers.py: no owner waits on another)
         pending: Future = Future()
         self._nursery.start_soon(self._read_through, want, pending)
         return pending
 
-    def _hand_over(self, want: BlockAsk, block: BlockKey) -> None:
-        """An owner asked this node (not one) for a whole block it holds: one it owned before the members changed,
-        now the asker's. It leaves this node's memory (the answer keeps its bytes), so that serving it never keeps it
-        over the share this node owns now; a range asked leaves the block (the asker keeps only that range)."""
-        if (want.start, want.stop) != block_extent(want.index, want.size, self.cfg.block_size):
-            return
+    def _let_go(self, block: BlockKey) -> None:
+        """A block handed over leaves this node's memory (the answer keeps its bytes), so that serving it never keeps
+        it over the share this node owns now."""
         self.cache.discard(block)
         if self.shared is not None:  # (and the workers' shared memory: its hub evicts it)
             self.shared.let_go(block)
+
+    async def _hand_over_from_disk(self, want: BlockAsk, block: BlockKey, handing: Future) -> None:
+        """A block handed over from this node's disk tier, read and checked there, for an ask of the object as this
+        node lists it (one whose size disagrees would have the disk drop a good block as damaged: it finds nothing).
+        It stays on the disk until the tier evicts it (a join leaves room: this node's share shrank)."""
+        try:
+            info = await self.namespace.object_at(want.key)
+            if info is None or (info.size, info.etag) != (want.size, want.etag):
+                handing.set_result(None)
+                return
+            handing.set_result(await self.fetcher.from_disk(block, want.length))
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the asker is answered MISS at once
+            handing.set_exception(exc)
 
     async def _read_through(self, want: BlockAsk, pending: Future) -> None:
         """Fetch bytes of a block this node owns for a peer (joining any GET of it already running here) and keep

@@ -495,22 +495,24 @@ class Fetcher:
 
     async def _from_disk(self, obj: ObjectInfo, index: int, start: int, stop: int) -> Buffer | None:
         """Bytes [start, stop) (block `index`, or a range inside it) from the block on this node's disk, checked."""
-        disk = self.disk
-        if disk is None:
-            return None
-        block = BlockKey(obj.key, obj.etag, index)
-        name = disk.where(block)
-        if name is None:  # a miss costs no thread hop
-            return None
         lo, hi = block_extent(index, obj.size, self.block_size)
-        # A small buffer comes from this thread's heap, as the store's do (malloc'ed in a worker thread, it would
-        # spread the mount's small blocks over more arenas); a mapped one is made by the thread that fills it.
-        into = allocate(hi - lo) if hi - lo < MMAP_MIN else None
-        data = await trio.to_thread.run_sync(disk.read, block, hi - lo, into, name, limiter=self._disk_readers,
-                                             abandon_on_cancel=True)
+        data = await self.from_disk(BlockKey(obj.key, obj.etag, index), hi - lo)
         if data is None or (start, stop) == (lo, hi):
             return data
         return bytes(memoryview(data)[start - lo:stop - lo])  # a random reader's range: only its bytes stay
+
+    async def from_disk(self, block: BlockKey, length: int) -> Buffer | None:
+        """The block of `length` bytes if this node's disk holds it (checked: its header names the block and its
+        length, its checksum its bytes), else None."""
+        disk = self.disk
+        name = disk.where(block) if disk is not None else None
+        if disk is None or name is None:  # a miss costs no thread hop
+            return None
+        # A small buffer comes from this thread's heap, as the store's do (malloc'ed in a worker thread, it would
+        # spread the mount's small blocks over more arenas); a mapped one is made by the thread that fills it.
+        into = allocate(length) if length < MMAP_MIN else None
+        return await trio.to_thread.run_sync(disk.read, block, length, into, name, limiter=self._disk_readers,
+                                             abandon_on_cancel=True)
 
     async def _from_peer(self, obj: ObjectInfo, index: int, start: int, stop: int, pending: _Pending) -> Buffer | None:
         """Bytes [start, stop) (block `index`, or a range inside it) from an owner of the block that answers with

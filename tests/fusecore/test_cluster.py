@@ -270,6 +270,33 @@ def test_a_joining_and_a_leaving_member_re_home_their_shares(mounts, s3, bucket,
     assert by["peers"] > 0 and by["store"] == stats(a)["bytes_fetched"]
 
 
+def test_a_joiner_takes_its_share_from_the_former_owners_disk(mounts, bucket, dataset, tmp_path):
+    """Members whose memory holds four blocks and whose disk tier holds their share: after a join, the new member's
+    share comes from the former owners' disks (read and checked there, answered as held), not from the store."""
+    disks = [tmp_path / f"disk-{i}" for i in range(3)]
+    for d in disks:
+        d.mkdir()
+    mps, members = start_cluster(mounts, bucket, tmp_path, extra=("--cache-size", "4MiB", "--no-kernel-cache"),
+                                 each=lambda i: ("--disk-cache", str(disks[i]), "--disk-cache-size", "32MiB"))
+    total = sum(len(b) for b in dataset.values())
+    a, b, c = mps
+    for mp in (a, b):
+        control.set_peers(control.default_control_socket(mp), members[:2])
+    warm_all((a, b))
+    for mp in (a, b):
+        assert wait_for(lambda: stats(mp)["disk"]["queued_bytes"] == 0, 15)
+        control.call(control.default_control_socket(mp), {"op": "drop"})  # (their memory empty: all on disk)
+    assert sum(stats(mp)["bytes_fetched"] for mp in mps) == total
+    for mp in (a, b):  # c joins
+        control.set_peers(control.default_control_socket(mp), members)
+    warm_all((c,))
+    after = stats(c)
+    assert sum(stats(mp)["bytes_fetched"] for mp in mps) == total, "the joiner's share came from the former owners"
+    assert after["cluster"]["bytes_from_former_owners"] == after["cluster"]["bytes_from_peers"] > 0
+    assert not after["errors"] and not after["cluster"]["peer_failures"]
+    read_all(c, dataset)
+
+
 def test_membership_changes_are_checked(mounts, bucket, dataset, tmp_path):
     mps, members = start_cluster(mounts, bucket, tmp_path)
     sock = control.default_control_socket(mps[0])

@@ -440,3 +440,54 @@ def test_a_workers_view_hands_out_what_its_hub_wrote_or_a_sibling_checked_unread
     assert handed_out(views[0]) == body and len(checks) == 1, "changed: checked again"
     assert handed_out(views[1]) == body and len(checks) == 1, "its sibling checked it"
     hub.close()
+
+
+def test_a_former_owner_hands_a_block_over_from_its_disk_only_for_the_object_as_it_lists_it(tmp_path):
+    """A member asks this node, which owned a block before the members changed, for it (an owner's ask, through=False):
+    the disk tier's block is read and answered (a HandOver). An ask of another size for the same block (a stale or
+    lying member) finds nothing, and never makes the disk drop the good block as damaged."""
+    from concurrent.futures import Future
+
+    import trio
+
+    from fusecore.config import MountConfig, StoreConfig
+    from fusecore.read.datapath import DataPath
+    from tests.support.fakestore import FakeStore
+    from fusecore.cluster.peers import BlockAsk, HandOver
+    from fusecore.cluster.tier import Cluster
+    from fusecore.cluster.ownership import Owners, block_id
+
+    me, other = "127.0.0.1:1", "127.0.0.2:1"
+    pair = Owners([me, other])
+    store = FakeStore()
+    infos = [store.put(f"d/f{i}", os.urandom(300_000 + i)) for i in range(30)]
+    info = next(i for i in infos if pair.of(block_id(i.key, i.etag, 0))[0] == other)
+    cfg = MountConfig(store=StoreConfig(bucket="b"), cache_size=8 * MiB, block_size=MiB,
+                      disk_cache=str(tmp_path), disk_cache_size=64 * MiB)
+    dp = DataPath(cfg, store)
+    answers: list[object] = []
+
+    async def ask(want: BlockAsk) -> object:
+        found = dp._for_peer(want)
+        if isinstance(found, Future):
+            assert isinstance(found, HandOver)
+            while not found.done():
+                await trio.sleep(0.01)
+            found = found.result()
+        return None if found is None else bytes(found)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            dp.start(nursery)
+            await dp.fetcher.block(info, 0)  # held (in memory, written behind to disk)
+            assert written(dp.disk, 1)
+            dp.drop()  # (memory empty: only the disk holds it)
+            dp.cluster = dp.fetcher.cluster = Cluster(me, [me, other], 1, b"a key of sixteen bytes")
+            for size in (info.size + 1, info.size):
+                answers.append(await ask(BlockAsk.block(info.key, info.etag, 0, size, MiB, size, through=False)))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert answers == [None, store.objects[info.key][0]]
+    assert dp.disk.stats().dropped == 0 and dp.disk.where(BlockKey(info.key, info.etag, 0)) is not None
+    dp.close()

@@ -225,6 +225,28 @@ def test_a_busy_peer_answers_503_at_once_and_is_not_avoided():
         s.close()
 
 
+def test_a_block_handed_over_from_disk_is_answered_as_held_and_one_the_disk_lacks_as_a_miss():
+    """A HandOver (a former owner's disk read for the block's new owner) answers HELD, or MISS where the read found
+    nothing or other bytes: never counted as read through, never a failure that would make the asker avoid it."""
+    from fusecore.cluster.peers import HandOver
+
+    def from_disk(want):
+        handing = HandOver()
+        body = BLOCK if want.index == 2 else (BLOCK[:10] if want.index == 3 else None)
+        threading.Thread(target=lambda: (time.sleep(0.05), handing.set_result(body)), daemon=True).start()
+        return handing
+
+    s = PeerServer(("127.0.0.1", 0), KEY, from_disk).start()
+    try:
+        client = PeerClient(KEY, SLACK)
+        asks = [BlockAsk.block("train/shard-0.tar", "etag-1", i, len(BLOCK), through=False) for i in (2, 3, 4)]
+        assert [trio.run(client.ask, addr(s), ask) for ask in asks] == [("hit", BLOCK), ("miss", None), ("miss", None)]
+        assert (s.served, s.missed, s.through, s.through_failed) == (1, 2, 0, 0)
+        assert not client.failures and not client.avoided(addr(s))
+    finally:
+        s.close()
+
+
 def test_an_asker_keeps_its_connection_and_a_closed_idle_one_costs_no_failure():
     """Keep-alive: several blocks ride one connection (a connection and a server thread per block cost about as
     much CPU as a 100 KB block). A peer that closed the idle connection meanwhile is asked again on a new one,
