@@ -106,6 +106,15 @@ def start_cluster(mounts, bucket, tmp_path, key: bytes = b"a shared cache key, 3
     return mps, members
 
 
+def start_on_disks(mounts, bucket, tmp_path, disk_size: str):
+    """Three members whose memory holds four blocks and whose disk tier (`disk_size`) holds the rest."""
+    disks = [tmp_path / f"disk-{i}" for i in range(3)]
+    for d in disks:
+        d.mkdir()
+    return start_cluster(mounts, bucket, tmp_path, extra=("--cache-size", "4MiB", "--no-kernel-cache"),
+                         each=lambda i: ("--disk-cache", str(disks[i]), "--disk-cache-size", disk_size))
+
+
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_the_store_sends_the_dataset_once_and_nodes_read_the_rest_from_their_owners(mounts, s3, bucket, dataset,
                                                                                     tmp_path, workers):
@@ -141,11 +150,7 @@ def test_a_share_larger_than_memory_lives_on_its_owners_disk_and_is_served_from_
     """Each member's memory holds four blocks, its disk tier its whole share (a DatasetCache's share on disk,
     issue 35): after the warm, with every memory emptied, every node reads everything and the store sends nothing
     more; owners answer their peers from disk."""
-    disks = [tmp_path / f"disk-{i}" for i in range(3)]
-    for d in disks:
-        d.mkdir()
-    mps, members = start_cluster(mounts, bucket, tmp_path, extra=("--cache-size", "4MiB", "--no-kernel-cache"),
-                                 each=lambda i: ("--disk-cache", str(disks[i]), "--disk-cache-size", "16MiB"))
+    mps, members = start_on_disks(mounts, bucket, tmp_path, "16MiB")
     total = sum(len(b) for b in dataset.values())
     for mp in mps:
         for _ in control.warm(control.default_control_socket(mp), []):
@@ -273,11 +278,7 @@ def test_a_joining_and_a_leaving_member_re_home_their_shares(mounts, s3, bucket,
 def test_a_joiner_takes_its_share_from_the_former_owners_disk(mounts, bucket, dataset, tmp_path):
     """Members whose memory holds four blocks and whose disk tier holds their share: after a join, the new member's
     share comes from the former owners' disks (read and checked there, answered as held), not from the store."""
-    disks = [tmp_path / f"disk-{i}" for i in range(3)]
-    for d in disks:
-        d.mkdir()
-    mps, members = start_cluster(mounts, bucket, tmp_path, extra=("--cache-size", "4MiB", "--no-kernel-cache"),
-                                 each=lambda i: ("--disk-cache", str(disks[i]), "--disk-cache-size", "32MiB"))
+    mps, members = start_on_disks(mounts, bucket, tmp_path, "32MiB")
     total = sum(len(b) for b in dataset.values())
     a, b, c = mps
     for mp in (a, b):
