@@ -305,6 +305,10 @@ class HeldFiles:
         """A file that could not be read: no longer held, removed (fetched and written again)."""
         self._drop(name)
 
+    def let_go(self, key: BlockKey) -> None:
+        """A block handed over to its new owner on another node: removed (not counted as damaged)."""
+        self._discard(self.name(key))
+
     def _drop(self, name: str) -> None:
         """A file found gone or not to be read: no longer held."""
         with self._lock:

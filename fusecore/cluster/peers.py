@@ -30,7 +30,8 @@ holds), MISS (neither held nor owned), BUSY (it already answers MAX_CLIENTS asks
 hold the bytes but owns the block it reads through: a FETCHING frame every HEARTBEAT seconds while its own GET
 runs (shared with any GET of that block on the node, whoever asked), then OK with the bytes, or FAILED (its GET
 failed, took over THROUGH_WAIT, or the ask disagreed with its listing: the asker reads the store, the owner is
-not avoided). The first frame goes with the head, or with the bytes when they come within a beat (most do: one
+not avoided). An owner's ask of a block the asked node holds on its disk is answered the same way, HELD or MISS
+after the beats of its disk read (HAND_OVER_WAIT at most). The first frame goes with the head, or with the bytes when they come within a beat (most do: one
 write, one wake of the asker). So the asker tells "fetching" from "gone" by the beats: an owner that stops or
 hangs is silent for more than the first-byte bound (or three beats, where that is longer) at any point of the
 answer, head included, and the asker gives up on it then.
@@ -146,6 +147,9 @@ class BlockAsk:
         if not ask.etag.isprintable():
             raise ValueError("an ETag with control characters")
         return ask
+
+
+HAND_OVER_WAIT = 1.0  # seconds a disk read for an owner may take (its asker's read waits): then MISS
 
 
 class HandOver(Future):
@@ -540,7 +544,8 @@ class PeerServer:
                         token.run_sync_soon(done.set)
 
             pending.add_done_callback(wake)
-        give_up = time.monotonic() + self.through_wait
+        give_up = time.monotonic() + (min(self.through_wait, HAND_OVER_WAIT) if isinstance(pending, HandOver)
+                                      else self.through_wait)
         while not pending.done() and time.monotonic() < give_up:
             with trio.move_on_after(HEARTBEAT):
                 await done.wait()

@@ -148,12 +148,12 @@ class DataPath:
         # Asked by an owner for a whole block this node does not own: one it owned before the members changed, now
         # the asker's (a range asked stays where it is: the asker keeps only the range)
         whole = (want.start, want.stop) == block_extent(want.index, want.size, self.cfg.block_size)
-        handed = whole and not want.through and cluster is not None and not owned
-        if found is not None and handed:
+        if found is not None and whole and not want.through and cluster is not None and not owned:
             self._let_go(block)
-        if found is None and handed and self.disk is not None and self.disk.where(block) is not None:
+        if found is None and whole and not want.through and cluster is not None and self.disk is not None \
+                and self.disk.where(block) is not None:  # (an owner's ask of what this node's disk holds)
             handing: Future = HandOver()
-            self._nursery.start_soon(self._hand_over_from_disk, want, block, handing)
+            self._nursery.start_soon(self._from_disk_for_peer, want, block, handing)
             return handing
         if found is not None or not want.through or not owned:
             return found  # another owner asks only for what is held (peers.py: no owner waits on another)
@@ -168,18 +168,38 @@ class DataPath:
         if self.shared is not None:  # (and the workers' shared memory: its hub evicts it)
             self.shared.let_go(block)
 
-    async def _hand_over_from_disk(self, want: BlockAsk, block: BlockKey, handing: Future) -> None:
-        """A block handed over from this node's disk tier, read and checked there, for an ask of the object as this
-        node lists it (one whose size disagrees would have the disk drop a good block as damaged: it finds nothing).
-        It stays on the disk until the tier evicts it (a join leaves room: this node's share shrank)."""
+    async def _from_disk_for_peer(self, want: BlockAsk, block: BlockKey, handing: Future) -> None:
+        """A block an owner asked for, from this node's disk tier (read and checked there), for an ask of the object
+        as this node lists it (one of another size would have the disk drop a good block as damaged). One this node
+        does not own (it owned it before the members changed, now the asker's) is then let go from the disk too; one
+        it owns (a replica's ask, or an asker that heard of a change before this node did) stays."""
         try:
             info = await self.namespace.object_at(want.key)
-            if info is None or (info.size, info.etag) != (want.size, want.etag):
+            if self._disagrees(want, info, "not handed over"):
                 handing.set_result(None)
                 return
-            handing.set_result(await self.fetcher.from_disk(block, want.length))
+            data = await self.fetcher.from_disk(block, want.length)
+            handing.set_result(data)
         except Exception as exc:  # noqa: BLE001 - whatever failed, the asker is answered MISS at once
             handing.set_exception(exc)
+            return
+        cluster, disk = self.cluster, self.disk
+        if data is not None and cluster is not None and disk is not None \
+                and not cluster.owns(want.key, want.etag, want.index):
+            await trio.to_thread.run_sync(disk.let_go, block, limiter=self.fetcher.disk_readers)
+
+    def _disagrees(self, want: BlockAsk, info: ObjectInfo | None, what: str) -> bool:
+        """Does an ask say other than this node's listing of its object (an asker that is stale, or lies)? Counted,
+        and logged at the 1st, 2nd, 4th, 8th... (no flood of lines)."""
+        if info is not None and (info.size, info.etag) == (want.size, want.etag):
+            return False
+        assert self.cluster is not None
+        self.cluster.asks_disagreeing += 1
+        seen = self.cluster.asks_disagreeing
+        say = log.info if seen & (seen - 1) == 0 else log.debug
+        say("a peer asked %s (%s, %d bytes), which this node lists %s: %s", want.key, want.etag, want.size,
+            "as no object" if info is None else f"as ({info.etag}, {info.size} bytes)", what)
+        return True
 
     async def _read_through(self, want: BlockAsk, pending: Future) -> None:
         """Fetch bytes of a block this node owns for a peer (joining any GET of it already running here) and keep
@@ -192,15 +212,10 @@ class DataPath:
         except Exception as exc:  # noqa: BLE001 - a listing that failed: the asker reads the store
             pending.set_exception(exc)
             return
-        if info is None or (info.size, info.etag) != (want.size, want.etag):
-            assert self.cluster is not None
-            self.cluster.asks_disagreeing += 1
-            seen = self.cluster.asks_disagreeing
-            say = log.info if seen & (seen - 1) == 0 else log.debug  # the 1st, 2nd, 4th, 8th...: no flood of lines
-            say("a peer asked %s (%s, %d bytes), which this node lists %s: not read through", want.key, want.etag,
-                want.size, "as no object" if info is None else f"as ({info.etag}, {info.size} bytes)")
+        if self._disagrees(want, info, "not read through"):
             pending.set_exception(ValueError("the ask disagrees with this node's listing"))
             return
+        assert info is not None  # (one this node lists, as asked)
         try:
             if (want.start, want.stop) == block_extent(want.index, want.size, self.cfg.block_size):
                 pending.set_result(memoryview(await self.fetcher.forward(info, want.index)))

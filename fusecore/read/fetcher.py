@@ -147,7 +147,7 @@ class Fetcher:
         self.cluster = cluster  # a distributed cache: bytes of blocks this node does not own are asked of an owner first
         self.disk = disk  # a disk tier: read before peers and the store, and given what they sent
         self.shared: SharedBlocks | None = None  # the blocks this mount's worker processes share (--workers)
-        self._disk_readers = trio.CapacityLimiter(DISK_READERS)
+        self.disk_readers = trio.CapacityLimiter(DISK_READERS)
         self._clock, self._sleep = clock, sleep  # the retry schedule's time (a fake one in tests)
         self.cache = cache
         self.metrics = metrics
@@ -391,7 +391,7 @@ class Fetcher:
                 published = shared.publish(claim, data, keep_as, ahead)
             else:
                 published = await trio.to_thread.run_sync(shared.publish, claim, data, keep_as, ahead,
-                                                          limiter=self._disk_readers)
+                                                          limiter=self.disk_readers)
         except OSError as exc:
             log.warning("block %d of %s not shared with the other workers: %s", key.index, key.key, exc)
         else:
@@ -491,7 +491,7 @@ class Fetcher:
             return None
         huge = self.huge_pages
         return await trio.to_thread.run_sync(lambda: shared.load(block, size, allocate(size, huge)),
-                                             limiter=self._disk_readers, abandon_on_cancel=True)
+                                             limiter=self.disk_readers, abandon_on_cancel=True)
 
     async def _from_disk(self, obj: ObjectInfo, index: int, start: int, stop: int) -> Buffer | None:
         """Bytes [start, stop) (block `index`, or a range inside it) from the block on this node's disk, checked."""
@@ -511,7 +511,7 @@ class Fetcher:
         # A small buffer comes from this thread's heap, as the store's do (malloc'ed in a worker thread, it would
         # spread the mount's small blocks over more arenas); a mapped one is made by the thread that fills it.
         into = allocate(length) if length < MMAP_MIN else None
-        return await trio.to_thread.run_sync(disk.read, block, length, into, name, limiter=self._disk_readers,
+        return await trio.to_thread.run_sync(disk.read, block, length, into, name, limiter=self.disk_readers,
                                              abandon_on_cancel=True)
 
     async def _from_peer(self, obj: ObjectInfo, index: int, start: int, stop: int, pending: _Pending) -> Buffer | None:

@@ -295,6 +295,9 @@ def test_a_joiner_takes_its_share_from_the_former_owners_disk(mounts, bucket, da
     assert sum(stats(mp)["bytes_fetched"] for mp in mps) == total, "the joiner's share came from the former owners"
     assert after["cluster"]["bytes_from_former_owners"] == after["cluster"]["bytes_from_peers"] > 0
     assert not after["errors"] and not after["cluster"]["peer_failures"]
+    assert wait_for(lambda: sum(stats(mp)["disk"]["bytes"] for mp in mps) == total, 15), \
+        ("each block is on one disk: the former owners let go of what they handed over",
+         [stats(mp)["disk"] for mp in mps])
     read_all(c, dataset)
 
 

@@ -444,8 +444,9 @@ def test_a_workers_view_hands_out_what_its_hub_wrote_or_a_sibling_checked_unread
 
 def test_a_former_owner_hands_a_block_over_from_its_disk_only_for_the_object_as_it_lists_it(tmp_path):
     """A member asks this node, which owned a block before the members changed, for it (an owner's ask, through=False):
-    the disk tier's block is read and answered (a HandOver). An ask of another size for the same block (a stale or
-    lying member) finds nothing, and never makes the disk drop the good block as damaged."""
+    the disk tier's block is read, answered (a HandOver) and let go. An ask of another size for the same block (a
+    stale or lying member) finds nothing, is counted, and never makes the disk drop the good block as damaged. A block
+    this node still owns (a replica's ask) is answered and stays."""
     from concurrent.futures import Future
 
     import trio
@@ -462,6 +463,7 @@ def test_a_former_owner_hands_a_block_over_from_its_disk_only_for_the_object_as_
     store = FakeStore()
     infos = [store.put(f"d/f{i}", os.urandom(300_000 + i)) for i in range(30)]
     info = next(i for i in infos if pair.of(block_id(i.key, i.etag, 0))[0] == other)
+    mine = next(i for i in infos if pair.of(block_id(i.key, i.etag, 0))[0] == me)
     cfg = MountConfig(store=StoreConfig(bucket="b"), cache_size=8 * MiB, block_size=MiB,
                       disk_cache=str(tmp_path), disk_cache_size=64 * MiB)
     dp = DataPath(cfg, store)
@@ -479,15 +481,18 @@ def test_a_former_owner_hands_a_block_over_from_its_disk_only_for_the_object_as_
     async def main():
         async with trio.open_nursery() as nursery:
             dp.start(nursery)
-            await dp.fetcher.block(info, 0)  # held (in memory, written behind to disk)
-            assert written(dp.disk, 1)
-            dp.drop()  # (memory empty: only the disk holds it)
+            for one in (info, mine):
+                await dp.fetcher.block(one, 0)  # held (in memory, written behind to disk)
+            assert written(dp.disk, 2)
+            dp.drop()  # (memory empty: only the disk holds them)
             dp.cluster = dp.fetcher.cluster = Cluster(me, [me, other], 1, b"a key of sixteen bytes")
-            for size in (info.size + 1, info.size):
-                answers.append(await ask(BlockAsk.block(info.key, info.etag, 0, size, MiB, size, through=False)))
+            for one, size in ((info, info.size + 1), (info, info.size), (mine, mine.size)):
+                answers.append(await ask(BlockAsk.block(one.key, one.etag, 0, size, MiB, size, through=False)))
+                answers.append(dp.disk.where(BlockKey(one.key, one.etag, 0)) is not None)
             nursery.cancel_scope.cancel()
 
     trio.run(main)
-    assert answers == [None, store.objects[info.key][0]]
-    assert dp.disk.stats().dropped == 0 and dp.disk.where(BlockKey(info.key, info.etag, 0)) is not None
+    assert answers == [None, True, store.objects[info.key][0], False, store.objects[mine.key][0], True], \
+        "the lie: nothing, the block kept; handed over: let go; its own (a replica's ask): kept"
+    assert dp.disk.stats().dropped == 0 and dp.cluster is not None and dp.cluster.asks_disagreeing == 1
     dp.close()
