@@ -31,8 +31,8 @@ hold the bytes but owns the block it reads through: a FETCHING frame every HEART
 runs (shared with any GET of that block on the node, whoever asked), then OK with the bytes, or FAILED (its GET
 failed, took over THROUGH_WAIT, or the ask disagreed with its listing: the asker reads the store, the owner is
 not avoided). An owner's ask of a block the asked node holds on its disk is answered the same way, HELD or MISS
-after the beats of its disk read (HAND_OVER_WAIT at most). The first frame goes with the head, or with the bytes when they come within a beat (most do: one
-write, one wake of the asker). So the asker tells "fetching" from "gone" by the beats: an owner that stops or
+after the beats of its disk read (HAND_OVER_WAIT at most). The first frame goes with the head, or with the bytes
+when they come within a beat (most do: one write, one wake of the asker). So the asker tells "fetching" from "gone" by the beats: an owner that stops or
 hangs is silent for more than the first-byte bound (or three beats, where that is longer) at any point of the
 answer, head included, and the asker gives up on it then.
 
@@ -153,8 +153,9 @@ HAND_OVER_WAIT = 1.0  # seconds a disk read for an owner may take (its asker's r
 
 
 class HandOver(Future):
-    """The bytes of a block a node holds on its disk, read for an owner's ask (a block it owned before the members
-    changed): answered as held (HELD), or MISS where the read finds nothing; never counted as read through."""
+    """The bytes of a block a node holds on its disk, read for an owner's ask (a replica's, or the new owner's of a
+    block this node owned before the members changed): answered as held (HELD), or MISS where the read finds nothing
+    in time; never counted as read through."""
 
 
 # A node's answer to an ask: the bytes it holds, a Future of the bytes it reads through for the asker

@@ -8,8 +8,8 @@ block in parts: Fetcher.forward), keeps them and answers, so the cluster fills a
 a warm. Knows nothing of FUSE or Kubernetes: the members come from the mount's
 configuration (`--peers`) and can be replaced while it runs (the control API's `peers`, `stoker peers`):
 blocks then change owners, and a read or a warm after the change fetches a block this node now owns from
-another owner when R > 1, then from the member that owned it before (it keeps what it owned until its cache
-evicts it), and only then from the store.
+another owner when R > 1, then from the member that owned it before (from its memory or its disk tier, which it
+then lets go of: DataPath._for_peer), and only then from the store.
 """
 
 from __future__ import annotations
