@@ -140,18 +140,17 @@ class DataPath:
         check_ask(want, self.cfg.block_size, self.cfg.store.prefix)
         found = held(self.cache, want, self.cfg.block_size)
         block = BlockKey(want.key, want.etag, want.index)
+        lo, hi = block_extent(want.index, want.size, self.cfg.block_size)
         if found is None and self.shared is not None:  # (a worker: the blocks any worker of the mount published)
-            lo, hi = block_extent(want.index, want.size, self.cfg.block_size)
             found = self.shared.read(block, hi - lo, want.start - lo, want.stop - lo, asked=True)
         cluster = self.cluster
         owned = cluster is not None and cluster.owns(want.key, want.etag, want.index)
-        # Asked by an owner for a whole block this node does not own: one it owned before the members changed, now
-        # the asker's (a range asked stays where it is: the asker keeps only the range)
-        whole = (want.start, want.stop) == block_extent(want.index, want.size, self.cfg.block_size)
-        if found is not None and whole and not want.through and cluster is not None and not owned:
+        # An owner's ask of a whole block (a range asked stays where it is: the asker keeps only the range); of one
+        # this node does not own, it owned it before the members changed and it is now the asker's
+        owners_ask = not want.through and cluster is not None and (want.start, want.stop) == (lo, hi)
+        if found is not None and owners_ask and not owned:
             self._let_go(block)
-        if found is None and whole and not want.through and cluster is not None and self.disk is not None \
-                and self.disk.where(block) is not None:  # (an owner's ask of what this node's disk holds)
+        if found is None and owners_ask and self.disk is not None and self.disk.where(block) is not None:
             handing: Future = HandOver()
             self._nursery.start_soon(self._from_disk_for_peer, want, block, handing)
             return handing
