@@ -228,10 +228,12 @@ def test_a_busy_peer_answers_503_at_once_and_is_not_avoided():
 def test_a_block_handed_over_from_disk_is_answered_as_held_and_one_the_disk_lacks_as_a_miss():
     """A HandOver (a former owner's disk read for the block's new owner) answers HELD, or MISS where the read found
     nothing or other bytes: never counted as read through, never a failure that would make the asker avoid it."""
-    from fusecore.cluster.peers import HandOver
+    from fusecore.cluster.peers import HAND_OVER_WAIT, HandOver
 
     def from_disk(want):
         handing = HandOver()
+        if want.index == 5:
+            return handing  # a disk read that never ends: MISS after HAND_OVER_WAIT
         body = BLOCK if want.index == 2 else (BLOCK[:10] if want.index == 3 else None)
         threading.Thread(target=lambda: (time.sleep(0.05), handing.set_result(body)), daemon=True).start()
         return handing
@@ -241,7 +243,11 @@ def test_a_block_handed_over_from_disk_is_answered_as_held_and_one_the_disk_lack
         client = PeerClient(KEY, SLACK)
         asks = [BlockAsk.block("train/shard-0.tar", "etag-1", i, len(BLOCK), through=False) for i in (2, 3, 4)]
         assert [trio.run(client.ask, addr(s), ask) for ask in asks] == [("hit", BLOCK), ("miss", None), ("miss", None)]
-        assert (s.served, s.missed, s.through, s.through_failed) == (1, 2, 0, 0)
+        started = time.monotonic()
+        stuck = BlockAsk.block("train/shard-0.tar", "etag-1", 5, len(BLOCK), through=False)
+        assert trio.run(client.ask, addr(s), stuck) == ("miss", None)
+        assert time.monotonic() - started < HAND_OVER_WAIT + 2, "a stuck disk read holds its asker 1 s, not 3"
+        assert (s.served, s.missed, s.through, s.through_failed) == (1, 3, 0, 0)
         assert not client.failures and not client.avoided(addr(s))
     finally:
         s.close()
